@@ -1,0 +1,51 @@
+# dsq: the two commands a fresh machine needs are `make demo` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+# CPU machines take the local CPU wheel; on a GPU machine run e.g. `make setup TORCH_SPEC=torch`
+# (or a CUDA-specific pin) to keep the torch you want.
+TORCH_SPEC ?= torch==2.13.0
+FAIRSEQ_SPEC ?= fairseq-fixed==0.12.3.1
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.dsq-setup-stamp
+PYTEST_ARGS ?=
+
+.PHONY: setup test demo bench lint clean help
+
+help:
+	@echo "make setup  - create $(VENV) and install dsq with torch, fairseq, triton and dev tools"
+	@echo "make demo   - set up, then run the main job (dsq bench quant)"
+	@echo "make test   - set up, then run the test suite"
+	@echo "make bench  - run the benchmarks recorded in docs/benchmarks.md"
+	@echo "make lint   - ruff"
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip setuptools wheel
+	$(PIP) install -q "$(TORCH_SPEC)"
+	# fairseq compiles C++ against the installed torch, so it builds without isolation.
+	$(PIP) install -q "cython<3.1" numpy
+	$(PIP) install -q --no-build-isolation "$(FAIRSEQ_SPEC)"
+	# fairseq pulls a torchaudio built for another torch; dsq never uses it and, left installed,
+	# it breaks `import transformers`. Remove it.
+	$(PIP) uninstall -q -y torchaudio || true
+	$(PIP) install -q -e ".[dev]"
+	touch $(STAMP)
+
+test: setup
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+demo: setup
+	$(VENV)/bin/dsq bench quant
+
+bench: setup
+	$(VENV)/bin/dsq bench quant
+
+lint: setup
+	$(VENV)/bin/ruff check dsq_cli kernels tests
+	$(VENV)/bin/ruff format --check dsq_cli kernels tests
+
+clean:
+	rm -rf $(VENV) .pytest_cache

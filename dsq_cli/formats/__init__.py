@@ -1,0 +1,26 @@
+"""Number formats (SPEC 1): parse a spec, quantize (fake-quant), pack for real, unpack.
+
+    >>> from dsq_cli.formats import parse_format
+    >>> fmt = parse_format("bfp4")
+    >>> y = fmt.quantize(x, axis=-1)          # same shape and dtype, values of the format
+    >>> p = fmt.pack(x, axis=-1); p.nbytes    # bytes really held
+    >>> p.unpack()                            # == fmt.quantize(x), bit for bit
+
+A new format is one class decorated with ``@register`` (see ``floats.py`` for the smallest).
+"""
+
+from . import bfp, fixed, floats  # noqa: F401  (registers the formats, in parse order)
+from .base import GRAMMAR, Format, PackedTensor, parse_format, register, registered_formats
+from .dispatch import BACKENDS, default_backend, select_path
+
+__all__ = [
+    "BACKENDS",
+    "GRAMMAR",
+    "Format",
+    "PackedTensor",
+    "default_backend",
+    "parse_format",
+    "register",
+    "registered_formats",
+    "select_path",
+]

@@ -1,0 +1,178 @@
+"""The format registry, the packed-tensor container and input validation.
+
+A number format is one small registered class (see ``register``). ``parse_format`` walks the
+registry in order and returns the first class whose grammar accepts the spec string.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable
+from typing import ClassVar
+
+import torch
+
+GRAMMAR = (
+    "fp32 | fp16 | bf16 | e4m3 | e5m2 | bfp<m>[e<E>][b<B>] (2<=m<=24, 2<=E<=10, 1<=B<=4096) "
+    "| fixed<w> (2<=w<=32) | fixed<w>f<f> (2<=w<=32, 0<=f<w)"
+)
+
+ROUNDINGS = ("nearest", "stochastic")
+
+
+class Format:
+    """A number format. Subclasses set ``pattern`` and implement the four methods below."""
+
+    #: Regular expression (full match, lower-case input) of the specs this class accepts.
+    pattern: ClassVar[re.Pattern[str]]
+    #: Canonical spec string of this instance, e.g. ``bfp4e8b16``.
+    spec: str
+    #: Storage cost in bits per value (SPEC 1.2).
+    bits_per_value: float
+
+    @classmethod
+    def from_match(cls, spec: str, match: re.Match[str]) -> Format:
+        raise NotImplementedError
+
+    def quantize(
+        self,
+        x: torch.Tensor,
+        axis: int = -1,
+        rounding: str = "nearest",
+        generator: torch.Generator | None = None,
+        *,
+        backend: str | None = None,
+    ) -> torch.Tensor:
+        """Fake-quantize ``x``: the values of this format, in ``x``'s shape and dtype."""
+        raise NotImplementedError
+
+    def pack(
+        self,
+        x: torch.Tensor,
+        axis: int = -1,
+        rounding: str = "nearest",
+        generator: torch.Generator | None = None,
+        *,
+        backend: str | None = None,
+    ) -> PackedTensor:
+        """Store ``x`` in this format for real; ``pack(x).unpack() == quantize(x)`` bit for bit."""
+        raise NotImplementedError
+
+    def _unpack(self, packed: PackedTensor, backend: str | None = None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"parse_format({self.spec!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Format) and other.spec == self.spec
+
+    def __hash__(self) -> int:
+        return hash(self.spec)
+
+
+@dataclasses.dataclass
+class PackedTensor:
+    """A tensor stored in a format: the payload tensors hold every bit that is kept.
+
+    ``payload`` maps names to the tensors actually held (bit-packed ``uint8`` streams for BFP and
+    fixed point, the narrow tensor itself for floating formats). ``shape``, ``dtype``, ``axis``
+    and the format are the small header needed to rebuild the values.
+    """
+
+    fmt: Format
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    axis: int
+    payload: dict[str, torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the payload (the header is a few Python ints)."""
+        return sum(t.numel() * t.element_size() for t in self.payload.values())
+
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self.payload.values())).device
+
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    def unpack(self, *, backend: str | None = None) -> torch.Tensor:
+        """The stored values as a tensor of the original shape and dtype."""
+        return self.fmt._unpack(self, backend=backend)
+
+
+_REGISTRY: list[type[Format]] = []
+
+
+def register(cls: type[Format]) -> type[Format]:
+    """Class decorator: make a format class reachable from ``parse_format``."""
+    _REGISTRY.append(cls)
+    return cls
+
+
+def registered_formats() -> list[type[Format]]:
+    return list(_REGISTRY)
+
+
+def _invalid(spec: object, why: str = "") -> ValueError:
+    detail = f" ({why})" if why else ""
+    return ValueError(f"invalid format spec {spec!r}{detail}; grammar: {GRAMMAR}")
+
+
+_CACHE: dict[str, Format] = {}
+
+
+def parse_format(spec: str | Format) -> Format:
+    """Parse a spec string (case-insensitive, SPEC 1 grammar) into a ``Format``."""
+    if isinstance(spec, Format):
+        return spec
+    if not isinstance(spec, str):
+        raise _invalid(spec, "not a string")
+    key = spec.strip().lower()
+    if key in _CACHE:
+        return _CACHE[key]
+    for cls in _REGISTRY:
+        match = cls.pattern.fullmatch(key)
+        if match is not None:
+            fmt = cls.from_match(spec, match)
+            _CACHE[key] = fmt
+            return fmt
+    raise _invalid(spec)
+
+
+def check_int_range(spec: str, name: str, value: int, lo: int, hi: int) -> int:
+    if not lo <= value <= hi:
+        raise _invalid(spec, f"{name}={value} is outside [{lo}, {hi}]")
+    return value
+
+
+def check_input(x: object, axis: int, rounding: str, generator: object) -> int:
+    """Validate a quantizer's arguments; return the axis normalised to ``[0, x.dim())``."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(
+            f"quantization needs a floating tensor, got dtype {x.dtype}; convert it with .float()"
+        )
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+    if not isinstance(axis, int) or isinstance(axis, bool):
+        raise TypeError(f"axis must be an int, got {type(axis).__name__}")
+    ndim = max(x.dim(), 1)
+    if not -ndim <= axis < ndim:
+        raise IndexError(
+            f"axis {axis} is out of range for a tensor with {x.dim()} dimensions "
+            f"(valid: {-ndim}..{ndim - 1})"
+        )
+    return axis % ndim
+
+
+Unpacker = Callable[[PackedTensor], torch.Tensor]

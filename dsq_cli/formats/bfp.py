@@ -1,0 +1,86 @@
+"""Block floating point and dynamic fixed point (SPEC 1, 1.1, 1.2)."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from .base import Format, PackedTensor, check_input, check_int_range, register
+from .dispatch import select_path
+
+
+@register
+class BFP(Format):
+    """``bfp<m>[e<E>][b<B>]``: blocks of B values share one E-bit exponent; m bits per element.
+
+    Along ``axis``, consecutive blocks of B elements (a trailing partial block is a block).
+    For each block: a NaN or infinity makes the whole block NaN; a = max |x_i|; if a == 0 the
+    block is zero; e = clamp(floor(log2 a), -(2^(E-1)-1), 2^(E-1)-1); scale = 2^(e - (m-2));
+    q_i = clamp(R(x_i / scale), -(2^(m-1)-1), 2^(m-1)-1) * scale.
+    So the largest element keeps m-1 magnitude bits (its leading one included) and the sign.
+    Storage: m-bit sign-magnitude mantissas plus one E-bit exponent per block:
+    ``bits_per_value = m + E / B``.
+    """
+
+    pattern = re.compile(r"bfp(\d+)(?:e(\d+))?(?:b(\d+))?")
+
+    def __init__(self, man_bits: int, exp_bits: int = 8, block: int | None = 16) -> None:
+        self.man_bits = man_bits
+        self.exp_bits = exp_bits
+        self.block = block
+        self.spec = f"bfp{man_bits}e{exp_bits}b{block}"
+        self.bits_per_value = man_bits + exp_bits / block if block else float(man_bits)
+
+    @classmethod
+    def from_match(cls, spec, match):
+        m = check_int_range(spec, "m", int(match[1]), 2, 24)
+        e = check_int_range(spec, "E", int(match[2] or 8), 2, 10)
+        b = check_int_range(spec, "B", int(match[3] or 16), 1, 4096)
+        return cls(m, e, b)
+
+    def _args(self):
+        return self.man_bits, self.exp_bits, self.block
+
+    def quantize(self, x, axis=-1, rounding="nearest", generator=None, *, backend=None):
+        axis = check_input(x, axis, rounding, generator)
+        with torch.no_grad():
+            path = select_path(x, backend)
+            return path.bfp_quantize(x, *self._args(), axis, rounding, generator)
+
+    def pack(self, x, axis=-1, rounding="nearest", generator=None, *, backend=None):
+        axis = check_input(x, axis, rounding, generator)
+        with torch.no_grad():
+            path = select_path(x, backend)
+            mantissas, exponents = path.bfp_pack(x, *self._args(), axis, rounding, generator)
+        payload = {"mantissas": mantissas, "exponents": exponents}
+        return PackedTensor(self, tuple(x.shape), x.dtype, axis, payload)
+
+    def _unpack(self, packed, backend=None):
+        p = packed.payload
+        with torch.no_grad():
+            path = select_path(p["mantissas"].new_empty(1, dtype=torch.float32), backend)
+            return path.bfp_unpack(
+                p["mantissas"], p["exponents"], *self._args(),
+                packed.shape, packed.axis, packed.dtype,
+            )
+
+
+@register
+class FixedDynamic(BFP):
+    """``fixed<w>``: dynamic fixed point, exactly ``bfp<w>`` with one block spanning the tensor.
+
+    One 8-bit exponent for the whole tensor (``axis`` is irrelevant); w-bit sign-magnitude
+    mantissas. ``bits_per_value = w`` (the single exponent is not counted per value).
+    """
+
+    pattern = re.compile(r"fixed(\d+)")
+
+    def __init__(self, width: int) -> None:
+        super().__init__(width, 8, None)
+        self.spec = f"fixed{width}"
+        self.bits_per_value = float(width)
+
+    @classmethod
+    def from_match(cls, spec, match):
+        return cls(check_int_range(spec, "w", int(match[1]), 2, 32))

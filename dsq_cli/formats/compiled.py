@@ -1,0 +1,394 @@
+"""The fused CPU path: the reference semantics in float32, fused by torch.compile.
+
+Eager PyTorch runs a quantizer as ~15 passes over memory; torch.compile fuses the block max,
+the exponent, the rounding and the rescaling (and, for ``pack``, the bit packing) into one or two
+loops over the data, so quantize runs near ``x.clone()`` speed. It works in float32 instead of the
+reference's float64, and stays exact by construction (tests check it bit for bit):
+
+* the block exponent comes from the integer max of the absolute bit patterns (exact, and NaN or
+  infinity show up as a pattern >= 0x7F800000); subnormal maxima read their exponent from the
+  mantissa field converted to float;
+* ``x * 2^k`` is done as ``x * 2^k1 * 2^k2`` with both powers normal floats built from bits,
+  exact except for an underflow far below the block's max, where rounding yields 0 anyway;
+  stochastic rounding adds the one case where that underflow would change the result.
+
+Shapes: the leading dimension (rows x blocks) is marked dynamic, so translation batches of any
+length reuse one compiled kernel; a new format (m, E, B) compiles once.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import struct
+import sys
+
+import torch
+
+from . import reference as ref
+
+_RECOMPILE_LIMIT = 256  # one compiled variant per format, row length and noise on/off
+
+
+def _pow2(k: torch.Tensor) -> torch.Tensor:
+    """2^k as float32 for integer k in [-126, 127], from the exponent bits (exact)."""
+    return ((k + 127) << 23).view(torch.float32)
+
+
+def _mul_pow2(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """x * 2^k for int32 k in [-252, 254]: two normal powers of two, each product exact."""
+    k1 = k >> 1  # floor(k / 2)
+    return x * _pow2(k1) * _pow2(k - k1)
+
+
+def _block_exponent(blocks: torch.Tensor, exp_bits: int):
+    """(e, finite) per block of ``blocks`` [..., B] float32, as reference.bfp_exponents.
+
+    The max is taken on floats (vectorised; NaN propagates, so ``a < inf`` is the finiteness
+    test) and only the per-block max is reinterpreted as bits.
+    """
+    emax = 2 ** (exp_bits - 1) - 1
+    a = blocks.abs().amax(dim=-1, keepdim=True)
+    finite = a < math.inf
+    max_bits = a.view(torch.int32)
+    biased = max_bits >> 23
+    # subnormal max: value = field * 2^-149, and float(field) is exact (field < 2^23)
+    sub_e = ((max_bits.to(torch.float32).view(torch.int32) >> 23) - 127) - 149
+    e = torch.where(biased > 0, biased - 127, sub_e)
+    e = torch.where(max_bits == 0, -emax, e)
+    return e.clamp(-emax, emax), finite
+
+
+def _round(v: torch.Tensor, u: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    if u is None:
+        return torch.round(v)  # half to even
+    t = torch.trunc(v)
+    g = v - t
+    up = (g >= 0) & (g >= 1 - u)
+    # (u == 0) & (x < 0) & (t == 0): v underflowed to -0.0; exactly, floor(tiny negative) = -1
+    down = ((g < 0) & (u < -g)) | ((u == 0) & (x < 0) & (t == 0))
+    q = t + up.to(torch.float32) - down.to(torch.float32)
+    return torch.copysign(q, v)
+
+
+def _bfp_integers(blocks, u, man_bits: int, exp_bits: int):
+    limit = 2 ** (man_bits - 1) - 1
+    e, finite = _block_exponent(blocks, exp_bits)
+    k = (man_bits - 2) - e
+    q = _round(_mul_pow2(blocks, k), u, blocks).clamp(-limit, limit)
+    return q, e, k, finite
+
+
+def _bfp_quantize_fn(blocks, u, man_bits: int, exp_bits: int):
+    q, _, k, finite = _bfp_integers(blocks, u, man_bits, exp_bits)
+    return torch.where(finite, _mul_pow2(q, -k), math.nan)
+
+
+def _bfp_pack_fn(blocks, u, n: int | None, man_bits: int, exp_bits: int):
+    """blocks [R, n_blocks, B] -> (mantissa stream, exponent stream); ``n`` trims row padding."""
+    q, e, _, finite = _bfp_integers(blocks, u, man_bits, exp_bits)
+    code_dtype = torch.int64 if man_bits > 30 else torch.int32
+    sign = torch.signbit(q).to(code_dtype)
+    codes = (sign << (man_bits - 1)) | q.abs().to(code_dtype)
+    codes = torch.where(finite, codes, 0)
+    if n is not None:
+        codes = codes.reshape(codes.shape[0], -1)[:, :n]
+    emax = 2 ** (exp_bits - 1) - 1
+    exps = torch.where(finite, e + emax, 2**exp_bits - 1)
+    return _pack_any(codes.reshape(-1), man_bits), _pack_any(exps.reshape(-1), exp_bits)
+
+
+def _bfp_decode_fn(codes, exps, man_bits: int, exp_bits: int):
+    """codes [R, n_blocks, B] int, exps [R, n_blocks, 1] int -> float32 values."""
+    emax = 2 ** (exp_bits - 1) - 1
+    sign = (codes >> (man_bits - 1)) & 1
+    magnitude = (codes & ((1 << (man_bits - 1)) - 1)).to(torch.float32)
+    q = torch.where(sign == 1, -magnitude, magnitude)
+    values = _mul_pow2(q, (exps - (emax + man_bits - 2)).to(torch.int32))
+    return torch.where(exps == 2**exp_bits - 1, math.nan, values)
+
+
+def _word_plan(width: int) -> tuple[int, int] | None:
+    """Pack ``g`` codes per int64 word when whole bytes fit: (g, bytes used per word), or None.
+
+    ``(codes << (width * arange(g))).sum()`` is a vectorised reduction and, viewed as bytes on a
+    little-endian machine, the word is exactly the next ``g * width / 8`` bytes of the stream.
+    Odd widths above 8 need more than 64 bits per byte-aligned group and use the byte gather.
+    """
+    if sys.byteorder != "little":
+        return None
+    per_group = 8 // math.gcd(width, 8)
+    if per_group * width > 64:
+        return None
+    g = per_group * (64 // (per_group * width))
+    return g, g * width // 8
+
+
+def _pack_any(codes: torch.Tensor, width: int) -> torch.Tensor:
+    """In a compiled graph: int64 words (see ``_word_plan``) or, failing that, the stream."""
+    plan = _word_plan(width)
+    if plan is None:
+        return _pack_bits(codes, width)
+    g, _ = plan
+    codes = torch.nn.functional.pad(codes.to(torch.int64), (0, (-codes.shape[0]) % g))
+    shifts = torch.arange(g, device=codes.device, dtype=torch.int64) * width
+    return (codes.reshape(-1, g) << shifts).sum(-1)
+
+
+def _unpack_any(packed: torch.Tensor, width: int, count: int) -> torch.Tensor:
+    """In a compiled graph: codes from int64 words (``_words_from_stream``) or the stream."""
+    plan = _word_plan(width)
+    if plan is None:
+        return _unpack_bits(packed, width, count)
+    g, _ = plan
+    shifts = torch.arange(g, device=packed.device, dtype=torch.int64) * width
+    return ((packed[:, None] >> shifts) & ((1 << width) - 1)).reshape(-1)[:count]
+
+
+def _stream_from_words(packed: torch.Tensor, width: int, count: int) -> torch.Tensor:
+    """On the host: the byte stream of ``_pack_any``'s result (a view when no bytes are cut)."""
+    plan = _word_plan(width)
+    if plan is None:
+        return packed
+    _, used = plan
+    stream = packed.view(torch.uint8).reshape(-1, 8)
+    if used < 8:
+        stream = stream[:, :used]
+    return stream.reshape(-1)[: (count * width + 7) // 8]
+
+
+def _words_from_stream(stream: torch.Tensor, width: int, count: int) -> torch.Tensor:
+    """On the host: the input ``_unpack_any`` wants."""
+    plan = _word_plan(width)
+    if plan is None:
+        return stream
+    g, used = plan
+    groups = -(-count // g)
+    words = torch.zeros(groups, 8, dtype=torch.uint8, device=stream.device)
+    if used == 8:
+        words.reshape(-1)[: stream.numel()].copy_(stream)
+    else:
+        compact = torch.zeros(groups * used, dtype=torch.uint8, device=stream.device)
+        compact[: stream.numel()].copy_(stream)
+        words[:, :used].copy_(compact.reshape(groups, used))
+    return words.view(torch.int64).reshape(groups)
+
+
+def _group(width: int) -> tuple[int, int]:
+    """Smallest run of codes that fills whole bytes: (codes per group, bytes per group)."""
+    codes = 8 // math.gcd(width, 8)
+    return codes, codes * width // 8
+
+
+def _pack_bits(codes: torch.Tensor, width: int) -> torch.Tensor:
+    """reference.pack_bits, as a fused gather: each output byte ORs the codes overlapping it."""
+    count = codes.shape[0]
+    per_group, group_bytes = _group(width)
+    codes = torch.nn.functional.pad(codes, (0, (-count) % per_group))
+    codes = codes.to(torch.int64).reshape(-1, per_group)
+    out = []
+    for j in range(group_bytes):
+        byte = None
+        for i in range(per_group):
+            shift = width * i - 8 * j  # where code i's bit 0 lands relative to byte j's bit 0
+            if shift >= 8 or shift + width <= 0:
+                continue  # no overlap
+            part = codes[:, i] << shift if shift >= 0 else codes[:, i] >> -shift
+            byte = part if byte is None else byte | part
+        out.append(byte & 0xFF)
+    stream = torch.stack(out, dim=1).reshape(-1)
+    return stream[: (count * width + 7) // 8].to(torch.uint8)
+
+
+def _unpack_bits(stream: torch.Tensor, width: int, count: int) -> torch.Tensor:
+    """reference.unpack_bits: each code ORs the bytes overlapping it."""
+    per_group, group_bytes = _group(width)
+    groups = -(-count // per_group)
+    stream = torch.nn.functional.pad(stream, (0, groups * group_bytes - stream.shape[0]))
+    stream = stream.to(torch.int64).reshape(groups, group_bytes)
+    out = []
+    for i in range(per_group):
+        code = None
+        for j in range(group_bytes):
+            shift = 8 * j - width * i  # where byte j's bit 0 lands relative to code i's bit 0
+            if shift >= width or shift + 8 <= 0:
+                continue
+            part = stream[:, j] << shift if shift >= 0 else stream[:, j] >> -shift
+            code = part if code is None else code | part
+        out.append(code & ((1 << width) - 1))
+    return torch.stack(out, dim=1).reshape(-1)[:count]
+
+
+def _fixed_static_fn(x, u, width: int, frac_bits: int):
+    """(integers as float32 in [-2^(w-1), 2^(w-1)-1] or +-2^(w-1) for w>=26, finite)."""
+    finite = torch.isfinite(x)
+    v = torch.where(finite, x, 0.0) * 2.0**frac_bits
+    q = _round(v, u, x)
+    # clamp in float32: 2^(w-1) - 1 rounds to 2^(w-1) for w >= 26, as the reference's cast does
+    q = q.clamp(-(2.0 ** (width - 1)), _float32(2.0 ** (width - 1) - 1))
+    return q + 0.0, finite  # + 0.0: two's complement has no -0
+
+
+def _float32(value: float) -> float:
+    """``value`` rounded to the nearest float32."""
+    return struct.unpack("f", struct.pack("f", value))[0]
+
+
+def _fixed_static_quantize_fn(x, u, width: int, frac_bits: int):
+    q, finite = _fixed_static_fn(x, u, width, frac_bits)
+    return torch.where(finite, q * 2.0**-frac_bits, math.nan)
+
+
+def _fixed_static_pack_fn(x, u, width: int, frac_bits: int):
+    q, finite = _fixed_static_fn(x, u, width, frac_bits)
+    # the w >= 26 top bound 2^(w-1) (from the float32 clamp) stores as 2^(w-1)-1, the reference's
+    # exact integer; it unpacks to the same float32 value
+    top = 2 ** (width - 1) - 1
+    codes = q.to(torch.int64).clamp(max=top) & ((1 << width) - 1)
+    nan_mask = _pack_any((~finite).reshape(-1).to(torch.int64), 1)
+    return _pack_any(codes.reshape(-1), width), finite.all(), nan_mask
+
+
+def _fixed_static_unpack_fn(packed, count: int, width: int, frac_bits: int):
+    codes = _unpack_any(packed, width, count)
+    signed = codes - ((codes >> (width - 1)) << width)
+    return signed.to(torch.float32) * 2.0**-frac_bits
+
+
+def _bfp_unpack_fn(mantissas, exponents, rows: int, n: int, n_blocks: int, block: int,
+                   man_bits: int, exp_bits: int):
+    codes = _unpack_any(mantissas, man_bits, rows * n)
+    exps = _unpack_any(exponents, exp_bits, rows * n_blocks)
+    codes = codes.reshape(rows, n)
+    if n_blocks * block != n:
+        codes = torch.nn.functional.pad(codes, (0, n_blocks * block - n))
+    codes = codes.reshape(rows, n_blocks, block)
+    return _bfp_decode_fn(codes, exps.reshape(rows, n_blocks, 1), man_bits, exp_bits)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(fn):
+    return torch.compile(fn, dynamic=False, fullgraph=True)
+
+
+def _run(fn, *args, dynamic_dims=()):
+    """Run ``fn`` compiled, with the leading dims of its tensor arguments marked dynamic."""
+    for tensor, dim in dynamic_dims:
+        torch._dynamo.maybe_mark_dynamic(tensor, dim)
+    with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
+        return _compiled(fn)(*args)
+
+
+# ----------------------------------------------------------------------------- layout
+def _rows(x: torch.Tensor, block: int | None, axis: int):
+    """float32 view of x as [R, n_blocks, B] (padding the last block of each row if partial).
+
+    Returns (blocks, n, moved_shape): n is the row length and moved_shape x's shape with
+    ``axis`` last. For block=None: one row, one block holding the whole tensor.
+    """
+    x32 = x.to(torch.float32)
+    if block is None:
+        return x32.reshape(1, 1, -1), x32.numel(), (x32.numel(),)
+    moved = x32.movedim(axis, -1) if x32.dim() else x32.reshape(1)
+    n = moved.shape[-1]
+    n_blocks = -(-n // block)
+    rows = moved.reshape(-1, n)
+    if n_blocks * block != n:
+        rows = torch.nn.functional.pad(rows, (0, n_blocks * block - n))
+    return rows.reshape(rows.shape[0], n_blocks, block), n, tuple(moved.shape)
+
+
+def _restore(blocks: torch.Tensor, n: int, moved_shape, x_shape, axis: int | None, dtype):
+    flat = blocks.reshape(blocks.shape[0], -1)
+    if flat.shape[1] != n:
+        flat = flat[:, :n]
+    out = flat.reshape(moved_shape)
+    if axis is None or len(x_shape) == 0:
+        out = out.reshape(x_shape)
+    else:
+        out = out.movedim(-1, axis)
+    return out.to(dtype)
+
+
+def _noise_rows(x, generator, block, axis):
+    return _rows(ref.uniform_noise(x, generator), block, axis)[0]
+
+
+def _dynamic(blocks, block):
+    # fixed<w> (block=None): the one block's length varies with the batch; BFP: the row count
+    return ((blocks, 2),) if block is None else ((blocks, 0),)
+
+
+# ----------------------------------------------------------------------------- interface
+def bfp_quantize(x, man_bits, exp_bits, block, axis, rounding="nearest", generator=None):
+    blocks, n, moved_shape = _rows(x, block, axis)
+    u = _noise_rows(x, generator, block, axis) if rounding == "stochastic" else None
+    dyn = _dynamic(blocks, block) + ((_dynamic(u, block)) if u is not None else ())
+    values = _run(_bfp_quantize_fn, blocks, u, man_bits, exp_bits, dynamic_dims=dyn)
+    return _restore(values, n, moved_shape, x.shape, None if block is None else axis, x.dtype)
+
+
+def bfp_pack(x, man_bits, exp_bits, block, axis, rounding="nearest", generator=None):
+    blocks, n, _ = _rows(x, block, axis)
+    u = _noise_rows(x, generator, block, axis) if rounding == "stochastic" else None
+    trim = None if block is None or n == blocks.shape[1] * blocks.shape[2] else n
+    dyn = _dynamic(blocks, block) + ((_dynamic(u, block)) if u is not None else ())
+    mantissas, exponents = _run(
+        _bfp_pack_fn, blocks, u, trim, man_bits, exp_bits, dynamic_dims=dyn
+    )
+    n_blocks = blocks.shape[0] * blocks.shape[1]
+    return (
+        _stream_from_words(mantissas, man_bits, x.numel()),
+        _stream_from_words(exponents, exp_bits, n_blocks),
+    )
+
+
+def bfp_unpack(mantissas, exponents, man_bits, exp_bits, block, shape, axis, dtype):
+    numel = math.prod(shape)
+    if block is None:
+        moved_shape, n, n_blocks, b = (numel,), numel, 1, numel
+    else:
+        moved_shape = ref._moved_shape(shape, axis)
+        n = moved_shape[-1]
+        n_blocks, b = -(-n // block), block
+    rows = numel // n
+    mant_words = _words_from_stream(mantissas, man_bits, numel)
+    exp_words = _words_from_stream(exponents, exp_bits, rows * n_blocks)
+    # rows (BFP) or the block length (fixed<w>) vary with the batch: keep them symbolic
+    values = _run(
+        _bfp_unpack_fn, mant_words, exp_words, rows, n, n_blocks, b, man_bits, exp_bits,
+        dynamic_dims=((mant_words, 0), (exp_words, 0)),
+    )
+    return _restore(values, n, moved_shape, shape, None if block is None else axis, dtype)
+
+
+def fixed_static_quantize(x, width, frac_bits, rounding="nearest", generator=None):
+    x32 = x.to(torch.float32).reshape(-1)
+    u = ref.uniform_noise(x, generator).reshape(-1) if rounding == "stochastic" else None
+    dyn = ((x32, 0),) + (((u, 0),) if u is not None else ())
+    out = _run(_fixed_static_quantize_fn, x32, u, width, frac_bits, dynamic_dims=dyn)
+    return out.reshape(x.shape).to(x.dtype)
+
+
+def fixed_static_pack(x, width, frac_bits, rounding="nearest", generator=None):
+    x32 = x.to(torch.float32).reshape(-1)
+    u = ref.uniform_noise(x, generator).reshape(-1) if rounding == "stochastic" else None
+    dyn = ((x32, 0),) + (((u, 0),) if u is not None else ())
+    integers, all_finite, nan_mask = _run(
+        _fixed_static_pack_fn, x32, u, width, frac_bits, dynamic_dims=dyn
+    )
+    numel = x32.numel()
+    nan_mask = None if bool(all_finite) else _stream_from_words(nan_mask, 1, numel)
+    return _stream_from_words(integers, width, numel), nan_mask
+
+
+def fixed_static_unpack(integers, nan_mask, width, frac_bits, shape, dtype):
+    numel = math.prod(shape)
+    words = _words_from_stream(integers, width, numel)
+    values = _run(
+        _fixed_static_unpack_fn, words, numel, width, frac_bits, dynamic_dims=((words, 0),)
+    )
+    if nan_mask is not None:
+        mask = ref.unpack_bits(nan_mask, 1, numel).bool()
+        values = torch.where(mask, math.nan, values)
+    return values.reshape(shape).to(dtype)

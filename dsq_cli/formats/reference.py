@@ -1,0 +1,330 @@
+"""The readable reference: SPEC section 1 written as PyTorch, the definition in code.
+
+Every fast path (the fused CPU path in ``compiled.py``, the Triton kernels in ``kernels/``) is
+tested bit for bit against the functions here. They favour clarity over speed:
+
+* BFP and fixed point work in float64. Inputs are first made float32 (exact for fp16/bf16/fp32;
+  round-to-nearest-even for float64), and every float32 value times any power of two in
+  [2^-200, 2^200] is exact in float64, so ``x * 2^k``, the rounding and the rescaling are the
+  exact arithmetic that SPEC 1.1 defines. The float64 result is then exactly representable in
+  float32 (see docs/formats.md), and the final cast to the input dtype is round-to-nearest-even.
+* Stochastic rounding ``R(v) = floor(v + u)`` uses ``u = r / 2^24`` with ``r`` a uniform 24-bit
+  integer drawn by ``torch.randint`` from the caller's generator, one draw per element of ``x`` in
+  row-major order of ``x``'s own shape. Every path uses the same draws, so results agree bit for
+  bit across paths for the same generator state.
+* A value that rounds to zero keeps the sign of its input (-0.0 stays -0.0), so that
+  sign-magnitude storage round-trips exactly. Two's-complement static fixed point has no -0.0.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+NOISE_BITS = 24
+
+
+# ----------------------------------------------------------------------------- rounding
+def uniform_noise(x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """u in [0, 1) for each element of ``x``: r / 2^24 with r a uniform 24-bit integer."""
+    r = torch.randint(
+        0, 2**NOISE_BITS, x.shape, generator=generator, device=x.device, dtype=torch.int32
+    )
+    return r.to(torch.float32) * 2.0**-NOISE_BITS
+
+
+def round_nearest(v: torch.Tensor) -> torch.Tensor:
+    """Round half to even (torch.round), keeping the sign of zero."""
+    return torch.round(v)
+
+
+def round_stochastic(v: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """floor(v + u), computed without ever rounding v + u.
+
+    Write v = t + g with t = trunc(v) and g = v - t (both exact, g has v's sign, |g| < 1).
+    Then floor(v + u) = t + floor(g + u), and floor(g + u) is 1 when g >= 1 - u (g >= 0), -1 when
+    u < -g (g < 0), else 0. ``1 - u`` is exact because u is a multiple of 2^-24.
+    """
+    u = u.to(v.dtype)
+    t = torch.trunc(v)
+    g = v - t
+    up = (g >= 0) & (g >= 1 - u)
+    down = (g < 0) & (u < -g)
+    q = t + up.to(v.dtype) - down.to(v.dtype)
+    return torch.copysign(q, v)  # zero keeps the input's sign
+
+
+def apply_rounding(v: torch.Tensor, rounding: str, u: torch.Tensor | None) -> torch.Tensor:
+    if rounding == "nearest":
+        return round_nearest(v)
+    assert u is not None
+    return round_stochastic(v, u)
+
+
+# ----------------------------------------------------------------------------- helpers
+def exact_float64(x: torch.Tensor) -> torch.Tensor:
+    """The input as float32 values (SPEC: results are float32), held in float64."""
+    return x.to(torch.float32).to(torch.float64)
+
+
+def pow2(k: torch.Tensor) -> torch.Tensor:
+    """2^k as float64 for integer k in [-1022, 1023], built from the exponent bits (exact)."""
+    return ((k.to(torch.int64) + 1023) << 52).view(torch.float64)
+
+
+def floor_log2(a: torch.Tensor) -> torch.Tensor:
+    """floor(log2(a)) for a > 0, exactly (frexp: a = f * 2^p with f in [0.5, 1))."""
+    _, p = torch.frexp(a)
+    return p.to(torch.int64) - 1
+
+
+def blocks_along(x: torch.Tensor, axis: int, block: int) -> tuple[torch.Tensor, int]:
+    """Move ``axis`` last and split it into blocks: returns ([..., n_blocks, block], n).
+
+    A trailing partial block is zero-padded; zeros change neither a block's max nor its values.
+    """
+    moved = x.movedim(axis, -1) if x.dim() else x.reshape(1)
+    n = moved.shape[-1]
+    n_blocks = max(1, math.ceil(n / block))
+    padded = torch.nn.functional.pad(moved, (0, n_blocks * block - n))
+    return padded.reshape(*moved.shape[:-1], n_blocks, block), n
+
+
+def unblock(blocks: torch.Tensor, n: int, x_shape: torch.Size, axis: int) -> torch.Tensor:
+    """Inverse of ``blocks_along``."""
+    flat = blocks.reshape(*blocks.shape[:-2], blocks.shape[-2] * blocks.shape[-1])[..., :n]
+    if len(x_shape) == 0:
+        return flat.reshape(())
+    return flat.movedim(-1, axis)
+
+
+# ----------------------------------------------------------------------------- BFP
+def bfp_exponents(blocks: torch.Tensor, exp_bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Shared exponent and finiteness of each block (SPEC 1.1 steps 1-3).
+
+    Returns (e, finite), shaped like ``blocks`` with the last dim reduced to 1. All-zero blocks
+    get e = -(2^(E-1)-1), the smallest exponent: any exponent gives zeros, this one is canonical.
+    """
+    emax = 2 ** (exp_bits - 1) - 1
+    finite = torch.isfinite(blocks).all(dim=-1, keepdim=True)
+    a = blocks.abs().amax(dim=-1, keepdim=True)
+    a = torch.where(finite, a, torch.ones_like(a))
+    e = torch.where(a > 0, floor_log2(a), torch.full_like(a, -emax, dtype=torch.int64))
+    return e.clamp(-emax, emax), finite
+
+
+def bfp_integers(
+    blocks: torch.Tensor, e: torch.Tensor, man_bits: int, rounding: str, u: torch.Tensor | None
+) -> torch.Tensor:
+    """The signed integers q_i = clamp(R(x_i / scale), -L, L), scale = 2^(e - (m - 2))."""
+    limit = 2 ** (man_bits - 1) - 1
+    v = blocks * pow2((man_bits - 2) - e)  # x / scale, exact in float64
+    q = apply_rounding(v, rounding, u)
+    return q.clamp(-limit, limit)
+
+
+def bfp_quantize(
+    x: torch.Tensor,
+    man_bits: int,
+    exp_bits: int,
+    block: int | None,
+    axis: int,
+    rounding: str = "nearest",
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """SPEC 1.1. ``block=None`` means one block spanning the whole tensor (dynamic fixed)."""
+    if x.numel() == 0:
+        return x.clone()
+    work, u_work, n, axis_used = _bfp_layout(x, block, axis, rounding, generator)
+    e, finite = bfp_exponents(work, exp_bits)
+    q = bfp_integers(work, e, man_bits, rounding, u_work)
+    values = q * pow2(e - (man_bits - 2))
+    values = torch.where(finite, values, torch.full_like(values, math.nan))
+    return _bfp_restore(values, n, x, axis_used, block)
+
+
+def _bfp_layout(x, block, axis, rounding, generator):
+    """float64 blocks of x (and of the noise) along axis; for block=None one whole-tensor block."""
+    xd = exact_float64(x)
+    u = uniform_noise(x, generator) if rounding == "stochastic" else None
+    if block is None:
+        flat = xd.reshape(1, -1)
+        return flat, (u.reshape(1, -1) if u is not None else None), flat.shape[-1], None
+    work, n = blocks_along(xd, axis, block)
+    u_work = blocks_along(u, axis, block)[0] if u is not None else None
+    return work, u_work, n, axis
+
+
+def _bfp_restore(values, n, x, axis, block):
+    if block is None:
+        out = values.reshape(x.shape)
+    else:
+        out = unblock(values, n, x.shape, axis)
+    return out.to(torch.float32).to(x.dtype)
+
+
+def bfp_encode(
+    x: torch.Tensor,
+    man_bits: int,
+    exp_bits: int,
+    block: int | None,
+    axis: int,
+    rounding: str = "nearest",
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The integer codes that ``pack`` stores (SPEC 1.2), before bit-packing.
+
+    Returns (mantissa_codes, exponent_codes), both int64 and flat:
+    * one mantissa per element, in row-major order of x with ``axis`` moved last (no padding):
+      sign-magnitude, bit m-1 the sign, bits 0..m-2 the magnitude;
+    * one exponent per block, in the same order: e + (2^(E-1)-1), and 2^E - 1 for a block
+      that holds a NaN or an infinity.
+    """
+    work, u_work, n, _ = _bfp_layout(x, block, axis, rounding, generator)
+    e, finite = bfp_exponents(work, exp_bits)
+    q = bfp_integers(work, e, man_bits, rounding, u_work)
+    sign = torch.signbit(q).to(torch.int64)
+    magnitude = q.abs().to(torch.int64)
+    codes = (sign << (man_bits - 1)) | magnitude
+    codes = torch.where(finite, codes, torch.zeros_like(codes))
+    codes = codes.reshape(*codes.shape[:-2], -1)[..., :n].reshape(-1)
+    emax = 2 ** (exp_bits - 1) - 1
+    exps = torch.where(finite, e + emax, torch.full_like(e, 2**exp_bits - 1)).reshape(-1)
+    return codes, exps
+
+
+def bfp_decode(
+    codes: torch.Tensor,
+    exps: torch.Tensor,
+    man_bits: int,
+    exp_bits: int,
+    block: int | None,
+    shape: tuple[int, ...],
+    axis: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Values from the codes of ``bfp_encode`` (the inverse of the packing step)."""
+    emax = 2 ** (exp_bits - 1) - 1
+    numel = math.prod(shape)
+    codes = codes.to(torch.int64)
+    exps = exps.to(torch.int64)
+    sign = (codes >> (man_bits - 1)) & 1
+    magnitude = (codes & ((1 << (man_bits - 1)) - 1)).to(torch.float64)
+    q = torch.where(sign.bool(), -magnitude, magnitude)
+    if block is None:
+        e_elem = exps.expand(numel)
+    else:
+        moved_shape = _moved_shape(shape, axis)
+        n = moved_shape[-1]
+        n_blocks = max(1, math.ceil(n / block))
+        block_index = torch.arange(n, device=codes.device) // block
+        row = torch.arange(numel // max(n, 1), device=codes.device)
+        e_elem = exps.reshape(-1, n_blocks)[row[:, None], block_index[None, :]].reshape(-1)
+    values = q * pow2(e_elem - emax - (man_bits - 2))
+    values = torch.where(e_elem == 2**exp_bits - 1, math.nan, values)
+    if block is None:
+        out = values.reshape(shape)
+    else:
+        out = values.reshape(_moved_shape(shape, axis))
+        out = out.reshape(()) if len(shape) == 0 else out.movedim(-1, axis)
+    return out.to(torch.float32).to(dtype)
+
+
+def _moved_shape(shape: tuple[int, ...], axis: int) -> tuple[int, ...]:
+    if len(shape) == 0:
+        return (1,)
+    dims = list(shape)
+    n = dims.pop(axis)
+    return (*dims, n)
+
+
+# ----------------------------------------------------------------------------- static fixed
+def fixed_static_integers(
+    x: torch.Tensor, width: int, frac_bits: int, rounding: str, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(integers, finite) with integers = clamp(R(x * 2^f), -2^(w-1), 2^(w-1)-1), in float64."""
+    xd = exact_float64(x)
+    u = uniform_noise(x, generator) if rounding == "stochastic" else None
+    finite = torch.isfinite(xd)
+    v = torch.where(finite, xd, torch.zeros_like(xd)) * 2.0**frac_bits
+    q = apply_rounding(v, rounding, u)
+    q = q.clamp(-(2.0 ** (width - 1)), 2.0 ** (width - 1) - 1)
+    return q + 0.0, finite  # + 0.0 turns -0.0 into +0.0: two's complement has one zero
+
+
+def fixed_static_quantize(
+    x: torch.Tensor, width: int, frac_bits: int, rounding: str, generator: torch.Generator | None
+) -> torch.Tensor:
+    q, finite = fixed_static_integers(x, width, frac_bits, rounding, generator)
+    values = torch.where(finite, q * 2.0**-frac_bits, math.nan)
+    # w >= 26 only: the clamp bound 2^(w-1)-1 is not a float32; the exact value is rounded.
+    return values.to(torch.float32).to(x.dtype)
+
+
+# ----------------------------------------------------------------------------- bit packing
+def pack_bits(codes: torch.Tensor, width: int) -> torch.Tensor:
+    """Concatenate the low ``width`` bits of each code into a byte stream.
+
+    Bit b of the stream is bit (b mod 8) of byte b // 8 (least significant bit first), and
+    code i occupies stream bits [i * width, (i + 1) * width), its least significant bit first.
+    The last byte is zero-padded. Result: uint8, ceil(n * width / 8) bytes.
+    """
+    codes = codes.reshape(-1).to(torch.int64)
+    shifts = torch.arange(width, device=codes.device)
+    bits = ((codes[:, None] >> shifts) & 1).to(torch.uint8).reshape(-1)
+    bits = torch.nn.functional.pad(bits, (0, (-bits.numel()) % 8))
+    weights = (1 << torch.arange(8, device=codes.device)).to(torch.int32)
+    return (bits.reshape(-1, 8).to(torch.int32) * weights).sum(-1).to(torch.uint8)
+
+
+def unpack_bits(stream: torch.Tensor, width: int, count: int) -> torch.Tensor:
+    """Inverse of ``pack_bits``: the first ``count`` codes, as int64."""
+    shifts = torch.arange(8, device=stream.device)
+    bits = ((stream.to(torch.int64)[:, None] >> shifts) & 1).reshape(-1)[: count * width]
+    weights = 1 << torch.arange(width, device=stream.device, dtype=torch.int64)
+    return (bits.reshape(count, width) * weights).sum(-1)
+
+
+# ----------------------------------------------------------------------------- path interface
+# Each path module (reference, compiled, triton_path) offers these six functions with these
+# signatures; the format classes call whichever path dispatch picked. Payload layouts are
+# documented in docs/formats.md and are identical, byte for byte, on every path.
+def bfp_pack(x, man_bits, exp_bits, block, axis, rounding="nearest", generator=None):
+    """(mantissa stream, exponent stream): ``pack_bits`` of the codes of ``bfp_encode``."""
+    if x.numel() == 0:
+        empty = torch.empty(0, dtype=torch.uint8, device=x.device)
+        return empty, empty.clone()
+    codes, exps = bfp_encode(x, man_bits, exp_bits, block, axis, rounding, generator)
+    return pack_bits(codes, man_bits), pack_bits(exps, exp_bits)
+
+
+def bfp_unpack(mantissas, exponents, man_bits, exp_bits, block, shape, axis, dtype):
+    numel = math.prod(shape)
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype, device=mantissas.device)
+    moved = _moved_shape(shape, axis) if block is not None else (1, numel)
+    n_exps = 1 if block is None else (numel // max(moved[-1], 1)) * max(1, -(-moved[-1] // block))
+    codes = unpack_bits(mantissas, man_bits, numel)
+    exps = unpack_bits(exponents, exp_bits, n_exps)
+    return bfp_decode(codes, exps, man_bits, exp_bits, block, shape, axis, dtype)
+
+
+def fixed_static_pack(x, width, frac_bits, rounding="nearest", generator=None):
+    """(two's-complement stream of w bits per element, NaN bitmask stream or None)."""
+    q, finite = fixed_static_integers(x, width, frac_bits, rounding, generator)
+    codes = q.to(torch.int64).reshape(-1) & ((1 << width) - 1)
+    nan_mask = None
+    if not bool(finite.all()):
+        nan_mask = pack_bits((~finite).reshape(-1).to(torch.int64), 1)
+    return pack_bits(codes, width), nan_mask
+
+
+def fixed_static_unpack(integers, nan_mask, width, frac_bits, shape, dtype):
+    numel = math.prod(shape)
+    codes = unpack_bits(integers, width, numel)
+    signed = codes - ((codes >> (width - 1)) << width)  # sign-extend two's complement
+    values = signed.to(torch.float64) * 2.0**-frac_bits
+    if nan_mask is not None:
+        values = torch.where(unpack_bits(nan_mask, 1, numel).bool(), math.nan, values)
+    return values.reshape(shape).to(torch.float32).to(dtype)

@@ -1,0 +1,148 @@
+"""The Triton path: the six path functions of ``reference.py`` on Triton kernels.
+
+Same signatures, semantics and return types as the end of ``reference.py``, bit for bit (values,
+-0.0, NaN positions, packed bytes). The kernels live in ``kernels/bfp.py`` (``dsq_kernels.bfp``);
+this module only prepares their inputs on the host:
+
+* the input becomes float32 (``x.to(torch.float32)``, as the reference does), the block axis is
+  moved last and the result made contiguous (``block=None``: the tensor in its own row-major
+  order, one block);
+* stochastic rounding draws its noise with ``reference.uniform_noise`` (the same draws as every
+  path: one per element of ``x``, row-major in ``x``'s shape) and moves it exactly like ``x``;
+* results go back to ``x``'s shape (a view with the axis moved back) and dtype.
+
+The kernels need CUDA tensors, or CPU tensors with ``TRITON_INTERPRET=1`` set before Triton is
+imported (tests). Empty tensors never reach this path (dispatch sends them to the reference).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from dsq_kernels import bfp as kernels
+
+from . import reference
+
+__all__ = [
+    "bfp_quantize",
+    "bfp_pack",
+    "bfp_unpack",
+    "fixed_static_quantize",
+    "fixed_static_pack",
+    "fixed_static_unpack",
+]
+
+
+def _stochastic(rounding: str) -> bool:
+    if rounding == "nearest":
+        return False
+    if rounding == "stochastic":
+        return True
+    raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
+
+
+def _noise(x: torch.Tensor, rounding: str, generator) -> torch.Tensor | None:
+    return reference.uniform_noise(x, generator) if _stochastic(rounding) else None
+
+
+def _moved(t: torch.Tensor | None, axis: int) -> torch.Tensor | None:
+    """``t`` with ``axis`` last, contiguous (a 0-dim tensor becomes one element)."""
+    if t is None:
+        return None
+    if t.dim() == 0:
+        return t.reshape(1)
+    return t.movedim(axis, -1).contiguous()
+
+
+def _flat(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.contiguous().reshape(-1)
+
+
+def _restore(values: torch.Tensor, shape, axis: int) -> torch.Tensor:
+    """Inverse of ``_moved`` for a tensor shaped like the moved input."""
+    if len(shape) == 0:
+        return values.reshape(())
+    return values.movedim(-1, axis)
+
+
+def _moved_shape(shape, axis: int) -> tuple[int, ...]:
+    if len(shape) == 0:
+        return (1,)
+    dims = list(shape)
+    n = dims.pop(axis)
+    return (*dims, n)
+
+
+# ----------------------------------------------------------------------------- BFP
+def bfp_quantize(x, man_bits, exp_bits, block, axis, rounding="nearest", generator=None):
+    """SPEC 1.1. ``block=None`` means one block spanning the whole tensor (dynamic fixed)."""
+    u = _noise(x, rounding, generator)
+    x32 = x.to(torch.float32)
+    if block is None:
+        out = kernels.bfp_quantize_global(_flat(x32), _flat(u), man_bits, exp_bits)
+        return out.reshape(x.shape).to(x.dtype)
+    moved = _moved(x32, axis)
+    out = kernels.bfp_quantize_blocks(
+        moved, _moved(u, axis), moved.shape[-1], man_bits, exp_bits, block
+    )
+    return _restore(out, x.shape, axis).to(x.dtype)
+
+
+def bfp_pack(x, man_bits, exp_bits, block, axis, rounding="nearest", generator=None):
+    """(mantissa stream, exponent stream), byte for byte as ``reference.bfp_pack``."""
+    u = _noise(x, rounding, generator)
+    x32 = x.to(torch.float32)
+    if block is None:
+        return kernels.bfp_pack(_flat(x32), _flat(u), x32.numel(), man_bits, exp_bits, None)
+    moved = _moved(x32, axis)
+    return kernels.bfp_pack(moved, _moved(u, axis), moved.shape[-1], man_bits, exp_bits, block)
+
+
+def bfp_unpack(mantissas, exponents, man_bits, exp_bits, block, shape, axis, dtype):
+    shape = tuple(shape)
+    numel = math.prod(shape)
+    mantissas, exponents = mantissas.contiguous(), exponents.contiguous()
+    if block is None:
+        out = kernels.bfp_unpack(
+            mantissas, exponents, numel, numel, man_bits, exp_bits, None, mantissas.device
+        )
+        return out.reshape(shape).to(dtype)
+    moved_shape = _moved_shape(shape, axis)
+    out = kernels.bfp_unpack(
+        mantissas,
+        exponents,
+        numel,
+        moved_shape[-1],
+        man_bits,
+        exp_bits,
+        block,
+        mantissas.device,
+    )
+    return _restore(out.reshape(moved_shape), shape, axis).to(dtype)
+
+
+# ----------------------------------------------------------------------------- static fixed
+def fixed_static_quantize(x, width, frac_bits, rounding="nearest", generator=None):
+    u = _noise(x, rounding, generator)
+    out = kernels.fixed_quantize(_flat(x.to(torch.float32)), _flat(u), width, frac_bits)
+    return out.reshape(x.shape).to(x.dtype)
+
+
+def fixed_static_pack(x, width, frac_bits, rounding="nearest", generator=None):
+    """(two's-complement stream of w bits per element, NaN bitmask stream or None)."""
+    u = _noise(x, rounding, generator)
+    stream, nan_mask = kernels.fixed_pack(_flat(x.to(torch.float32)), _flat(u), width, frac_bits)
+    if not bool(nan_mask.any()):  # the only host sync: the return type depends on it
+        nan_mask = None
+    return stream, nan_mask
+
+
+def fixed_static_unpack(integers, nan_mask, width, frac_bits, shape, dtype):
+    shape = tuple(shape)
+    integers = integers.contiguous()
+    nan_mask = None if nan_mask is None else nan_mask.contiguous()
+    out = kernels.fixed_unpack(
+        integers, nan_mask, math.prod(shape), width, frac_bits, integers.device
+    )
+    return out.reshape(shape).to(dtype)
