@@ -91,9 +91,9 @@ def wide_random(shape, seed, lo=-150, hi=128):
 @pytest.fixture
 def small_tiles(monkeypatch):
     """Tiny launch tiles: many programs, blocks straddling program boundaries."""
-    monkeypatch.setattr(kernels, "TILE_ELEMS", 32)
-    monkeypatch.setattr(kernels, "PACK_GROUPS", 2)
-    monkeypatch.setattr(kernels, "ELEM_BLOCK", 32)
+    monkeypatch.setattr(kernels, "TILE_ELEMS", 64)
+    monkeypatch.setattr(kernels, "PACK_GROUPS", 4)
+    monkeypatch.setattr(kernels, "ELEM_BLOCK", 64)
     monkeypatch.setattr(kernels, "REDUCE_BLOCK", 32)
 
 

@@ -1,0 +1,100 @@
+"""The fused CPU path (torch.compile) against the reference, bit for bit: quantize, the packed
+bytes themselves, and unpack."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import assert_bitwise_equal
+from test_packing import edge_tensor, with_nonfinite
+
+from dsq_cli.formats import parse_format
+from dsq_cli.formats.dispatch import compiled_unavailable_reason
+
+pytestmark = pytest.mark.skipif(
+    compiled_unavailable_reason() is not None, reason=str(compiled_unavailable_reason())
+)
+
+# Each format compiles once (a few seconds each on 2 cores): the list covers every code path:
+# word packing (m divides 64, or fits a 64-bit word), the byte gather (odd m > 8), E != 8,
+# odd and long blocks, whole-tensor blocks with m <= 24 and m > 24, static fixed up to 32 bits.
+SPECS = [
+    "bfp2", "bfp3", "bfp4", "bfp6", "bfp8", "bfp11", "bfp24e10b33", "bfp5e4b3",
+    "fixed8", "fixed16", "fixed32", "fixed8f4", "fixed32f30", "fixed2f0",
+]
+
+
+def both(fn):
+    """Run fn(backend) on the reference and the compiled path."""
+    return fn("reference"), fn("compiled")
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("case", ["finite", "nonfinite", "partial", "transposed", "half"])
+def test_compiled_equals_reference(spec, case):
+    fmt = parse_format(spec)
+    x, axis = edge_tensor((6, 48)), -1
+    if case == "nonfinite":
+        x = with_nonfinite(x)
+    elif case == "partial":
+        x, axis = edge_tensor((5, 7, 37), seed=2), 1  # axis of 7: one partial block per row
+    elif case == "transposed":
+        x, axis = edge_tensor((40, 24), seed=4).t(), 0
+    elif case == "half":
+        x = edge_tensor((6, 48), seed=5).clamp(-6e4, 6e4).half()
+    ref_q, fast_q = both(lambda b: fmt.quantize(x, axis=axis, backend=b))
+    assert_bitwise_equal(fast_q, ref_q, f"{spec} quantize")
+    ref_p, fast_p = both(lambda b: fmt.pack(x, axis=axis, backend=b))
+    assert ref_p.payload.keys() == fast_p.payload.keys()
+    for name in ref_p.payload:
+        assert torch.equal(fast_p.payload[name], ref_p.payload[name]), f"{spec} {name} bytes"
+    assert_bitwise_equal(fast_p.unpack(backend="compiled"), ref_q, f"{spec} unpack")
+
+
+@pytest.mark.parametrize("spec", ["bfp2", "bfp4", "fixed8f4", "fixed12"])
+def test_compiled_stochastic_equals_reference(spec):
+    fmt = parse_format(spec)
+    x = edge_tensor((8, 64), seed=7)
+    ref_q, fast_q = both(
+        lambda b: fmt.quantize(
+            x, rounding="stochastic", generator=torch.Generator().manual_seed(5), backend=b
+        )
+    )
+    assert_bitwise_equal(fast_q, ref_q)
+    ref_p, fast_p = both(
+        lambda b: fmt.pack(
+            x, rounding="stochastic", generator=torch.Generator().manual_seed(5), backend=b
+        )
+    )
+    for name in ref_p.payload:
+        assert torch.equal(fast_p.payload[name], ref_p.payload[name])
+
+
+def test_stochastic_underflow_corner():
+    """A tiny negative value far below its block's max: v underflows in float32. With u = 0,
+    floor(v + u) = -1 exactly; the float32 path must not round it to 0."""
+    fmt = parse_format("bfp2")
+    x = torch.tensor([1e30, -1e-30] + [0.0] * 14).repeat(4096, 1)
+    g = lambda: torch.Generator().manual_seed(11)  # noqa: E731
+    ref_q = fmt.quantize(x, rounding="stochastic", generator=g(), backend="reference")
+    fast_q = fmt.quantize(x, rounding="stochastic", generator=g(), backend="compiled")
+    assert_bitwise_equal(fast_q, ref_q)
+
+
+def test_new_batch_lengths_reuse_the_compiled_kernel():
+    """Translation batches vary in length: a new row count must not recompile."""
+    import torch._dynamo.utils as dynamo_utils
+
+    fmt = parse_format("bfp4")
+    fmt.quantize(torch.randn(10, 64), backend="compiled")
+    fmt.quantize(torch.randn(11, 64), backend="compiled")
+    before = dynamo_utils.counters["stats"]["unique_graphs"]
+    for rows in (12, 37, 129, 500):
+        fmt.quantize(torch.randn(rows, 64), backend="compiled")
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == before
+
+
+def test_dispatch_picks_the_compiled_path_on_cpu():
+    from dsq_cli.formats import default_backend
+
+    assert default_backend("cpu") == "compiled"
