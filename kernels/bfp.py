@@ -123,7 +123,7 @@ def _bfp_core(x, u, e, M: tl.constexpr, EMAX: tl.constexpr, STOCH: tl.constexpr)
     if EMAX < 127:
         # e may be clamped below floor(log2(max|x|)): |x| >= 2^(EMAX+1) gives |v| >= 2^(M-1),
         # clamped to L anyway; limiting x there keeps v finite.
-        x = x
+        x = tl.minimum(tl.maximum(x, -(2.0 ** (EMAX + 1))), 2.0 ** (EMAX + 1))
     k1, k2 = _scale_exps(e, M)
     v = (x * _pow2(k1)) * _pow2(k2)
     q = _round(v, x, u, STOCH)

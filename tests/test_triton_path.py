@@ -17,6 +17,7 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 
 import dsq_kernels.bfp as kernels  # noqa: E402
+
 from dsq_cli.formats import reference as ref  # noqa: E402
 from dsq_cli.formats import triton_path as tp  # noqa: E402
 
@@ -136,6 +137,13 @@ def test_bfp_wide_range_and_stochastic(m, E):
     x = wide_random((5, 20), seed=m + E)
     check_bfp(x, m, E, 16, axis=1)
     check_bfp(x, m, E, 3, axis=0, rounding="stochastic", seed=m * E)
+
+
+def test_bfp_beyond_spec_widths():
+    """m > 25 with E < 8 (not a spec format): the clamp bound 2^(m-1)-1 is no float32."""
+    for m, E, B in [(30, 4, 16), (32, 2, 3), (26, 5, 1)]:
+        check_bfp(wide_random((3, 20), seed=m, lo=-20, hi=20), m, E, B, axis=1)
+        check_bfp(edge_rows(), m, E, B, axis=1, rounding="stochastic", seed=m)
 
 
 @pytest.mark.parametrize(

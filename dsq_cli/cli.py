@@ -1,0 +1,133 @@
+"""The ``dsq`` command line (Typer). Usage errors print one line and exit with code 2."""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import sys
+
+import typer
+
+from dsq_cli import __version__
+
+app = typer.Typer(
+    help="dsq: Dynamic Stashing Quantization experiments (Yang et al., EMNLP Findings 2023).",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+bench_app = typer.Typer(help="Benchmarks (record results in docs/benchmarks.md).",
+                        no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+
+USAGE_ERRORS = (ValueError, TypeError, IndexError)
+
+
+def usage_errors(fn):
+    """Turn bad input into one line on stderr and exit code 2 (no traceback)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except USAGE_ERRORS as err:
+            typer.echo(f"dsq: error: {err}", err=True)
+            raise typer.Exit(2) from None
+
+    return wrapper
+
+
+@app.callback()
+def main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log at INFO level.")):
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+
+
+@app.command()
+def version():
+    """Print the dsq version."""
+    typer.echo(__version__)
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(v) for v in text.replace(",", " ").split()]
+    except ValueError:
+        raise ValueError(f"--values must be numbers separated by commas, got {text!r}") from None
+
+
+@app.command("format")
+@usage_errors
+def format_cmd(
+    spec: str = typer.Argument(..., help="A format spec, e.g. bfp4, bfp6e8b16, fixed16, fixed8f4."),
+    values: str = typer.Option(None, "--values", help="Numbers to quantize, e.g. 0.3,-1.7,2.9."),
+    rounding: str = typer.Option("nearest", help="nearest | stochastic"),
+    seed: int = typer.Option(0, help="Seed of the generator for stochastic rounding."),
+):
+    """Describe a number format and optionally quantize and pack a few numbers with it."""
+    import torch
+
+    from dsq_cli.formats import parse_format
+
+    fmt = parse_format(spec)
+    numbers = None if values is None else _floats(values)  # validate before printing anything
+    typer.echo(f"format          {fmt.spec}")
+    typer.echo(f"bits per value  {fmt.bits_per_value:g}")
+    doc = (type(fmt).__doc__ or "").strip().splitlines()
+    typer.echo(f"definition      {doc[0] if doc else ''}")
+    if numbers is None:
+        return
+    x = torch.tensor(numbers, dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    q = fmt.quantize(x, rounding=rounding, generator=g, backend="reference")
+    packed = fmt.pack(x, rounding=rounding, generator=torch.Generator().manual_seed(seed),
+                      backend="reference")
+    typer.echo(f"input           {x.tolist()}")
+    typer.echo(f"quantized       {q.tolist()}")
+    typer.echo(f"packed bytes    {packed.nbytes} (float32: {x.numel() * 4})")
+
+
+DEFAULT_BENCH_FORMATS = "bfp2,bfp4,bfp8,fixed16"
+
+
+@bench_app.command("quant")
+@usage_errors
+def bench_quant(
+    numel: int = typer.Option(2**24, help="Number of fp32 values."),
+    formats: str = typer.Option(DEFAULT_BENCH_FORMATS, help="Comma-separated format specs."),
+    paths: str = typer.Option(
+        "compiled,triton,eager,reference",
+        help="Comma-separated: compiled, triton, reference, eager (plain PyTorch float32, "
+        "quantize only). Paths that cannot run here are listed as skipped.",
+    ),
+    repeats: int = typer.Option(7, min=1, help="Timed repetitions (median reported)."),
+    device: str = typer.Option("cpu", help="cpu or cuda."),
+    peers: bool = typer.Option(False, "--peers", help="Also time QPyTorch if installed."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+):
+    """Time quantize / pack / unpack beside x.clone(), side by side in one run."""
+    from dsq_cli.bench import quant
+
+    if numel < 1:
+        raise ValueError(f"--numel must be positive, got {numel}")
+    path_list = [p.strip() for p in paths.split(",") if p.strip()]
+    bad = [p for p in path_list if p not in ("compiled", "triton", "reference", "eager")]
+    if bad:
+        raise ValueError(f"unknown path(s) {bad}; choose from compiled, triton, reference, eager")
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda needs a CUDA GPU; none is visible here")
+    result = quant.run(numel, [f.strip() for f in formats.split(",") if f.strip()], path_list,
+                       repeats, device, peers)
+    if as_json:
+        json.dump(result, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        typer.echo(quant.format_table(result))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    app()

@@ -1,0 +1,236 @@
+"""Device check of the Triton path: bit-exactness against the reference, then bandwidth.
+
+On a CUDA machine:
+  (a) the Triton path equals the reference bit for bit (values, -0.0, NaN positions, packed
+      bytes) on CUDA tensors, for a few formats, random and edge-case tensors;
+  (b) timings (torch.cuda.Event, warmup then REPEATS runs) for 2^24 and 2^26 float32 values:
+      bfp4 / bfp8 / fixed16 quantize, pack, unpack next to a device copy (``y.copy_(x)``) and
+      ``x.clone()``, with GB/s counted as the bytes the op reads plus writes, and each op's GB/s
+      relative to the copy's.
+Without CUDA it sets TRITON_INTERPRET=1 and runs (a) on tiny CPU tensors, skipping (b).
+
+Prints PASS/FAIL lines; exits 1 if any bit-exact check fails.
+Usage: scripts/gpu_check.sh [--sizes 24,26] [--repeats 20] [--skip-timing]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+
+import torch
+
+CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+if not CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"  # before Triton is imported
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from dsq_cli.formats import reference as ref  # noqa: E402
+from dsq_cli.formats import triton_path as tp  # noqa: E402
+
+DEVICE = "cuda" if CUDA else "cpu"
+FAILS: list[str] = []
+
+
+# ----------------------------------------------------------------------------- (a) exactness
+def same(a: torch.Tensor, b: torch.Tensor) -> str | None:
+    """None if bit-identical (dtype, shape, NaN positions, float32 bits), else why not."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return f"dtype/shape {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+    a, b = a.float(), b.float()
+    an, bn = torch.isnan(a), torch.isnan(b)
+    if not torch.equal(an, bn):
+        return f"NaN positions differ ({int((an != bn).sum())} elements)"
+    ab = torch.where(an, 0, a.view(torch.int32))
+    bb = torch.where(bn, 0, b.view(torch.int32))
+    if not torch.equal(ab, bb):
+        i = (ab != bb).nonzero()[0]
+        return f"{int((ab != bb).sum())} values differ, e.g. at {tuple(i.tolist())}: " + (
+            f"{a[tuple(i)].item()!r} vs {b[tuple(i)].item()!r}"
+        )
+    return None
+
+
+def report(name: str, problem: str | None) -> None:
+    if problem is None:
+        print(f"PASS {name}")
+    else:
+        print(f"FAIL {name}: {problem}")
+        FAILS.append(name)
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator(device=DEVICE).manual_seed(seed)
+
+
+def check_bfp(name, x, m, E, B, axis, rounding):
+    want = ref.bfp_quantize(x, m, E, B, axis, rounding, gen(1))
+    got = tp.bfp_quantize(x, m, E, B, axis, rounding, gen(1))
+    problem = same(got, want)
+    if problem is None:
+        rm, re_ = ref.bfp_pack(x, m, E, B, axis, rounding, gen(1))
+        gm, ge = tp.bfp_pack(x, m, E, B, axis, rounding, gen(1))
+        if not torch.equal(gm, rm):
+            problem = "mantissa stream differs"
+        elif not torch.equal(ge, re_):
+            problem = "exponent stream differs"
+        else:
+            out = tp.bfp_unpack(gm, ge, m, E, B, tuple(x.shape), axis, x.dtype)
+            problem = same(out, want)
+            problem = None if problem is None else "unpack: " + problem
+    report(name, problem)
+
+
+def check_fixed(name, x, w, f, rounding):
+    want = ref.fixed_static_quantize(x, w, f, rounding, gen(2))
+    got = tp.fixed_static_quantize(x, w, f, rounding, gen(2))
+    problem = same(got, want)
+    if problem is None:
+        ri, rn = ref.fixed_static_pack(x, w, f, rounding, gen(2))
+        gi, gn = tp.fixed_static_pack(x, w, f, rounding, gen(2))
+        if not torch.equal(gi, ri):
+            problem = "integer stream differs"
+        elif (gn is None) != (rn is None) or (gn is not None and not torch.equal(gn, rn)):
+            problem = "NaN mask stream differs"
+        else:
+            out = tp.fixed_static_unpack(gi, gn, w, f, tuple(x.shape), x.dtype)
+            problem = same(out, want)
+            problem = None if problem is None else "unpack: " + problem
+    report(name, problem)
+
+
+def edge_tensor() -> torch.Tensor:
+    nan, inf = math.nan, math.inf
+    rows = [
+        [0.0] * 16,
+        [-0.0] * 16,
+        [1.0, nan] + [2.0] * 14,
+        [inf] + [1.0] * 15,
+        [1e-40, -1e-40, 1.4e-45, -1.4e-45, 0.0, -0.0, 5e-39, 1.1754942e-38] * 2,
+        [3.4e38, -3.4e38, 1.0, -1e-38, 3.4028235e38, 1e30, 0.0, -0.0] * 2,
+        [1e30, 1e-30, -1e-40, -1e30, 1.0, -1.0, 2.5e29, -0.0] * 2,
+        [0.5, 1.5, 2.5, 3.5, -0.5, -1.5, -2.5, -3.5, 4.0, 0.25, 0.75, -0.75, 5.5, 6.5, 7.5, -7.5],
+        [-0.3, 0.3, 2.9, -1.7, 0.05, 0.0, -0.0, 1e-3, -1e-3, 0.1, -0.1, 0.2, -0.2, 0.4, -0.4, 1],
+    ]
+    return torch.tensor(rows, dtype=torch.float32, device=DEVICE)
+
+
+def random_tensor(shape, seed) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * torch.exp2(torch.randint(-40, 40, shape, generator=g))
+    r = torch.rand(shape, generator=g)
+    ties = (torch.randint(-40, 40, shape, generator=g) + 0.5) * 0.25
+    x = torch.where(r < 0.1, ties, x)
+    x = torch.where((r >= 0.1) & (r < 0.12), -0.0, x)
+    x = torch.where(r > 0.9999, math.nan, x)
+    return x.to(DEVICE)
+
+
+def exactness() -> None:
+    shape = (257, 1031) if CUDA else (13, 37)
+    x = random_tensor(shape, 0)
+    edges = edge_tensor()
+    small = random_tensor((5, 3, 7), 1)
+    for rounding in ("nearest", "stochastic"):
+        for m, E, B in [(4, 8, 16), (8, 8, 16), (3, 5, 3), (16, 10, 33), (24, 8, 1), (2, 2, 16)]:
+            fmt = f"bfp{m}e{E}b{B}"
+            for axis in (0, 1):
+                check_bfp(f"{fmt} {rounding} random{tuple(x.shape)} axis={axis}", x, m, E, B,
+                          axis, rounding)  # fmt: skip
+            check_bfp(f"{fmt} {rounding} edges", edges, m, E, B, 1, rounding)
+            check_bfp(f"{fmt} {rounding} transposed", x.t(), m, E, B, 0, rounding)
+            check_bfp(f"{fmt} {rounding} bf16 3-d axis=1", small.bfloat16(), m, E, B, 1, rounding)
+        for w in (8, 16, 32):
+            check_bfp(f"fixed{w} {rounding} random", x, w, 8, None, 0, rounding)
+            check_bfp(f"fixed{w} {rounding} edges", edges, w, 8, None, 0, rounding)
+        for w, f in [(8, 4), (16, 8), (32, 30), (2, 0)]:
+            check_fixed(f"fixed{w}f{f} {rounding} random", x, w, f, rounding)
+            check_fixed(f"fixed{w}f{f} {rounding} edges", edges, w, f, rounding)
+    check_bfp("bfp4 0-dim", torch.tensor(-2.75, device=DEVICE), 4, 8, 16, 0, "nearest")
+
+
+# ----------------------------------------------------------------------------- (b) timings
+def cuda_ms(fn, repeats: int) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
+    end = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
+    for s, e in zip(start, end, strict=True):
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    times = sorted(s.elapsed_time(e) for s, e in zip(start, end, strict=True))
+    return times[len(times) // 2]  # median
+
+
+def time_size(n: int, repeats: int) -> list[tuple[str, float, int]]:
+    """(op, ms, bytes read + written) for n float32 values, the device copy first."""
+    formats = [("bfp4", 4, 8, 16), ("bfp8", 8, 8, 16), ("fixed16", 16, 8, None)]
+    x = torch.randn(n // 4096, 4096, device=DEVICE)
+    y = torch.empty_like(x)
+    shape = tuple(x.shape)
+    rows = [("copy y.copy_(x)", cuda_ms(lambda: y.copy_(x), repeats), 8 * n)]
+    rows.append(("x.clone()", cuda_ms(lambda: x.clone(), repeats), 8 * n))
+    for name, m, E, B in formats:
+        n_exp = 1 if B is None else n // B
+        packed = math.ceil(n * m / 8) + math.ceil(n_exp * E / 8)
+        man, exps = tp.bfp_pack(x, m, E, B, -1)
+
+        def quantize(m=m, E=E, B=B):
+            return tp.bfp_quantize(x, m, E, B, -1)
+
+        def pack(m=m, E=E, B=B):
+            return tp.bfp_pack(x, m, E, B, -1)
+
+        def unpack(m=m, E=E, B=B, man=man, exps=exps):
+            return tp.bfp_unpack(man, exps, m, E, B, shape, -1, torch.float32)
+
+        rows.append((f"{name} quantize", cuda_ms(quantize, repeats), 8 * n))
+        rows.append((f"{name} pack", cuda_ms(pack, repeats), 4 * n + packed))
+        rows.append((f"{name} unpack", cuda_ms(unpack, repeats), packed + 4 * n))
+    return rows
+
+
+def timings(log2_sizes, repeats: int) -> None:
+    print(f"\n{torch.cuda.get_device_name()}, median of {repeats} runs after 3 warmups")
+    for log2n in log2_sizes:
+        n = 2**log2n
+        rows = time_size(n, repeats)
+        torch.cuda.empty_cache()
+        copy_gbs = rows[0][2] / rows[0][1] / 1e6
+        print(f"\n2^{log2n} float32 values ({4 * n / 2**20:.0f} MiB)")
+        print(f"{'op':<20}{'ms':>9}{'GB/s':>9}{'vs copy':>9}")
+        for name, ms, nbytes in rows:
+            gbs = nbytes / ms / 1e6
+            print(f"{name:<20}{ms:>9.3f}{gbs:>9.0f}{gbs / copy_gbs:>9.2f}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="24,26", help="log2 of the timed sizes")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--skip-timing", action="store_true")
+    args = parser.parse_args()
+    where = torch.cuda.get_device_name() if CUDA else "CPU, TRITON_INTERPRET=1 (tiny sizes)"
+    print(f"Triton path check on {where}; torch {torch.__version__}")
+    t0 = time.time()
+    exactness()
+    print(f"bit-exact checks: {len(FAILS)} failed ({time.time() - t0:.1f} s)")
+    if not CUDA:
+        print("timings skipped: they need a CUDA device")
+    elif not args.skip_timing:
+        timings([int(s) for s in args.sizes.split(",")], args.repeats)
+    if FAILS:
+        print(f"FAIL: {len(FAILS)} bit-exact check(s) failed: {', '.join(FAILS[:10])}")
+        return 1
+    print("PASS: all bit-exact checks")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""The command line: help, format, bench quant, and one-line usage errors with exit code 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from dsq_cli.cli import app
+from dsq_cli.formats import parse_format
+
+runner = CliRunner()
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_help_lists_the_commands():
+    result = runner.invoke(app, ["--help"])
+    assert result.exit_code == 0
+    for command in ("format", "bench", "version"):
+        assert command in result.output
+
+
+def test_format_quantizes_the_spec_example():
+    result = runner.invoke(app, ["format", "bfp4", "--values", "0.3,-1.7,0.05,2.9"])
+    assert result.exit_code == 0, result.output
+    assert "bfp4e8b16" in result.output and "4.5" in result.output
+    assert "[0.5, -1.5, 0.0, 3.0]" in result.output
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["format", "bfp99"], "invalid format spec 'bfp99'"),
+        (["format", "bfp4", "--values", "1,x"], "--values must be numbers"),
+        (["bench", "quant", "--formats", "bfp1", "--numel", "64"], "invalid format spec 'bfp1'"),
+        (["bench", "quant", "--paths", "gpu", "--numel", "64"], "unknown path"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_code_2(args, needle):
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0] and lines[0].startswith("dsq: error:")
+
+
+def test_console_script_exit_code_for_a_bad_spec():
+    """The installed entry point, in a real process: stderr one line, exit code 2."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "dsq_cli.cli", "format", "fixed40"],
+        capture_output=True, text=True, cwd=REPO,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "fixed40" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_bench_quant_json_on_a_small_tensor():
+    result = runner.invoke(
+        app,
+        ["bench", "quant", "--numel", "4096", "--repeats", "1", "--formats", "bfp4,fixed16",
+         "--paths", "reference,eager", "--json"],
+    )
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    ops = {(r["format"], r["path"], r["op"]) for r in data["rows"]}
+    assert ("-", "torch", "x.clone()") in ops
+    for op in ("quantize", "pack", "unpack"):
+        assert ("bfp4e8b16", "reference", op) in ops
+    assert ("fixed16", "eager", "quantize") in ops
+    assert all(r["ms"] > 0 and r["x_clone"] > 0 for r in data["rows"])
+
+
+@pytest.mark.parametrize("preset", sorted((REPO / "conf" / "quant").glob("*.yaml")))
+def test_quant_presets_name_valid_formats(preset):
+    cfg = yaml.safe_load(preset.read_text())
+    assert set(cfg) == {"q0", "q1", "q2", "q3", "stash_scope"}
+    assert cfg["stash_scope"] in ("gemm", "all")
+    for point in ("q0", "q1", "q2", "q3"):
+        value = cfg[point]
+        levels = value["levels"] if isinstance(value, dict) else [value]
+        for spec in levels:
+            parse_format(spec)
+        bits = [parse_format(s).bits_per_value for s in levels]
+        assert bits == sorted(bits)  # a schedule only rises
+
+
+def test_table1_presets_are_all_there():
+    names = {p.stem for p in (REPO / "conf" / "quant").glob("*.yaml")}
+    assert names == {"fp32", "fixed32", "fixed16", "bfp16", "bfp8", "bfp6", "stash_fixed",
+                     "stash_bfp", "dsq"}
