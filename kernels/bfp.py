@@ -49,8 +49,6 @@ ELEM_BLOCK = 2048  # elements per program of the elementwise kernels
 REDUCE_BLOCK = 8192  # elements per program of the abs-max reduction (block=None)
 NUM_WARPS = 8
 
-_F32_NAN_BITS = 0x7F800000  # abs bit patterns >= this are inf or NaN
-
 
 # ============================================================================ device helpers
 @triton.jit

@@ -1,18 +1,20 @@
 """The Triton path equals the reference bit for bit (values, -0.0, NaN positions, packed bytes).
 
-Runs the kernels under the Triton interpreter on CPU tensors (``TRITON_INTERPRET=1``, set here
-before Triton is imported unless the environment already says otherwise); with
-``TRITON_INTERPRET=0`` and a GPU, the same tests run on CUDA tensors.
+Without a GPU the kernels run under the Triton interpreter on CPU tensors: ``TRITON_INTERPRET=1``
+is set here (as in conftest.py) before anything imports Triton. With a GPU and the variable
+unset, the same tests run the compiled kernels on CUDA tensors (the reference runs there too).
 """
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import math  # noqa: E402
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
