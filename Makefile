@@ -44,8 +44,8 @@ bench: setup
 	$(VENV)/bin/dsq bench quant
 
 lint: setup
-	$(VENV)/bin/ruff check dsq_cli kernels tests
-	$(VENV)/bin/ruff format --check dsq_cli kernels tests
+	$(VENV)/bin/ruff check dsq_cli kernels tests scripts
+	$(VENV)/bin/ruff format --check dsq_cli kernels tests scripts
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -17,8 +17,9 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-bench_app = typer.Typer(help="Benchmarks (record results in docs/benchmarks.md).",
-                        no_args_is_help=True)
+bench_app = typer.Typer(
+    help="Benchmarks (record results in docs/benchmarks.md).", no_args_is_help=True
+)
 app.add_typer(bench_app, name="bench")
 
 USAGE_ERRORS = (ValueError, TypeError, IndexError)
@@ -40,8 +41,10 @@ def usage_errors(fn):
 
 @app.callback()
 def main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log at INFO level.")):
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
 
 
 @app.command()
@@ -81,8 +84,9 @@ def format_cmd(
     x = torch.tensor(numbers, dtype=torch.float32)
     g = torch.Generator().manual_seed(seed)
     q = fmt.quantize(x, rounding=rounding, generator=g, backend="reference")
-    packed = fmt.pack(x, rounding=rounding, generator=torch.Generator().manual_seed(seed),
-                      backend="reference")
+    packed = fmt.pack(
+        x, rounding=rounding, generator=torch.Generator().manual_seed(seed), backend="reference"
+    )
     typer.echo(f"input           {x.tolist()}")
     typer.echo(f"quantized       {q.tolist()}")
     typer.echo(f"packed bytes    {packed.nbytes} (float32: {x.numel() * 4})")
@@ -120,8 +124,14 @@ def bench_quant(
 
         if not torch.cuda.is_available():
             raise ValueError("--device cuda needs a CUDA GPU; none is visible here")
-    result = quant.run(numel, [f.strip() for f in formats.split(",") if f.strip()], path_list,
-                       repeats, device, peers)
+    result = quant.run(
+        numel,
+        [f.strip() for f in formats.split(",") if f.strip()],
+        path_list,
+        repeats,
+        device,
+        peers,
+    )
     if as_json:
         json.dump(result, sys.stdout, indent=2)
         sys.stdout.write("\n")

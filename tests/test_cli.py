@@ -52,7 +52,9 @@ def test_console_script_exit_code_for_a_bad_spec():
     """The installed entry point, in a real process: stderr one line, exit code 2."""
     proc = subprocess.run(
         [sys.executable, "-m", "dsq_cli.cli", "format", "fixed40"],
-        capture_output=True, text=True, cwd=REPO,
+        capture_output=True,
+        text=True,
+        cwd=REPO,
     )
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "fixed40" in proc.stderr
@@ -62,8 +64,19 @@ def test_console_script_exit_code_for_a_bad_spec():
 def test_bench_quant_json_on_a_small_tensor():
     result = runner.invoke(
         app,
-        ["bench", "quant", "--numel", "4096", "--repeats", "1", "--formats", "bfp4,fixed16",
-         "--paths", "reference,eager", "--json"],
+        [
+            "bench",
+            "quant",
+            "--numel",
+            "4096",
+            "--repeats",
+            "1",
+            "--formats",
+            "bfp4,fixed16",
+            "--paths",
+            "reference,eager",
+            "--json",
+        ],
     )
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
@@ -91,5 +104,14 @@ def test_quant_presets_name_valid_formats(preset):
 
 def test_table1_presets_are_all_there():
     names = {p.stem for p in (REPO / "conf" / "quant").glob("*.yaml")}
-    assert names == {"fp32", "fixed32", "fixed16", "bfp16", "bfp8", "bfp6", "stash_fixed",
-                     "stash_bfp", "dsq"}
+    assert names == {
+        "fp32",
+        "fixed32",
+        "fixed16",
+        "bfp16",
+        "bfp8",
+        "bfp6",
+        "stash_fixed",
+        "stash_bfp",
+        "dsq",
+    }

@@ -19,8 +19,20 @@ pytestmark = pytest.mark.skipif(
 # word packing (m divides 64, or fits a 64-bit word), the byte gather (odd m > 8), E != 8,
 # odd and long blocks, whole-tensor blocks with m <= 24 and m > 24, static fixed up to 32 bits.
 SPECS = [
-    "bfp2", "bfp3", "bfp4", "bfp6", "bfp8", "bfp11", "bfp24e10b33", "bfp5e4b3",
-    "fixed8", "fixed16", "fixed32", "fixed8f4", "fixed32f30", "fixed2f0",
+    "bfp2",
+    "bfp3",
+    "bfp4",
+    "bfp6",
+    "bfp8",
+    "bfp11",
+    "bfp24e10b33",
+    "bfp5e4b3",
+    "fixed8",
+    "fixed16",
+    "fixed32",
+    "fixed8f4",
+    "fixed32f30",
+    "fixed2f0",
 ]
 
 

@@ -100,9 +100,7 @@ def test_every_fixed4f2_value_on_a_fine_grid_matches_the_oracle():
 
 
 # ------------------------------------------------------------------- random tensors vs oracle
-finite_f32 = st.floats(
-    allow_nan=False, allow_infinity=False, width=32
-)
+finite_f32 = st.floats(allow_nan=False, allow_infinity=False, width=32)
 any_f32 = st.floats(width=32)  # NaN, infinities, subnormals, -0.0 included
 
 
@@ -143,7 +141,9 @@ def test_fixed_w_is_bfp_w_with_one_block(values, w):
 
 # ------------------------------------------------------------------- invariants
 bfp_specs = st.builds(
-    lambda m, E, B: f"bfp{m}e{E}b{B}", st.integers(2, 12), st.sampled_from([4, 8]),
+    lambda m, E, B: f"bfp{m}e{E}b{B}",
+    st.integers(2, 12),
+    st.sampled_from([4, 8]),
     st.sampled_from([1, 4, 16]),
 )
 
@@ -234,11 +234,13 @@ def test_stochastic_rounding_only_picks_the_two_neighbours():
 )
 def test_floating_formats_equal_torch_casts(spec, dtype, saturate):
     g = torch.Generator().manual_seed(0)
-    x = torch.cat([
-        torch.randn(1000, generator=g) * 10.0 ** torch.randint(-8, 8, (1000,), generator=g),
-        torch.tensor([0.0, -0.0, 1e-45, -1e-40, 65504.0, 70000.0, 1e6, -1e30, 3e38]),
-        torch.tensor([math.inf, -math.inf, math.nan]),
-    ])
+    x = torch.cat(
+        [
+            torch.randn(1000, generator=g) * 10.0 ** torch.randint(-8, 8, (1000,), generator=g),
+            torch.tensor([0.0, -0.0, 1e-45, -1e-40, 65504.0, 70000.0, 1e6, -1e30, 3e38]),
+            torch.tensor([math.inf, -math.inf, math.nan]),
+        ]
+    )
     got = parse_format(spec).quantize(x, backend=REF)
     cast = x if saturate is None else x.clamp(-saturate, saturate)
     assert_bitwise_equal(got, cast.to(dtype).float())

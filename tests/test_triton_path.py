@@ -287,3 +287,21 @@ def test_random_fuzz(small_tiles):
 def test_bad_rounding_rejected():
     with pytest.raises(ValueError):
         tp.bfp_quantize(torch.ones(4, device=DEVICE), 4, 8, 16, 0, "up", None)
+
+
+# ----------------------------------------------------------------------------- through the API
+@pytest.mark.parametrize("spec", ["bfp4", "bfp3e5b7", "fixed12", "fixed8f4", "fp16"])
+def test_format_api_on_the_triton_backend(spec):
+    """parse_format(...).quantize / pack / unpack with backend="triton" end to end."""
+    from dsq_cli.formats import parse_format
+
+    fmt = parse_format(spec)
+    x = torch.randn(5, 40, generator=gen(1), device=DEVICE)
+    x[1, 3] = -0.0
+    want = fmt.quantize(x, axis=1, backend="reference")
+    assert_same(fmt.quantize(x, axis=1, backend="triton"), want)
+    packed = fmt.pack(x, axis=1, backend="triton")
+    ref_packed = fmt.pack(x, axis=1, backend="reference")
+    for name, stream in ref_packed.payload.items():
+        assert torch.equal(packed.payload[name], stream), name
+    assert_same(packed.unpack(backend="triton"), want)

@@ -16,8 +16,8 @@ from collections.abc import Callable
 
 import torch
 
-from dsq_cli.formats import parse_format
 from dsq_cli.formats import compiled as compiled_path
+from dsq_cli.formats import parse_format
 from dsq_cli.formats.dispatch import unavailable_reason
 
 
@@ -92,16 +92,33 @@ def run(
     dst = torch.empty_like(x)
     copy_s, clone_s, copy_ratio = measure(lambda: dst.copy_(x), x, dev, repeats)
     rows = [
-        Row("-", "torch", "x.clone()", clone_s * 1e3, 2 * value_bytes / clone_s / 1e9,
-            clone_s * 1e3, 1.0, 2 * value_bytes),
-        Row("-", "torch", "copy_ (preallocated)", copy_s * 1e3, 2 * value_bytes / copy_s / 1e9,
-            clone_s * 1e3, copy_ratio, 2 * value_bytes),
+        Row(
+            "-",
+            "torch",
+            "x.clone()",
+            clone_s * 1e3,
+            2 * value_bytes / clone_s / 1e9,
+            clone_s * 1e3,
+            1.0,
+            2 * value_bytes,
+        ),
+        Row(
+            "-",
+            "torch",
+            "copy_ (preallocated)",
+            copy_s * 1e3,
+            2 * value_bytes / copy_s / 1e9,
+            clone_s * 1e3,
+            copy_ratio,
+            2 * value_bytes,
+        ),
     ]
     skipped = []
     for fmt in formats:
         for path in paths:
-            reason = unavailable_reason(path, x) if path in ("reference", "compiled", "triton") \
-                else None
+            reason = (
+                unavailable_reason(path, x) if path in ("reference", "compiled", "triton") else None
+            )
             if reason is not None:
                 skipped.append(f"{path}: {reason}")
                 continue
@@ -110,22 +127,37 @@ def run(
                 fn = _eager(fmt, x)
                 if fn is not None:
                     op_s, c_s, r = measure(fn, x, dev, reps)
-                    rows.append(Row(fmt.spec, "eager", "quantize", op_s * 1e3,
-                                    2 * value_bytes / op_s / 1e9, c_s * 1e3, r, 2 * value_bytes))
+                    rows.append(
+                        Row(
+                            fmt.spec,
+                            "eager",
+                            "quantize",
+                            op_s * 1e3,
+                            2 * value_bytes / op_s / 1e9,
+                            c_s * 1e3,
+                            r,
+                            2 * value_bytes,
+                        )
+                    )
                 continue
             packed = fmt.pack(x, backend=path)
             for op in ops:
                 if op == "quantize":
                     fn, moved = (lambda f=fmt, p=path: f.quantize(x, backend=p)), 2 * value_bytes
                 elif op == "pack":
-                    fn, moved = (lambda f=fmt, p=path: f.pack(x, backend=p)), \
-                        value_bytes + packed.nbytes
+                    fn, moved = (
+                        (lambda f=fmt, p=path: f.pack(x, backend=p)),
+                        value_bytes + packed.nbytes,
+                    )
                 else:
-                    fn, moved = (lambda p=path: packed.unpack(backend=p)), \
-                        value_bytes + packed.nbytes
+                    fn, moved = (
+                        (lambda p=path, pk=packed: pk.unpack(backend=p)),
+                        value_bytes + packed.nbytes,
+                    )
                 op_s, c_s, r = measure(fn, x, dev, reps)
-                rows.append(Row(fmt.spec, path, op, op_s * 1e3, moved / op_s / 1e9, c_s * 1e3, r,
-                                moved))
+                rows.append(
+                    Row(fmt.spec, path, op, op_s * 1e3, moved / op_s / 1e9, c_s * 1e3, r, moved)
+                )
     if peers:
         if importlib.util.find_spec("qtorch") is None:
             skipped.append("peer qtorch: not installed (pip install qtorch)")
@@ -133,8 +165,18 @@ def run(
             for fmt in formats:
                 if fmt.spec.startswith("bfp"):
                     op_s, c_s, r = measure(_peer_qtorch(fmt, x), x, dev, repeats)
-                    rows.append(Row(fmt.spec, "qtorch", "quantize", op_s * 1e3,
-                                    2 * value_bytes / op_s / 1e9, c_s * 1e3, r, 2 * value_bytes))
+                    rows.append(
+                        Row(
+                            fmt.spec,
+                            "qtorch",
+                            "quantize",
+                            op_s * 1e3,
+                            2 * value_bytes / op_s / 1e9,
+                            c_s * 1e3,
+                            r,
+                            2 * value_bytes,
+                        )
+                    )
     return {
         "numel": numel,
         "device": str(dev),

@@ -61,8 +61,12 @@ class BFP(Format):
         with torch.no_grad():
             path = select_path(p["mantissas"].new_empty(1, dtype=torch.float32), backend)
             return path.bfp_unpack(
-                p["mantissas"], p["exponents"], *self._args(),
-                packed.shape, packed.axis, packed.dtype,
+                p["mantissas"],
+                p["exponents"],
+                *self._args(),
+                packed.shape,
+                packed.axis,
+                packed.dtype,
             )
 
 

@@ -152,8 +152,7 @@ def _pack_codes(codes: torch.Tensor, width: int) -> torch.Tensor:
     per_group, _ = _group(width)
     if count % per_group:
         codes = torch.nn.functional.pad(codes, (0, per_group - count % per_group))
-    stream = _run(_pack_groups, codes.reshape(-1, per_group), width,
-                  dynamic_dims=((codes, 0),))
+    stream = _run(_pack_groups, codes.reshape(-1, per_group), width, dynamic_dims=((codes, 0),))
     return stream.reshape(-1)[: (count * width + 7) // 8]
 
 
@@ -267,8 +266,9 @@ def _fixed_static_unpack_fn(packed, count: int, width: int, frac_bits: int):
     return signed.to(torch.float32) * 2.0**-frac_bits
 
 
-def _bfp_unpack_fn(mantissas, exponents, rows: int, n: int, n_blocks: int, block: int,
-                   man_bits: int, exp_bits: int):
+def _bfp_unpack_fn(
+    mantissas, exponents, rows: int, n: int, n_blocks: int, block: int, man_bits: int, exp_bits: int
+):
     codes = _unpack_any(mantissas, man_bits, rows * n)
     exps = _unpack_any(exponents, exp_bits, rows * n_blocks)
     codes = codes.reshape(rows, n)
@@ -278,7 +278,7 @@ def _bfp_unpack_fn(mantissas, exponents, rows: int, n: int, n_blocks: int, block
     return _bfp_decode_fn(codes, exps.reshape(rows, n_blocks, 1), man_bits, exp_bits)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiled(fn):
     return torch.compile(fn, dynamic=False, fullgraph=True)
 
@@ -364,7 +364,15 @@ def bfp_unpack(mantissas, exponents, man_bits, exp_bits, block, shape, axis, dty
     exp_words = _words_from_stream(exponents, exp_bits, rows * n_blocks)
     # rows (BFP) or the block length (fixed<w>) vary with the batch: keep them symbolic
     values = _run(
-        _bfp_unpack_fn, mant_words, exp_words, rows, n, n_blocks, b, man_bits, exp_bits,
+        _bfp_unpack_fn,
+        mant_words,
+        exp_words,
+        rows,
+        n,
+        n_blocks,
+        b,
+        man_bits,
+        exp_bits,
         dynamic_dims=((mant_words, 0), (exp_words, 0)),
     )
     return _restore(values, n, moved_shape, shape, None if block is None else axis, dtype)

@@ -24,12 +24,12 @@ BACKENDS = ("reference", "compiled", "triton")
 log = logging.getLogger("dsq.formats")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _log_once(message: str) -> None:
     log.info(message)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def compiled_unavailable_reason() -> str | None:
     """Why the fused CPU path cannot run here, or None when it can."""
     if os.environ.get("DSQ_DISABLE_COMPILE"):
@@ -45,7 +45,7 @@ def compiled_unavailable_reason() -> str | None:
     return None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def triton_unavailable_reason(device_type: str) -> str | None:
     """Why the Triton path cannot run on this device type, or None when it can."""
     try:
@@ -56,7 +56,10 @@ def triton_unavailable_reason(device_type: str) -> str | None:
         return None
     if device_type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
         return None
-    return f"the Triton kernels need CUDA tensors (got {device_type}; TRITON_INTERPRET=1 runs them on CPU)"
+    return (
+        f"the Triton kernels need CUDA tensors (got {device_type}; "
+        "TRITON_INTERPRET=1 runs them on CPU)"
+    )
 
 
 def unavailable_reason(backend: str, x: torch.Tensor) -> str | None:

@@ -57,6 +57,10 @@ class FixedStatic(Format):
         with torch.no_grad():
             path = select_path(p["integers"].new_empty(1, dtype=torch.float32), backend)
             return path.fixed_static_unpack(
-                p["integers"], p.get("nan_mask"), self.width, self.frac_bits,
-                packed.shape, packed.dtype,
+                p["integers"],
+                p.get("nan_mask"),
+                self.width,
+                self.frac_bits,
+                packed.shape,
+                packed.dtype,
             )
