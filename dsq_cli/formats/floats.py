@@ -31,6 +31,8 @@ class FloatCast(Format):
         return cls()
 
     def _cast(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dtype == torch.float32 and self.name == "fp32":
+            return x  # the identity, whatever the input dtype (float64 stays exact)
         if self.saturate_at is not None:
             x = x.clamp(-self.saturate_at, self.saturate_at)  # clamp keeps NaN; inf -> max
         return x.to(self.dtype)
@@ -54,7 +56,7 @@ class FloatCast(Format):
         with torch.no_grad():
             values = self._cast(x)
             if values.data_ptr() == x.data_ptr():
-                values = values.clone()  # fp32 of an fp32 tensor: own the storage
+                values = values.clone()  # the identity: own the storage
         return PackedTensor(self, tuple(x.shape), x.dtype, axis, {"values": values})
 
     def _unpack(self, packed, backend=None):
@@ -63,7 +65,7 @@ class FloatCast(Format):
 
 @register
 class FP32(FloatCast):
-    """fp32: the identity (no quantization). Packed storage is a float32 copy (32 bits)."""
+    """fp32: the identity (no quantization, any input dtype). Packed storage is a copy."""
 
     name, dtype, pattern = "fp32", torch.float32, re.compile("fp32")
 

@@ -1,0 +1,26 @@
+"""The DSQ engine (SPEC 2 and 3): quantized GEMMs with a packed stash, and time-adaptive
+precision controlled from one ``QuantConfig``.
+
+    >>> from dsq_cli.engine import QuantConfig, Schedule, dsq_linear, dsq_matmul
+    >>> cfg = QuantConfig(q0="bfp8", q1=Schedule(["bfp2", "bfp4", "bfp8"], patience=1),
+    ...                   q2="bfp8", q3="fixed16", stash_scope="gemm")
+    >>> y = dsq_linear(x, weight, bias, cfg)
+    >>> cfg.step(valid_loss, update=1000)   # after each validation: every layer sees the change
+"""
+
+from .config import POINT_HELP, POINTS, STASH_SCOPES, QuantConfig
+from .functions import DSQLinearFunction, DSQMatmulFunction, dsq_linear, dsq_matmul
+from .schedule import LevelChange, Schedule
+
+__all__ = [
+    "DSQLinearFunction",
+    "DSQMatmulFunction",
+    "LevelChange",
+    "POINTS",
+    "POINT_HELP",
+    "QuantConfig",
+    "STASH_SCOPES",
+    "Schedule",
+    "dsq_linear",
+    "dsq_matmul",
+]

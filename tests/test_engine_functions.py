@@ -1,0 +1,128 @@
+"""SPEC 2: dsq_linear and dsq_matmul against F.linear (all points fp32) and against a
+written-out computation of the four quantization points."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsq_cli.engine import QuantConfig, dsq_linear, dsq_matmul
+from dsq_cli.formats import parse_format
+
+
+def q(spec, t, axis):
+    return parse_format(spec).quantize(t, axis=axis, backend="reference")
+
+
+def linear_by_hand(x, w, b, dy, q0, q1, q2, q3):
+    """SPEC 2 written out: every operand quantized along its own GEMM's reduction axis."""
+    k, m = x.shape[-1], w.shape[0]
+    x2, dy2 = x.reshape(-1, k), dy.reshape(-1, m)
+    y = q(q0, x2, 1) @ q(q0, w, 1).t() + b
+    g = q(q3, dy2, 0)
+    dx = q(q2, g, 1) @ q(q2, w, 0)
+    dw = g.t() @ q(q1, x2, 0)
+    db = g.sum(0)
+    return y.reshape(*x.shape[:-1], m), dx.reshape(x.shape), dw, db
+
+
+def run_linear(x, w, b, dy, cfg):
+    x = x.clone().requires_grad_()
+    w = w.clone().requires_grad_()
+    b = b.clone().requires_grad_()
+    y = dsq_linear(x, w, b, cfg)
+    y.backward(dy)
+    return y.detach(), x.grad, w.grad, b.grad
+
+
+def data(shape_x=(3, 7, 40), m=24, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape_x, generator=g)
+    w = torch.randn(m, shape_x[-1], generator=g) / 6
+    b = torch.randn(m, generator=g)
+    dy = torch.randn(*shape_x[:-1], m, generator=g)
+    return x, w, b, dy
+
+
+def test_all_fp32_equals_f_linear_in_value_and_gradients():
+    x, w, b, dy = data()
+    got = run_linear(x, w, b, dy, QuantConfig())
+    xr, wr, br = (t.clone().requires_grad_() for t in (x, w, b))
+    yr = torch.nn.functional.linear(xr, wr, br)
+    yr.backward(dy)
+    torch.testing.assert_close(got[0], yr.detach(), rtol=0, atol=0)
+    for a, e in zip(got[1:], (xr.grad, wr.grad, br.grad)):
+        torch.testing.assert_close(a, e)  # same products, possibly another summation order
+
+
+def test_gradcheck_float64_all_fp32():
+    x, w, b, _ = data((2, 3, 5), m=4)
+    cfg = QuantConfig()
+    args = tuple(t.double().requires_grad_() for t in (x, w, b))
+    assert torch.autograd.gradcheck(lambda x, w, b: dsq_linear(x, w, b, cfg), args)
+
+
+@pytest.mark.parametrize(
+    "points",
+    [
+        ("bfp8", "bfp4", "bfp8", "fixed16"),  # stash_bfp
+        ("bfp8", "bfp2", "bfp8", "fixed16"),  # dsq's first level
+        ("fixed16", "fixed8", "fixed16", "fixed16"),  # stash_fixed
+        ("bfp6e8b16", "bfp3e8b8", "e4m3", "bf16"),
+        ("fp32", "bfp4", "fp32", "fp32"),
+    ],
+)
+@pytest.mark.parametrize("shape_x", [(3, 7, 40), (37, 48)])  # partial blocks along N and K
+def test_quantized_points_equal_the_written_out_computation(points, shape_x):
+    x, w, b, dy = data(shape_x, m=20)
+    cfg = QuantConfig(*points)
+    got = run_linear(x, w, b, dy, cfg)
+    expected = linear_by_hand(x, w, b, dy, *points)
+    for name, a, e in zip(("y", "dx", "dW", "db"), got, expected):
+        torch.testing.assert_close(a, e, rtol=0, atol=0, msg=name)
+
+
+def test_schedule_step_changes_the_stash_format_of_the_next_forward():
+    x, w, b, dy = data()
+    cfg = QuantConfig(q1={"levels": ["bfp2", "bfp8"], "patience": 1})
+    low = run_linear(x, w, b, dy, cfg)
+    cfg.step(1.0)
+    cfg.step(1.0)  # stall: q1 moves to bfp8
+    high = run_linear(x, w, b, dy, cfg)
+    assert torch.equal(low[0], high[0])  # forward unaffected (q0 fp32)
+    expected_high = linear_by_hand(x, w, b, dy, "fp32", "bfp8", "fp32", "fp32")
+    torch.testing.assert_close(high[2], expected_high[2], rtol=0, atol=0)
+    assert not torch.equal(low[2], high[2])
+
+
+def matmul_by_hand(a, b, dz, q0, q1, q2, q3):
+    z = q(q0, a, -1) @ q(q0, b, -2)
+    g = q(q3, dz, -2)
+    da = q(q2, g, -1) @ q(q1, b, -1).transpose(-1, -2)
+    db = q(q1, a, -2).transpose(-1, -2) @ g
+    return z, da, db
+
+
+@pytest.mark.parametrize("points", [("fp32",) * 4, ("bfp8", "bfp4", "bfp8", "fixed16")])
+def test_matmul_equals_the_written_out_computation(points):
+    g = torch.Generator().manual_seed(1)
+    a = torch.randn(4, 19, 32, generator=g)
+    b = torch.randn(4, 32, 21, generator=g)
+    dz = torch.randn(4, 19, 21, generator=g)
+    ar, br = a.clone().requires_grad_(), b.clone().requires_grad_()
+    z = dsq_matmul(ar, br, QuantConfig(*points))
+    z.backward(dz)
+    ez, eda, edb = matmul_by_hand(a, b, dz, *points)
+    for name, got, exp in zip(("z", "da", "db"), (z.detach(), ar.grad, br.grad), (ez, eda, edb)):
+        torch.testing.assert_close(got, exp, rtol=0, atol=0, msg=name)
+
+
+def test_stash_is_held_packed_between_forward_and_backward():
+    x, w, b, _ = data((64, 256), m=32)
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = dsq_linear(xr, wr, b, QuantConfig(q1="bfp4"))
+    weight, *stash = y.grad_fn.saved_tensors  # what autograd really holds for backward
+    assert weight is wr or torch.equal(weight, wr)
+    held = sum(t.numel() * t.element_size() for t in stash)
+    assert held == 64 * 256 * 4.5 / 8  # 4.5 bits per value instead of 32
+    assert all(t.dtype == torch.uint8 for t in stash)
