@@ -108,3 +108,14 @@ def test_unknown_backend_and_unavailable_backend_are_errors():
         with pytest.raises(RuntimeError, match="compiled path is for CPU"):
             # the compiled path refuses a device it does not serve, rather than falling back
             fmt.quantize(torch.zeros(16, device="meta"), backend="compiled")
+
+
+def test_automatic_dispatch_falls_back_to_the_reference_with_a_logged_reason(caplog):
+    import logging
+
+    from dsq_cli.formats import reference, select_path
+
+    with caplog.at_level(logging.INFO, logger="dsq.formats"):
+        path = select_path(torch.empty(4, device="meta"))
+    assert path is reference
+    assert any("using the reference quantizer" in r.getMessage() for r in caplog.records)
