@@ -93,16 +93,24 @@ def test_stochastic_underflow_corner():
     assert_bitwise_equal(fast_q, ref_q)
 
 
-def test_new_batch_lengths_reuse_the_compiled_kernel():
-    """Translation batches vary in length: a new row count must not recompile."""
+@pytest.mark.parametrize("spec, axis", [("bfp4", -1), ("bfp4", 0), ("fixed16", 0), ("fixed8f4", 0)])
+def test_new_batch_lengths_reuse_the_compiled_kernels(spec, axis):
+    """Translation batches vary in length: new token counts (rows, or blocks along the tokens
+    for a stash) must not recompile quantize, pack or unpack."""
     import torch._dynamo.utils as dynamo_utils
 
-    fmt = parse_format("bfp4")
-    fmt.quantize(torch.randn(10, 64), backend="compiled")
-    fmt.quantize(torch.randn(11, 64), backend="compiled")
+    fmt = parse_format(spec)
+
+    def run(tokens):
+        x = torch.randn(tokens, 64)
+        fmt.quantize(x, axis=axis, backend="compiled")
+        fmt.pack(x, axis=axis, backend="compiled").unpack(backend="compiled")
+
+    for tokens in (40, 77, 100):  # warm up, including the first dynamic recompile
+        run(tokens)
     before = dynamo_utils.counters["stats"]["unique_graphs"]
-    for rows in (12, 37, 129, 500):
-        fmt.quantize(torch.randn(rows, 64), backend="compiled")
+    for tokens in (123, 301, 517, 1000):
+        run(tokens)
     assert dynamo_utils.counters["stats"]["unique_graphs"] == before
 
 

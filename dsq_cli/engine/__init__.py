@@ -8,12 +8,20 @@ precision controlled from one ``QuantConfig``.
     >>> cfg.step(valid_loss, update=1000)   # after each validation: every layer sees the change
 """
 
+from .accounting import GemmRecord, record_gemms
 from .config import POINT_HELP, POINTS, STASH_SCOPES, QuantConfig
 from .functions import DSQLinearFunction, DSQMatmulFunction, dsq_linear, dsq_matmul
+from .patch import DSQLinear, PatchReport, quantize_model, stash_all_hooks
 from .schedule import LevelChange, Schedule
 
 __all__ = [
+    "DSQLinear",
     "DSQLinearFunction",
+    "GemmRecord",
+    "PatchReport",
+    "quantize_model",
+    "record_gemms",
+    "stash_all_hooks",
     "DSQMatmulFunction",
     "LevelChange",
     "POINTS",

@@ -11,6 +11,7 @@ import torch
 
 from dsq_cli.formats import Format, PackedTensor
 
+from . import accounting
 from .config import QuantConfig
 
 
@@ -51,10 +52,10 @@ class DSQLinearFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, cfg: QuantConfig):
+    def forward(ctx, x2, weight, bias, cfg: QuantConfig):
+        # x2 is [N, K]: dsq_linear flattens outside, so the output is not a view made in here
         f0, f1, f2, f3 = _formats(cfg)
-        k = x.shape[-1]
-        x2 = x.reshape(-1, k)
+        k = x2.shape[-1]
         xq = f0.quantize(x2, axis=1)
         wq = f0.quantize(weight, axis=1)
         if bias is None:
@@ -66,20 +67,19 @@ class DSQLinearFunction(torch.autograd.Function):
         ctx.stash_header, stash_tensors = _stash_header(stash)
         ctx.formats = (f2, f3)
         ctx.has_bias = bias is not None
-        ctx.x_shape = x.shape
         ctx.save_for_backward(weight, *stash_tensors)
-        return y.reshape(*x.shape[:-1], weight.shape[0])
+        stash_bytes = stash.nbytes if stash is not None else 0
+        accounting.note("linear", 1, x2.shape[0], k, weight.shape[0], cfg, stash_bytes)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
         weight, *stash_tensors = ctx.saved_tensors
         f2, f3 = ctx.formats
-        m = weight.shape[0]
-        g = f3.quantize(dy.reshape(-1, m), axis=0)  # as fetched: blocks along N
+        g = f3.quantize(dy, axis=0)  # as fetched: blocks along N
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
             dx = f2.quantize(g, axis=1) @ f2.quantize(weight, axis=0)  # blocks along M
-            dx = dx.reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             stash = _stash_restore(ctx.stash_header, stash_tensors).unpack()
             dw = g.t() @ stash
@@ -114,6 +114,9 @@ class DSQMatmulFunction(torch.autograd.Function):
         ctx.headers = (header_a, len(tensors_a), header_b)
         ctx.formats = (f2, f3)
         ctx.save_for_backward(*tensors_a, *tensors_b)
+        stash_bytes = sum(t.numel() * t.element_size() for t in (*tensors_a, *tensors_b))
+        batch = a.numel() // (a.shape[-2] * a.shape[-1]) if a.numel() else 0
+        accounting.note("matmul", batch, a.shape[-2], a.shape[-1], b.shape[-1], cfg, stash_bytes)
         return z
 
     @staticmethod
@@ -134,7 +137,8 @@ class DSQMatmulFunction(torch.autograd.Function):
 
 def dsq_linear(x, weight, bias, cfg: QuantConfig):
     """``F.linear`` with DSQ quantization (see ``DSQLinearFunction``)."""
-    return DSQLinearFunction.apply(x, weight, bias, cfg)
+    y = DSQLinearFunction.apply(x.reshape(-1, x.shape[-1]), weight, bias, cfg)
+    return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
 def dsq_matmul(a, b, cfg: QuantConfig):

@@ -174,7 +174,8 @@ def _pack_codes(codes: torch.Tensor, width: int) -> torch.Tensor:
     per_group, _ = _group(width)
     if count % per_group:
         codes = torch.nn.functional.pad(codes, (0, per_group - count % per_group))
-    stream = _run(_pack_groups, codes.reshape(-1, per_group), width, dynamic_dims=((codes, 0),))
+    groups = codes.reshape(-1, per_group)
+    stream = _run(_pack_groups, groups, width, dynamic_dims=((groups, 0),))
     return stream.reshape(-1)[: (count * width + 7) // 8]
 
 
@@ -282,22 +283,30 @@ def _fixed_static_codes_fn(x, u, width: int, frac_bits: int):
     return codes.to(_code_dtype(width)), finite.all(), (~finite).to(torch.uint8)
 
 
-def _fixed_static_unpack_fn(packed, count: int, width: int, frac_bits: int):
-    codes = _unpack_any(packed, width, count)
+def _fixed_static_unpack_fn(packed, carrier, width: int, frac_bits: int):
+    codes = _unpack_any(packed, width, carrier.shape[0])
     signed = codes - ((codes >> (width - 1)) << width)
     return signed.to(torch.float32) * 2.0**-frac_bits
 
 
-def _bfp_unpack_fn(
-    mantissas, exponents, rows: int, n: int, n_blocks: int, block: int, man_bits: int, exp_bits: int
-):
+def _bfp_unpack_fn(mantissas, exponents, carrier, block: int, man_bits: int, exp_bits: int):
+    """``carrier`` is a stride-0 tensor of shape [rows, n, n_blocks] (no memory): it brings the
+    layout in as symbolic sizes, so new batch shapes reuse the compiled kernel."""
+    rows, n, n_blocks = carrier.shape
     codes = _unpack_any(mantissas, man_bits, rows * n)
     exps = _unpack_any(exponents, exp_bits, rows * n_blocks)
     codes = codes.reshape(rows, n)
-    if n_blocks * block != n:
-        codes = torch.nn.functional.pad(codes, (0, n_blocks * block - n))
+    codes = torch.nn.functional.pad(codes, (0, n_blocks * block - n))
     codes = codes.reshape(rows, n_blocks, block)
     return _bfp_decode_fn(codes, exps.reshape(rows, n_blocks, 1), man_bits, exp_bits)
+
+
+def _bfp_unpack_whole_fn(mantissas, exponents, carrier, man_bits: int, exp_bits: int):
+    """fixed<w>: one block of ``carrier.shape[1]`` codes and one exponent."""
+    _, n, _ = carrier.shape
+    codes = _unpack_any(mantissas, man_bits, n).reshape(1, 1, n)
+    exps = _unpack_any(exponents, exp_bits, 1).reshape(1, 1, 1)
+    return _bfp_decode_fn(codes, exps, man_bits, exp_bits)
 
 
 @functools.cache
@@ -349,8 +358,9 @@ def _noise_rows(x, generator, block, axis):
 
 
 def _dynamic(blocks, block):
-    # fixed<w> (block=None): the one block's length varies with the batch; BFP: the row count
-    return ((blocks, 2),) if block is None else ((blocks, 0),)
+    # fixed<w> (block=None): the one block's length varies with the batch; BFP: the number of
+    # rows and of blocks per row (a stash blocks along the tokens, whose count varies)
+    return ((blocks, 2),) if block is None else ((blocks, 0), (blocks, 1))
 
 
 # ----------------------------------------------------------------------------- interface
@@ -396,19 +406,34 @@ def bfp_unpack(mantissas, exponents, man_bits, exp_bits, block, shape, axis, dty
     rows = numel // n
     mant_words = _words_from_stream(mantissas, man_bits, numel)
     exp_words = _words_from_stream(exponents, exp_bits, rows * n_blocks)
-    # rows (BFP) or the block length (fixed<w>) vary with the batch: keep them symbolic
-    values = _run(
-        _bfp_unpack_fn,
-        mant_words,
-        exp_words,
-        rows,
-        n,
-        n_blocks,
-        b,
-        man_bits,
-        exp_bits,
-        dynamic_dims=((mant_words, 0), (exp_words, 0)),
-    )
+    carrier = torch.zeros((), device=mantissas.device).expand(rows, n, n_blocks)
+    if block is None:  # one block: its length varies with the batch
+        values = _run(
+            _bfp_unpack_whole_fn,
+            mant_words,
+            exp_words,
+            carrier,
+            man_bits,
+            exp_bits,
+            dynamic_dims=((mant_words, 0), (carrier, 1)),
+        )
+    else:
+        values = _run(
+            _bfp_unpack_fn,
+            mant_words,
+            exp_words,
+            carrier,
+            b,
+            man_bits,
+            exp_bits,
+            dynamic_dims=(
+                (mant_words, 0),
+                (exp_words, 0),
+                (carrier, 0),
+                (carrier, 1),
+                (carrier, 2),
+            ),
+        )
     return _restore(values, n, moved_shape, shape, None if block is None else axis, dtype)
 
 
@@ -434,8 +459,14 @@ def fixed_static_pack(x, width, frac_bits, rounding="nearest", generator=None):
 def fixed_static_unpack(integers, nan_mask, width, frac_bits, shape, dtype):
     numel = math.prod(shape)
     words = _words_from_stream(integers, width, numel)
+    carrier = torch.zeros((), device=integers.device).expand(numel)
     values = _run(
-        _fixed_static_unpack_fn, words, numel, width, frac_bits, dynamic_dims=((words, 0),)
+        _fixed_static_unpack_fn,
+        words,
+        carrier,
+        width,
+        frac_bits,
+        dynamic_dims=((words, 0), (carrier, 0)),
     )
     if nan_mask is not None:
         mask = ref.unpack_bits(nan_mask, 1, numel).bool()

@@ -1,0 +1,67 @@
+"""What the engine executed: every quantized GEMM with its shapes and formats, and the stash bytes.
+
+    >>> with record_gemms() as record:
+    ...     loss = model(batch).sum()
+    >>> record.gemms          # one GemmRecord per DSQ linear / matmul forward
+    >>> record.stash_bytes    # bytes held in packed stashes for the backward pass
+
+The cost model reads these records (3 GEMMs per record: the forward one and two backward ones).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmRecord:
+    """One DSQ layer call. ``kind`` is ``linear`` (x[N,K] W[M,K]^T) or ``matmul``
+    (a[batch,N,K] @ b[batch,K,M]); ``formats`` maps q0..q3 to the specs in force."""
+
+    kind: str
+    batch: int
+    n: int
+    k: int
+    m: int
+    formats: tuple[tuple[str, str], ...]
+    stash_bytes: int
+
+    @property
+    def macs(self) -> int:
+        """Multiply-accumulates of the forward GEMM (each backward GEMM has as many)."""
+        return self.batch * self.n * self.k * self.m
+
+
+@dataclasses.dataclass
+class GemmRecorder:
+    gemms: list[GemmRecord] = dataclasses.field(default_factory=list)
+
+    @property
+    def stash_bytes(self) -> int:
+        return sum(g.stash_bytes for g in self.gemms)
+
+    def count(self, kind: str) -> int:
+        return sum(1 for g in self.gemms if g.kind == kind)
+
+
+_ACTIVE: list[GemmRecorder] = []
+
+
+@contextlib.contextmanager
+def record_gemms():
+    """Record every DSQ GEMM executed inside the block."""
+    recorder = GemmRecorder()
+    _ACTIVE.append(recorder)
+    try:
+        yield recorder
+    finally:
+        _ACTIVE.remove(recorder)
+
+
+def note(kind: str, batch: int, n: int, k: int, m: int, cfg, stash_bytes: int) -> None:
+    if not _ACTIVE:
+        return
+    record = GemmRecord(kind, batch, n, k, m, tuple(sorted(cfg.current().items())), stash_bytes)
+    for recorder in _ACTIVE:
+        recorder.gemms.append(record)
