@@ -139,5 +139,34 @@ def bench_quant(
         typer.echo(quant.format_table(result))
 
 
+@bench_app.command("step")
+@usage_errors
+def bench_step(
+    presets: str = typer.Option(
+        "fp32,stash_bfp,dsq",
+        help="Comma-separated quant presets (conf/quant/); the first is the baseline.",
+    ),
+    layers: int = typer.Option(3, min=1, help="Encoder and decoder layers."),
+    width: int = typer.Option(256, min=64, help="Model width (heads of 64)."),
+    tokens: int = typer.Option(2048, min=16, help="Source tokens per batch."),
+    src_len: int = typer.Option(32, min=2, help="Sentence length."),
+    repeats: int = typer.Option(5, min=1, help="Timed steps per preset (median reported)."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+):
+    """Time a CPU training step of a small fairseq transformer per quant preset, side by side."""
+    from dsq_cli.bench import step
+    from dsq_cli.presets import load_quant_preset
+
+    names = [p.strip() for p in presets.split(",") if p.strip()]
+    for name in names:
+        load_quant_preset(name)  # unknown preset: one line, exit 2, before any work
+    result = step.run(names, layers, width, tokens, src_len, repeats)
+    if as_json:
+        json.dump(result, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        typer.echo(step.format_table(result))
+
+
 if __name__ == "__main__":  # pragma: no cover
     app()

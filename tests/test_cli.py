@@ -115,3 +115,42 @@ def test_table1_presets_are_all_there():
         "stash_bfp",
         "dsq",
     }
+
+
+def test_bench_step_unknown_preset_is_one_line_exit_2():
+    result = runner.invoke(app, ["bench", "step", "--presets", "fp32,dsq9"])
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines() == [
+        line for line in result.output.strip().splitlines() if "unknown quant preset 'dsq9'" in line
+    ]
+
+
+def test_bench_step_json_on_a_tiny_transformer():
+    pytest.importorskip("fairseq")
+    result = runner.invoke(
+        app,
+        [
+            "bench",
+            "step",
+            "--presets",
+            "fp32,stash_bfp",
+            "--layers",
+            "1",
+            "--width",
+            "64",
+            "--tokens",
+            "64",
+            "--src-len",
+            "8",
+            "--repeats",
+            "1",
+            "--json",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output[result.output.index("{") :])
+    rows = {r["preset"]: r for r in data["rows"]}
+    assert set(rows) == {"fp32", "stash_bfp"}
+    assert rows["stash_bfp"]["points"]["q1"] == "bfp4"
+    assert all(r["step_ms"] > 0 for r in rows.values())
+    assert rows["stash_bfp"]["activation_mb"] < rows["fp32"]["activation_mb"]

@@ -1,0 +1,149 @@
+"""``dsq bench step``: one training step of a small fairseq transformer on CPU, per quant preset.
+
+For each preset: the median time of a full step (forward, backward, Adam update) and the
+activation bytes held after the forward pass, measured by the allocator (torch.profiler's
+memory records), less the output. Presets are timed round-robin within each repetition, so they
+share the machine's conditions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import types
+
+import torch
+
+from dsq_cli.engine import QuantConfig, quantize_model
+from dsq_cli.presets import load_quant_preset
+
+
+def build_model(layers: int, width: int, vocab: int, seed: int = 0):
+    from fairseq.data import Dictionary
+    from fairseq.models.transformer import TransformerModel, transformer_iwslt_de_en
+
+    torch.manual_seed(seed)
+    dictionary = Dictionary()
+    for i in range(vocab - len(dictionary)):
+        dictionary.add_symbol(f"w{i}")
+    args = argparse.Namespace(
+        arch="transformer_iwslt_de_en",
+        encoder_layers=layers,
+        decoder_layers=layers,
+        encoder_embed_dim=width,
+        decoder_embed_dim=width,
+        encoder_ffn_embed_dim=4 * width,
+        decoder_ffn_embed_dim=4 * width,
+        encoder_attention_heads=max(1, width // 64),
+        decoder_attention_heads=max(1, width // 64),
+        dropout=0.1,
+    )
+    transformer_iwslt_de_en(args)
+    task = types.SimpleNamespace(source_dictionary=dictionary, target_dictionary=dictionary)
+    return TransformerModel.build_model(args, task)
+
+
+def first_level(preset: dict) -> dict:
+    """The preset with every schedule at its first level (what a run starts with)."""
+    return {k: (v["levels"][0] if isinstance(v, dict) else v) for k, v in preset.items()}
+
+
+def _held_after_forward(fn) -> tuple[int, torch.Tensor]:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+    return sum(e.cpu_memory_usage for e in prof.events() if e.cpu_parent is None), out
+
+
+def run(
+    presets: list[str],
+    layers: int,
+    width: int,
+    tokens: int,
+    src_len: int,
+    repeats: int,
+    vocab: int = 8000,
+) -> dict:
+    sentences = max(1, tokens // src_len)
+    g = torch.Generator().manual_seed(0)
+    src = torch.randint(4, vocab, (sentences, src_len), generator=g)
+    prev = torch.randint(4, vocab, (sentences, src_len), generator=g)
+    target = torch.randint(4, vocab, (sentences, src_len), generator=g)
+    lengths = torch.full((sentences,), src_len)
+    setups = {}
+    for name in presets:
+        points = first_level(load_quant_preset(name))
+        model = build_model(layers, width, vocab)
+        if name != "fp32":
+            quantize_model(
+                model, QuantConfig.from_dict(points), exclude=["decoder.output_projection"]
+            )
+        model.train()
+        setups[name] = (model, torch.optim.Adam(model.parameters(), lr=1e-4), points)
+
+    def step(model, optimizer):
+        logits, _ = model(src, lengths, prev)
+        loss = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), target.reshape(-1)
+        )
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+    for model, optimizer, _ in setups.values():  # warm up: compile every shape once
+        step(model, optimizer)
+        step(model, optimizer)
+    times = {name: [] for name in setups}
+    for _ in range(repeats):
+        for name, (model, optimizer, _) in setups.items():
+            start = time.perf_counter()
+            step(model, optimizer)
+            times[name].append(time.perf_counter() - start)
+    rows = []
+    base = statistics.median(times[presets[0]])
+    for name, (model, _, points) in setups.items():
+        held, out = _held_after_forward(lambda m=model: m(src, lengths, prev)[0])
+        held -= out.numel() * out.element_size()
+        median = statistics.median(times[name])
+        rows.append(
+            {
+                "preset": name,
+                "points": points,
+                "step_ms": median * 1e3,
+                "x_first": median / base,
+                "activation_mb": held / 2**20,
+            }
+        )
+    return {
+        "layers": layers,
+        "width": width,
+        "tokens": sentences * src_len,
+        "vocab": vocab,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "repeats": repeats,
+        "rows": rows,
+    }
+
+
+def format_table(result: dict) -> str:
+    baseline = "x " + result["rows"][0]["preset"]
+    lines = [
+        f"dsq bench step: fairseq transformer, {result['layers']}+{result['layers']} layers, "
+        f"width {result['width']}, {result['tokens']} tokens per batch, vocab {result['vocab']}, "
+        f"CPU {result['threads']} threads, torch {result['torch']}, median of "
+        f"{result['repeats']}",
+        "",
+        f"{'preset':<12} {'q0 / q1 / q2 / q3':<40} {'step ms':>9} {baseline:>9} {'act. MiB':>9}",
+        "-" * 84,
+    ]
+    for r in result["rows"]:
+        pts = " / ".join(str(r["points"][p]) for p in ("q0", "q1", "q2", "q3"))
+        lines.append(
+            f"{r['preset']:<12} {pts:<40} {r['step_ms']:>9.1f} {r['x_first']:>9.2f} "
+            f"{r['activation_mb']:>9.1f}"
+        )
+    lines.append("act. MiB: bytes held after the forward pass (allocator), less the output.")
+    return "\n".join(lines)
