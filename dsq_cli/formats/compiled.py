@@ -87,8 +87,8 @@ def _exponent_fn(blocks, exp_bits: int):
     return e.reshape(()), finite.reshape(())
 
 
-def _bfp_quantize_fn(blocks, u, man_bits: int, exp_bits: int):
-    q, _, k, finite = _bfp_integers(blocks, u, man_bits, exp_bits)
+def _bfp_quantize_fn(blocks, u, man_bits: int, exp_bits: int, exponent=None):
+    q, _, k, finite = _bfp_integers(blocks, u, man_bits, exp_bits, exponent)
     return torch.where(finite, _mul_pow2(q, -k), math.nan)
 
 
@@ -128,6 +128,8 @@ def _bfp_codes_fn(blocks, u, man_bits: int, exp_bits: int, exponent=None):
 def _bfp_decode_fn(codes, exps, man_bits: int, exp_bits: int):
     """codes [R, n_blocks, B] int, exps [R, n_blocks, 1] int -> float32 values."""
     emax = 2 ** (exp_bits - 1) - 1
+    codes = codes.to(torch.int64 if man_bits > 31 else torch.int32)
+    exps = exps.to(torch.int32)
     sign = (codes >> (man_bits - 1)) & 1
     magnitude = (codes & ((1 << (man_bits - 1)) - 1)).to(torch.float32)
     q = torch.where(sign == 1, -magnitude, magnitude)
@@ -179,23 +181,20 @@ def _pack_codes(codes: torch.Tensor, width: int) -> torch.Tensor:
     return stream.reshape(-1)[: (count * width + 7) // 8]
 
 
-def _unpack_any(packed: torch.Tensor, width: int, count: int) -> torch.Tensor:
-    """In a compiled graph: codes from int64 words (``_words_from_stream``) or the stream."""
+def _unpack_input(stream: torch.Tensor, width: int, count: int) -> torch.Tensor:
+    """On the host: what ``_unpack_codes_fn`` reads: int64 words [G] (``_word_plan``), or the
+    stream cut into byte groups [G, bytes per group] (``_group``), zero-padded at the end."""
     plan = _word_plan(width)
     if plan is None:
-        return _unpack_bits(packed, width, count)
-    g, _ = plan
-    shifts = torch.arange(g, device=packed.device, dtype=torch.int64) * width
-    return ((packed[:, None] >> shifts) & ((1 << width) - 1)).reshape(-1)[:count]
-
-
-def _words_from_stream(stream: torch.Tensor, width: int, count: int) -> torch.Tensor:
-    """On the host: the input ``_unpack_any`` wants."""
-    plan = _word_plan(width)
-    if plan is None:
-        return stream
+        per_group, group_bytes = _group(width)
+        groups = -(-count // per_group)
+        if stream.numel() != groups * group_bytes:
+            stream = torch.nn.functional.pad(stream, (0, groups * group_bytes - stream.numel()))
+        return stream.reshape(groups, group_bytes)
     g, used = plan
     groups = -(-count // g)
+    if used == 8 and stream.numel() == groups * 8:
+        return stream.view(torch.int64)  # already whole words: no copy
     words = torch.zeros(groups, 8, dtype=torch.uint8, device=stream.device)
     if used == 8:
         words.reshape(-1)[: stream.numel()].copy_(stream)
@@ -204,6 +203,40 @@ def _words_from_stream(stream: torch.Tensor, width: int, count: int) -> torch.Te
         compact[: stream.numel()].copy_(stream)
         words[:, :used].copy_(compact.reshape(groups, used))
     return words.view(torch.int64).reshape(groups)
+
+
+def _unpack_codes_fn(packed: torch.Tensor, width: int) -> torch.Tensor:
+    """Stage 1 of unpack: codes [G, per group] from ``_unpack_input``'s words or byte groups,
+    in a narrow dtype (the decode stage reads them back)."""
+    plan = _word_plan(width)
+    mask = (1 << width) - 1
+    if plan is None:
+        per_group, group_bytes = _group(width)
+        stream = packed.to(torch.int64)
+        out = []
+        for i in range(per_group):
+            code = None
+            for j in range(group_bytes):
+                shift = 8 * j - width * i  # where byte j's bit 0 lands relative to code i's bit 0
+                if shift >= width or shift + 8 <= 0:
+                    continue
+                part = stream[:, j] << shift if shift >= 0 else stream[:, j] >> -shift
+                code = part if code is None else code | part
+            out.append(code & mask)
+        codes = torch.stack(out, dim=1)
+    else:
+        g, _ = plan
+        shifts = torch.arange(g, device=packed.device, dtype=torch.int64) * width
+        codes = (packed[:, None] >> shifts) & mask
+    dtype = torch.uint8 if width <= 8 else torch.int32 if width <= 31 else torch.int64
+    return codes.to(dtype)
+
+
+def _unpack_codes(stream: torch.Tensor, width: int, count: int) -> torch.Tensor:
+    """The first ``count`` codes of a stream (two compiled-friendly steps, no symbolic sizes)."""
+    packed = _unpack_input(stream, width, count)
+    codes = _run(_unpack_codes_fn, packed, width, dynamic_dims=((packed, 0),))
+    return codes.reshape(-1)[:count]
 
 
 def _group(width: int) -> tuple[int, int]:
@@ -229,25 +262,6 @@ def _pack_groups(codes: torch.Tensor, width: int) -> torch.Tensor:
             byte = part if byte is None else byte | part
         out.append((byte & 0xFF).to(torch.uint8))
     return torch.stack(out, dim=1)
-
-
-def _unpack_bits(stream: torch.Tensor, width: int, count: int) -> torch.Tensor:
-    """reference.unpack_bits: each code ORs the bytes overlapping it."""
-    per_group, group_bytes = _group(width)
-    groups = -(-count // per_group)
-    stream = torch.nn.functional.pad(stream, (0, groups * group_bytes - stream.shape[0]))
-    stream = stream.to(torch.int64).reshape(groups, group_bytes)
-    out = []
-    for i in range(per_group):
-        code = None
-        for j in range(group_bytes):
-            shift = 8 * j - width * i  # where byte j's bit 0 lands relative to code i's bit 0
-            if shift >= width or shift + 8 <= 0:
-                continue
-            part = stream[:, j] << shift if shift >= 0 else stream[:, j] >> -shift
-            code = part if code is None else code | part
-        out.append(code & ((1 << width) - 1))
-    return torch.stack(out, dim=1).reshape(-1)[:count]
 
 
 def _fixed_static_fn(x, u, width: int, frac_bits: int):
@@ -283,30 +297,10 @@ def _fixed_static_codes_fn(x, u, width: int, frac_bits: int):
     return codes.to(_code_dtype(width)), finite.all(), (~finite).to(torch.uint8)
 
 
-def _fixed_static_unpack_fn(packed, carrier, width: int, frac_bits: int):
-    codes = _unpack_any(packed, width, carrier.shape[0])
-    signed = codes - ((codes >> (width - 1)) << width)
+def _fixed_static_decode_fn(codes, width: int, frac_bits: int):
+    codes = codes.to(torch.int64)
+    signed = codes - ((codes >> (width - 1)) << width)  # sign-extend two's complement
     return signed.to(torch.float32) * 2.0**-frac_bits
-
-
-def _bfp_unpack_fn(mantissas, exponents, carrier, block: int, man_bits: int, exp_bits: int):
-    """``carrier`` is a stride-0 tensor of shape [rows, n, n_blocks] (no memory): it brings the
-    layout in as symbolic sizes, so new batch shapes reuse the compiled kernel."""
-    rows, n, n_blocks = carrier.shape
-    codes = _unpack_any(mantissas, man_bits, rows * n)
-    exps = _unpack_any(exponents, exp_bits, rows * n_blocks)
-    codes = codes.reshape(rows, n)
-    codes = torch.nn.functional.pad(codes, (0, n_blocks * block - n))
-    codes = codes.reshape(rows, n_blocks, block)
-    return _bfp_decode_fn(codes, exps.reshape(rows, n_blocks, 1), man_bits, exp_bits)
-
-
-def _bfp_unpack_whole_fn(mantissas, exponents, carrier, man_bits: int, exp_bits: int):
-    """fixed<w>: one block of ``carrier.shape[1]`` codes and one exponent."""
-    _, n, _ = carrier.shape
-    codes = _unpack_any(mantissas, man_bits, n).reshape(1, 1, n)
-    exps = _unpack_any(exponents, exp_bits, 1).reshape(1, 1, 1)
-    return _bfp_decode_fn(codes, exps, man_bits, exp_bits)
 
 
 @functools.cache
@@ -367,9 +361,20 @@ def _dynamic(blocks, block):
 def bfp_quantize(x, man_bits, exp_bits, block, axis, rounding="nearest", generator=None):
     blocks, n, moved_shape = _rows(x, block, axis)
     u = _noise_rows(x, generator, block, axis) if rounding == "stochastic" else None
+    if block is None:
+        # one block (fixed<w>): reduce first, then an elementwise kernel; one fused kernel over
+        # a single giant block of symbolic length runs ~8x slower
+        flat = blocks.reshape(-1)
+        exponent = _run(_exponent_fn, flat, exp_bits, dynamic_dims=((flat, 0),))
+        u_flat = None if u is None else u.reshape(-1)
+        dyn = ((flat, 0),) + (((u_flat, 0),) if u_flat is not None else ())
+        values = _run(
+            _bfp_quantize_fn, flat, u_flat, man_bits, exp_bits, exponent, dynamic_dims=dyn
+        )
+        return values.reshape(x.shape).to(x.dtype)
     dyn = _dynamic(blocks, block) + ((_dynamic(u, block)) if u is not None else ())
     values = _run(_bfp_quantize_fn, blocks, u, man_bits, exp_bits, dynamic_dims=dyn)
-    return _restore(values, n, moved_shape, x.shape, None if block is None else axis, x.dtype)
+    return _restore(values, n, moved_shape, x.shape, axis, x.dtype)
 
 
 def bfp_pack(x, man_bits, exp_bits, block, axis, rounding="nearest", generator=None):
@@ -398,43 +403,23 @@ def bfp_pack(x, man_bits, exp_bits, block, axis, rounding="nearest", generator=N
 def bfp_unpack(mantissas, exponents, man_bits, exp_bits, block, shape, axis, dtype):
     numel = math.prod(shape)
     if block is None:
-        moved_shape, n, n_blocks, b = (numel,), numel, 1, numel
-    else:
-        moved_shape = ref._moved_shape(shape, axis)
-        n = moved_shape[-1]
-        n_blocks, b = -(-n // block), block
+        codes = _unpack_codes(mantissas, man_bits, numel).reshape(1, 1, numel)
+        exps = _unpack_codes(exponents, exp_bits, 1).reshape(1, 1, 1)
+        dyn = ((codes, 2),)
+        values = _run(_bfp_decode_fn, codes, exps, man_bits, exp_bits, dynamic_dims=dyn)
+        return values.reshape(shape).to(dtype)
+    moved_shape = ref._moved_shape(shape, axis)
+    n = moved_shape[-1]
+    n_blocks = -(-n // block)
     rows = numel // n
-    mant_words = _words_from_stream(mantissas, man_bits, numel)
-    exp_words = _words_from_stream(exponents, exp_bits, rows * n_blocks)
-    carrier = torch.zeros((), device=mantissas.device).expand(rows, n, n_blocks)
-    if block is None:  # one block: its length varies with the batch
-        values = _run(
-            _bfp_unpack_whole_fn,
-            mant_words,
-            exp_words,
-            carrier,
-            man_bits,
-            exp_bits,
-            dynamic_dims=((mant_words, 0), (carrier, 1)),
-        )
-    else:
-        values = _run(
-            _bfp_unpack_fn,
-            mant_words,
-            exp_words,
-            carrier,
-            b,
-            man_bits,
-            exp_bits,
-            dynamic_dims=(
-                (mant_words, 0),
-                (exp_words, 0),
-                (carrier, 0),
-                (carrier, 1),
-                (carrier, 2),
-            ),
-        )
-    return _restore(values, n, moved_shape, shape, None if block is None else axis, dtype)
+    codes = _unpack_codes(mantissas, man_bits, numel).reshape(rows, n)
+    if n_blocks * block != n:
+        codes = torch.nn.functional.pad(codes, (0, n_blocks * block - n))
+    codes = codes.reshape(rows, n_blocks, block)
+    exps = _unpack_codes(exponents, exp_bits, rows * n_blocks).reshape(rows, n_blocks, 1)
+    dyn = ((codes, 0), (codes, 1), (exps, 0), (exps, 1))
+    values = _run(_bfp_decode_fn, codes, exps, man_bits, exp_bits, dynamic_dims=dyn)
+    return _restore(values, n, moved_shape, shape, axis, dtype)
 
 
 def fixed_static_quantize(x, width, frac_bits, rounding="nearest", generator=None):
@@ -458,17 +443,9 @@ def fixed_static_pack(x, width, frac_bits, rounding="nearest", generator=None):
 
 def fixed_static_unpack(integers, nan_mask, width, frac_bits, shape, dtype):
     numel = math.prod(shape)
-    words = _words_from_stream(integers, width, numel)
-    carrier = torch.zeros((), device=integers.device).expand(numel)
-    values = _run(
-        _fixed_static_unpack_fn,
-        words,
-        carrier,
-        width,
-        frac_bits,
-        dynamic_dims=((words, 0), (carrier, 0)),
-    )
+    codes = _unpack_codes(integers, width, numel)
+    values = _run(_fixed_static_decode_fn, codes, width, frac_bits, dynamic_dims=((codes, 0),))
     if nan_mask is not None:
-        mask = ref.unpack_bits(nan_mask, 1, numel).bool()
+        mask = _unpack_codes(nan_mask, 1, numel).bool()
         values = torch.where(mask, math.nan, values)
     return values.reshape(shape).to(dtype)
