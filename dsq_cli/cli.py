@@ -95,6 +95,17 @@ def format_cmd(
 DEFAULT_BENCH_FORMATS = "bfp2,bfp4,bfp8,fixed16"
 
 
+def _check_device(device: str) -> None:
+    if device == "cpu":
+        return
+    if not device.startswith("cuda"):
+        raise ValueError(f"--device must be cpu or cuda, got {device!r}")
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ValueError("--device cuda needs a CUDA GPU; none is visible here")
+
+
 @bench_app.command("quant")
 @usage_errors
 def bench_quant(
@@ -119,11 +130,7 @@ def bench_quant(
     bad = [p for p in path_list if p not in ("compiled", "triton", "reference", "eager")]
     if bad:
         raise ValueError(f"unknown path(s) {bad}; choose from compiled, triton, reference, eager")
-    if device.startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ValueError("--device cuda needs a CUDA GPU; none is visible here")
+    _check_device(device)
     result = quant.run(
         numel,
         [f.strip() for f in formats.split(",") if f.strip()],
@@ -151,16 +158,18 @@ def bench_step(
     tokens: int = typer.Option(2048, min=16, help="Source tokens per batch."),
     src_len: int = typer.Option(32, min=2, help="Sentence length."),
     repeats: int = typer.Option(5, min=1, help="Timed steps per preset (median reported)."),
+    device: str = typer.Option("cpu", help="cpu or cuda."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ):
-    """Time a CPU training step of a small fairseq transformer per quant preset, side by side."""
+    """Time a training step of a small fairseq transformer per quant preset, side by side."""
     from dsq_cli.bench import step
     from dsq_cli.presets import load_quant_preset
 
     names = [p.strip() for p in presets.split(",") if p.strip()]
     for name in names:
         load_quant_preset(name)  # unknown preset: one line, exit 2, before any work
-    result = step.run(names, layers, width, tokens, src_len, repeats)
+    _check_device(device)
+    result = step.run(names, layers, width, tokens, src_len, repeats, device=device)
     if as_json:
         json.dump(result, sys.stdout, indent=2)
         sys.stdout.write("\n")

@@ -210,6 +210,26 @@ def timings(log2_sizes, repeats: int) -> None:
             print(f"{name:<20}{ms:>9.3f}{gbs:>9.0f}{gbs / copy_gbs:>9.2f}")
 
 
+def training_step() -> None:
+    """A training step of a fairseq transformer per preset against fp32 (dsq bench step)."""
+    try:
+        from dsq_cli.bench import step
+
+        result = step.run(
+            ["fp32", "stash_bfp", "dsq"],
+            layers=6,
+            width=512,
+            tokens=4096,
+            src_len=32,
+            repeats=10,
+            device="cuda",
+        )
+    except ImportError as err:  # fairseq missing on the GPU machine: keep the kernel results
+        print(f"training step skipped: {err}")
+        return
+    print(step.format_table(result))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="24,26", help="log2 of the timed sizes")
@@ -225,6 +245,7 @@ def main() -> int:
         print("timings skipped: they need a CUDA device")
     elif not args.skip_timing:
         timings([int(s) for s in args.sizes.split(",")], args.repeats)
+        training_step()
     if FAILS:
         print(f"FAIL: {len(FAILS)} bit-exact check(s) failed: {', '.join(FAILS[:10])}")
         return 1

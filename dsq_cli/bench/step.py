@@ -49,7 +49,20 @@ def first_level(preset: dict) -> dict:
     return {k: (v["levels"][0] if isinstance(v, dict) else v) for k, v in preset.items()}
 
 
-def _held_after_forward(fn) -> tuple[int, torch.Tensor]:
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _held_after_forward(fn, dev: torch.device) -> tuple[int, torch.Tensor]:
+    """Bytes allocated by ``fn`` and still alive after it: the CUDA caching allocator's counter on
+    a GPU, torch.profiler's CPU memory records on the CPU."""
+    if dev.type == "cuda":
+        _sync(dev)
+        before = torch.cuda.memory_allocated(dev)
+        out = fn()
+        _sync(dev)
+        return torch.cuda.memory_allocated(dev) - before, out
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -65,17 +78,19 @@ def run(
     src_len: int,
     repeats: int,
     vocab: int = 8000,
+    device: str = "cpu",
 ) -> dict:
+    dev = torch.device(device)
     sentences = max(1, tokens // src_len)
     g = torch.Generator().manual_seed(0)
-    src = torch.randint(4, vocab, (sentences, src_len), generator=g)
-    prev = torch.randint(4, vocab, (sentences, src_len), generator=g)
-    target = torch.randint(4, vocab, (sentences, src_len), generator=g)
-    lengths = torch.full((sentences,), src_len)
+    src = torch.randint(4, vocab, (sentences, src_len), generator=g).to(dev)
+    prev = torch.randint(4, vocab, (sentences, src_len), generator=g).to(dev)
+    target = torch.randint(4, vocab, (sentences, src_len), generator=g).to(dev)
+    lengths = torch.full((sentences,), src_len, device=dev)
     setups = {}
     for name in presets:
         points = first_level(load_quant_preset(name))
-        model = build_model(layers, width, vocab)
+        model = build_model(layers, width, vocab).to(dev)
         if name != "fp32":
             quantize_model(
                 model, QuantConfig.from_dict(points), exclude=["decoder.output_projection"]
@@ -98,13 +113,15 @@ def run(
     times = {name: [] for name in setups}
     for _ in range(repeats):
         for name, (model, optimizer, _) in setups.items():
+            _sync(dev)
             start = time.perf_counter()
             step(model, optimizer)
+            _sync(dev)
             times[name].append(time.perf_counter() - start)
     rows = []
     base = statistics.median(times[presets[0]])
     for name, (model, _, points) in setups.items():
-        held, out = _held_after_forward(lambda m=model: m(src, lengths, prev)[0])
+        held, out = _held_after_forward(lambda m=model: m(src, lengths, prev)[0], dev)
         held -= out.numel() * out.element_size()
         median = statistics.median(times[name])
         rows.append(
@@ -133,7 +150,7 @@ def format_table(result: dict) -> str:
     lines = [
         f"dsq bench step: fairseq transformer, {result['layers']}+{result['layers']} layers, "
         f"width {result['width']}, {result['tokens']} tokens per batch, vocab {result['vocab']}, "
-        f"CPU {result['threads']} threads, torch {result['torch']}, median of "
+        f"{result['machine']}, torch {result['torch']}, median of "
         f"{result['repeats']}",
         "",
         f"{'preset':<12} {'q0 / q1 / q2 / q3':<40} {'step ms':>9} {baseline:>9} {'act. MiB':>9}",
