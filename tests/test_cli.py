@@ -103,18 +103,10 @@ def test_quant_presets_name_valid_formats(preset):
 
 
 def test_table1_presets_are_all_there():
+    from dsq_cli.presets import TABLE1_ORDER
+
     names = {p.stem for p in (REPO / "conf" / "quant").glob("*.yaml")}
-    assert names == {
-        "fp32",
-        "fixed32",
-        "fixed16",
-        "bfp16",
-        "bfp8",
-        "bfp6",
-        "stash_fixed",
-        "stash_bfp",
-        "dsq",
-    }
+    assert names == set(TABLE1_ORDER) and len(TABLE1_ORDER) == 9  # SPEC 6's rows
 
 
 def test_bench_step_unknown_preset_is_one_line_exit_2():

@@ -357,20 +357,23 @@ def _dynamic(blocks, block):
     return ((blocks, 2),) if block is None else ((blocks, 0), (blocks, 1))
 
 
+def _run_whole_tensor(fn, blocks, u, man_bits: int, exp_bits: int):
+    """fixed<w> (one block spanning the tensor): reduce to the exponent first, then run ``fn``
+    elementwise with it. One fused kernel over a single giant block of symbolic length runs
+    3x to 8x slower."""
+    flat = blocks.reshape(-1)
+    exponent = _run(_exponent_fn, flat, exp_bits, dynamic_dims=((flat, 0),))
+    u_flat = None if u is None else u.reshape(-1)
+    dyn = ((flat, 0),) + (((u_flat, 0),) if u_flat is not None else ())
+    return _run(fn, flat, u_flat, man_bits, exp_bits, exponent, dynamic_dims=dyn)
+
+
 # ----------------------------------------------------------------------------- interface
 def bfp_quantize(x, man_bits, exp_bits, block, axis, rounding="nearest", generator=None):
     blocks, n, moved_shape = _rows(x, block, axis)
     u = _noise_rows(x, generator, block, axis) if rounding == "stochastic" else None
     if block is None:
-        # one block (fixed<w>): reduce first, then an elementwise kernel; one fused kernel over
-        # a single giant block of symbolic length runs ~8x slower
-        flat = blocks.reshape(-1)
-        exponent = _run(_exponent_fn, flat, exp_bits, dynamic_dims=((flat, 0),))
-        u_flat = None if u is None else u.reshape(-1)
-        dyn = ((flat, 0),) + (((u_flat, 0),) if u_flat is not None else ())
-        values = _run(
-            _bfp_quantize_fn, flat, u_flat, man_bits, exp_bits, exponent, dynamic_dims=dyn
-        )
+        values = _run_whole_tensor(_bfp_quantize_fn, blocks, u, man_bits, exp_bits)
         return values.reshape(x.shape).to(x.dtype)
     dyn = _dynamic(blocks, block) + ((_dynamic(u, block)) if u is not None else ())
     values = _run(_bfp_quantize_fn, blocks, u, man_bits, exp_bits, dynamic_dims=dyn)
@@ -381,15 +384,7 @@ def bfp_pack(x, man_bits, exp_bits, block, axis, rounding="nearest", generator=N
     blocks, n, _ = _rows(x, block, axis)
     u = _noise_rows(x, generator, block, axis) if rounding == "stochastic" else None
     if block is None:
-        # one block: reduce first, then an elementwise kernel (one fused kernel over a single
-        # giant block runs 3x slower than this)
-        flat = blocks.reshape(-1)
-        exponent = _run(_exponent_fn, flat, exp_bits, dynamic_dims=((flat, 0),))
-        u_flat = None if u is None else u.reshape(-1)
-        dyn = ((flat, 0),) + (((u_flat, 0),) if u_flat is not None else ())
-        codes, exps = _run(
-            _bfp_codes_fn, flat, u_flat, man_bits, exp_bits, exponent, dynamic_dims=dyn
-        )
+        codes, exps = _run_whole_tensor(_bfp_codes_fn, blocks, u, man_bits, exp_bits)
         codes = _join_planes(codes)
         return _pack_codes(codes, man_bits), _pack_codes(exps.reshape(-1), exp_bits)
     dyn = _dynamic(blocks, block) + ((_dynamic(u, block)) if u is not None else ())
