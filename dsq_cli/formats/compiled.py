@@ -1,19 +1,22 @@
 """The fused CPU path: the reference semantics in float32, fused by torch.compile.
 
 Eager PyTorch runs a quantizer as ~15 passes over memory; torch.compile fuses the block max,
-the exponent, the rounding and the rescaling (and, for ``pack``, the bit packing) into one or two
-loops over the data, so quantize runs near ``x.clone()`` speed. It works in float32 instead of the
-reference's float64, and stays exact by construction (tests check it bit for bit):
+the exponent, the rounding and the rescaling into one loop over the blocks, so quantize runs near
+``x.clone()`` speed. ``pack`` and ``unpack`` run in two compiled stages each (block quantizer ->
+one narrow integer per code -> bit packing; bytes -> codes -> decode over the block layout),
+which measured 2-3x faster than single kernels (see docs/benchmarks.md). It works in float32
+instead of the reference's float64, and stays exact by construction (tests check it bit for bit):
 
-* the block exponent comes from the integer max of the absolute bit patterns (exact, and NaN or
-  infinity show up as a pattern >= 0x7F800000); subnormal maxima read their exponent from the
-  mantissa field converted to float;
+* the block exponent comes from the float max of |x| (NaN propagates, so ``a < inf`` tells a
+  finite block) reinterpreted as bits; subnormal maxima read their exponent from the mantissa
+  field converted to float;
 * ``x * 2^k`` is done as ``x * 2^k1 * 2^k2`` with both powers normal floats built from bits,
   exact except for an underflow far below the block's max, where rounding yields 0 anyway;
   stochastic rounding adds the one case where that underflow would change the result.
 
-Shapes: the leading dimension (rows x blocks) is marked dynamic, so translation batches of any
-length reuse one compiled kernel; a new format (m, E, B) compiles once.
+Shapes: rows and blocks per row are dynamic dimensions, so translation batches of any length
+(and stashes blocked along the tokens) reuse the compiled kernels; a new format (m, E, B)
+compiles once. Index arithmetic never divides by a symbolic size (that costs 3x in unpack).
 """
 
 from __future__ import annotations

@@ -66,14 +66,6 @@ def _restore(values: torch.Tensor, shape, axis: int) -> torch.Tensor:
     return values.movedim(-1, axis)
 
 
-def _moved_shape(shape, axis: int) -> tuple[int, ...]:
-    if len(shape) == 0:
-        return (1,)
-    dims = list(shape)
-    n = dims.pop(axis)
-    return (*dims, n)
-
-
 # ----------------------------------------------------------------------------- BFP
 def bfp_quantize(x, man_bits, exp_bits, block, axis, rounding="nearest", generator=None):
     """SPEC 1.1. ``block=None`` means one block spanning the whole tensor (dynamic fixed)."""
@@ -108,7 +100,7 @@ def bfp_unpack(mantissas, exponents, man_bits, exp_bits, block, shape, axis, dty
             mantissas, exponents, numel, numel, man_bits, exp_bits, None, mantissas.device
         )
         return out.reshape(shape).to(dtype)
-    moved_shape = _moved_shape(shape, axis)
+    moved_shape = reference._moved_shape(shape, axis)
     out = kernels.bfp_unpack(
         mantissas,
         exponents,
