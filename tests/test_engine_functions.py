@@ -129,3 +129,20 @@ def test_stash_is_held_packed_between_forward_and_backward():
     held = sum(t.numel() * t.element_size() for t in stash)
     assert held == 64 * 256 * 4.5 / 8  # 4.5 bits per value instead of 32
     assert all(t.dtype == torch.uint8 for t in stash)
+
+
+def test_no_stash_is_packed_when_no_backward_can_come():
+    from dsq_cli.engine import record_gemms
+
+    x, w, b, _ = data((16, 64), m=32)
+    w.requires_grad_()
+    cfg = QuantConfig(q0="bfp8", q1="bfp4")
+    with torch.no_grad(), record_gemms() as record:
+        y = dsq_linear(x, w, b, cfg)
+        dsq_matmul(x.reshape(4, 4, 64), x.reshape(4, 64, 4), cfg)
+    assert record.count("linear") == 1 and record.count("matmul") == 1
+    assert record.stash_bytes == 0
+    assert torch.equal(y, q("bfp8", x, 1) @ q("bfp8", w.detach(), 1).t() + b)
+    with record_gemms() as record:
+        dsq_linear(x, w, b, cfg)
+    assert record.stash_bytes == 16 * 64 * 4.5 / 8

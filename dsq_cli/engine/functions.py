@@ -52,7 +52,7 @@ class DSQLinearFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x2, weight, bias, cfg: QuantConfig):
+    def forward(ctx, x2, weight, bias, cfg: QuantConfig, training: bool = True):
         # x2 is [N, K]: dsq_linear flattens outside, so the output is not a view made in here
         f0, f1, f2, f3 = _formats(cfg)
         k = x2.shape[-1]
@@ -63,7 +63,8 @@ class DSQLinearFunction(torch.autograd.Function):
         else:
             y = torch.addmm(bias, xq, wq.t())
         # the stash: x itself in q1, blocks along the tokens (GEMM3's reduction dimension)
-        stash = f1.pack(x2, axis=0) if ctx.needs_input_grad[1] else None
+        # (no stash when no backward can come: evaluation under torch.no_grad)
+        stash = f1.pack(x2, axis=0) if training and ctx.needs_input_grad[1] else None
         ctx.stash_header, stash_tensors = _stash_header(stash)
         ctx.formats = (f2, f3)
         ctx.has_bias = bias is not None
@@ -85,7 +86,7 @@ class DSQLinearFunction(torch.autograd.Function):
             dw = g.t() @ stash
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = g.sum(0)
-        return dx, dw, db, None
+        return dx, dw, db, None, None
 
 
 class DSQMatmulFunction(torch.autograd.Function):
@@ -102,14 +103,14 @@ class DSQMatmulFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, a, b, cfg: QuantConfig):
+    def forward(ctx, a, b, cfg: QuantConfig, training: bool = True):
         f0, f1, f2, f3 = _formats(cfg)
         z = f0.quantize(a, axis=-1) @ f0.quantize(b, axis=-2)
         header_a, tensors_a = _stash_header(
-            f1.pack(a, axis=-2) if ctx.needs_input_grad[1] else None
+            f1.pack(a, axis=-2) if training and ctx.needs_input_grad[1] else None
         )
         header_b, tensors_b = _stash_header(
-            f1.pack(b, axis=-1) if ctx.needs_input_grad[0] else None
+            f1.pack(b, axis=-1) if training and ctx.needs_input_grad[0] else None
         )
         ctx.headers = (header_a, len(tensors_a), header_b)
         ctx.formats = (f2, f3)
@@ -132,15 +133,17 @@ class DSQMatmulFunction(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             stash_a = _stash_restore(header_a, saved[:count_a]).unpack()
             db = stash_a.transpose(-1, -2) @ g
-        return da, db, None
+        return da, db, None, None
 
 
 def dsq_linear(x, weight, bias, cfg: QuantConfig):
     """``F.linear`` with DSQ quantization (see ``DSQLinearFunction``)."""
-    y = DSQLinearFunction.apply(x.reshape(-1, x.shape[-1]), weight, bias, cfg)
+    # grad mode is off inside Function.forward, so whether a backward can come is decided here
+    training = torch.is_grad_enabled()
+    y = DSQLinearFunction.apply(x.reshape(-1, x.shape[-1]), weight, bias, cfg, training)
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
 def dsq_matmul(a, b, cfg: QuantConfig):
     """``a @ b`` of two activations with DSQ quantization (see ``DSQMatmulFunction``)."""
-    return DSQMatmulFunction.apply(a, b, cfg)
+    return DSQMatmulFunction.apply(a, b, cfg, torch.is_grad_enabled())
