@@ -1,0 +1,168 @@
+"""The run directory contract (SPEC 5), shared by every command that writes runs.
+
+A run directory is created new, never reused, and holds ``config.yaml``, ``metrics.jsonl``,
+``schedule.jsonl``, ``result.json``, checkpoints and the log. ``dsq table`` reads only these
+files. Whole-file writes are atomic (a temporary file in the same directory, then ``os.replace``),
+so a reader never sees half a ``result.json``; nothing written here may carry a secret (SPEC 7).
+Besides SPEC 5's final statuses, ``running`` marks a result.json written when a run starts, so
+that ``dsq table`` shows unfinished runs as such.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import re
+import subprocess
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+
+STATUSES = ("completed", "interrupted", "diverged", "failed", "running")
+METRICS = ("bleu", "accuracy", "mcc", "f1", "pearson", "spearman")
+RESULT_KEYS = (
+    "status",
+    "task",
+    "quant",
+    "metric",
+    "value",
+    "valid_loss",
+    "updates",
+    "wall_seconds",
+    "cost",
+    "stash_bits_mean",
+    "versions",
+)
+_SECRET_NAME = re.compile(r"(KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL)", re.IGNORECASE)
+REDACTED = "<redacted>"
+
+
+def new_run_dir(root: str | os.PathLike, name: str) -> Path:
+    """Create and return a new, unique directory under ``root`` named after ``name`` and the
+    time (``name-YYYYmmdd-HHMMSS[-N]``); an existing directory is never reused."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    safe = re.sub(r"[^A-Za-z0-9_.=-]+", "_", name).strip("_") or "run"
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    for attempt in range(1000):
+        path = root / (f"{safe}-{stamp}" if attempt == 0 else f"{safe}-{stamp}-{attempt}")
+        try:
+            path.mkdir()  # atomic: fails if it exists, so two runs never share a directory
+            return path
+        except FileExistsError:
+            continue
+    raise RuntimeError(f"could not create a new run directory under {root}")
+
+
+def exact_run_dir(path: str | os.PathLike) -> Path:
+    """Create exactly ``path`` (``run.dir=``); refuse one that exists."""
+    path = Path(path)
+    if path.exists():
+        raise ValueError(
+            f"run.dir {str(path)!r} already exists; runs never reuse a directory: choose a new "
+            "one, or use run.root= to get a fresh name"
+        )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.mkdir()
+    return path
+
+
+def write_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file in the same directory."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_json(path: str | os.PathLike, obj) -> None:
+    write_atomic(path, json.dumps(scrub_secrets(obj), indent=2, sort_keys=True) + "\n")
+
+
+def append_jsonl(path: str | os.PathLike, obj) -> None:
+    """Append one JSON object as a line (metrics.jsonl, schedule.jsonl)."""
+    line = json.dumps(scrub_secrets(obj), sort_keys=True)
+    with open(path, "a") as f:
+        f.write(line + "\n")
+
+
+def _secret_values(environ: Mapping[str, str]) -> set[str]:
+    return {v for k, v in environ.items() if _SECRET_NAME.search(k) and len(v) >= 6}
+
+
+def scrub_secrets(obj, environ: Mapping[str, str] | None = None):
+    """``obj`` without secrets: keys that name a secret (``*KEY*``, ``*TOKEN*``, ...) are
+    dropped, and any string holding the value of such an environment variable is redacted."""
+    secrets = _secret_values(os.environ if environ is None else environ)
+
+    def clean(value):
+        if isinstance(value, Mapping):
+            return {k: clean(v) for k, v in value.items() if not _SECRET_NAME.search(str(k))}
+        if isinstance(value, (list, tuple)):
+            return [clean(v) for v in value]
+        if isinstance(value, str):
+            for secret in secrets:
+                if secret in value:
+                    value = value.replace(secret, REDACTED)
+        return value
+
+    return clean(obj)
+
+
+def versions(project_dir: str | os.PathLike | None = None) -> dict[str, str | None]:
+    """python, torch, fairseq and the project's git commit (None where unknown)."""
+    out: dict[str, str | None] = {"python": platform.python_version()}
+    for name in ("torch", "fairseq"):
+        try:
+            out[name] = __import__(name).__version__
+        except Exception:
+            out[name] = None
+    project_dir = Path(project_dir or Path(__file__).resolve().parents[1])
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=project_dir,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+        out["dsq_commit"] = commit or None
+    except (OSError, subprocess.SubprocessError):
+        out["dsq_commit"] = None
+    return out
+
+
+def validate_result(result: Mapping) -> list[str]:
+    """Problems with a result.json (empty when it follows SPEC 5)."""
+    problems = [f"missing key {k!r}" for k in RESULT_KEYS if k not in result]
+    status = result.get("status")
+    if status is not None and status not in STATUSES:
+        problems.append(f"status {status!r} is not one of {STATUSES}")
+    metric = result.get("metric")
+    if metric is not None and metric not in METRICS:
+        problems.append(f"metric {metric!r} is not one of {METRICS}")
+    quant = result.get("quant")
+    if isinstance(quant, Mapping):
+        for key in ("preset", "q0", "q1", "q2", "q3"):
+            if key not in quant:
+                problems.append(f"quant lacks {key!r}")
+    elif quant is not None:
+        problems.append("quant must be a mapping with the preset name and the four points")
+    cost = result.get("cost")
+    if isinstance(cost, Mapping):
+        for key in ("arith_ratio", "dram_ratio", "baseline"):
+            if key not in cost:
+                problems.append(f"cost lacks {key!r}")
+    elif cost is not None:
+        problems.append("cost must be a mapping with arith_ratio, dram_ratio and baseline")
+    return problems

@@ -1,0 +1,84 @@
+"""The run directory contract (SPEC 5) and the no-secrets rule (SPEC 7)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from dsq_cli import runs
+
+
+def test_new_run_dirs_are_unique_and_never_reused(tmp_path):
+    made = {runs.new_run_dir(tmp_path, "iwslt17 dsq") for _ in range(5)}
+    assert len(made) == 5 and all(p.is_dir() and p.parent == tmp_path for p in made)
+    assert all(p.name.startswith("iwslt17_dsq-") for p in made)
+
+
+def test_exact_run_dir_refuses_an_existing_directory(tmp_path):
+    path = runs.exact_run_dir(tmp_path / "a" / "run1")
+    assert path.is_dir()
+    with pytest.raises(ValueError, match="already exists"):
+        runs.exact_run_dir(path)
+
+
+def test_atomic_write_leaves_the_old_file_or_the_new_one(tmp_path, monkeypatch):
+    target = tmp_path / "result.json"
+    runs.write_json(target, {"status": "running"})
+
+    def broken_replace(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", broken_replace)
+    with pytest.raises(OSError):
+        runs.write_json(target, {"status": "completed"})
+    assert json.loads(target.read_text()) == {"status": "running"}
+    assert [p.name for p in tmp_path.iterdir()] == ["result.json"]  # no temporary left
+
+
+def test_secrets_never_reach_run_files(tmp_path):
+    env = {"WANDB_API_KEY": "abcdef123456", "HOME": "/root", "MY_TOKEN": "tok-999999"}
+    config = {
+        "logger": {"api_key": "abcdef123456", "project": "dsq"},
+        "command": "WANDB_API_KEY=abcdef123456 dsq train",
+        "env": {"WANDB_API_KEY": "abcdef123456", "HOME": "/root"},
+        "notes": ["uses tok-999999"],
+    }
+    clean = runs.scrub_secrets(config, env)
+    text = json.dumps(clean)
+    assert "abcdef123456" not in text and "tok-999999" not in text
+    assert clean["logger"] == {"project": "dsq"}
+    assert clean["env"] == {"HOME": "/root"}
+    os.environ["DSQ_TEST_SECRET_TOKEN"] = "s3cr3t-value"
+    try:
+        runs.append_jsonl(tmp_path / "metrics.jsonl", {"update": 1, "note": "s3cr3t-value"})
+        runs.write_json(tmp_path / "result.json", {"DSQ_TEST_SECRET_TOKEN": "s3cr3t-value"})
+    finally:
+        del os.environ["DSQ_TEST_SECRET_TOKEN"]
+    for name in ("metrics.jsonl", "result.json"):
+        assert "s3cr3t-value" not in (tmp_path / name).read_text()
+
+
+def test_versions_and_result_validation():
+    v = runs.versions()
+    assert v["python"] and v["torch"]
+    result = {
+        "status": "completed",
+        "task": "demo",
+        "metric": "bleu",
+        "value": 12.3,
+        "valid_loss": 3.2,
+        "updates": 100,
+        "wall_seconds": 60.0,
+        "stash_bits_mean": 2.5,
+        "quant": {"preset": "dsq", "q0": "bfp8", "q1": "bfp2", "q2": "bfp8", "q3": "fixed16"},
+        "cost": {"arith_ratio": 0.05, "dram_ratio": 0.3, "baseline": "fixed32"},
+        "versions": v,
+    }
+    assert runs.validate_result(result) == []
+    bad = dict(result, status="done", metric="ppl")
+    del bad["cost"]
+    problems = runs.validate_result(bad)
+    assert any("status" in p for p in problems) and any("metric" in p for p in problems)
+    assert "missing key 'cost'" in problems
