@@ -82,19 +82,20 @@ def _module(backend: str) -> ModuleType:
 def select_path(x: torch.Tensor, backend: str | None = None) -> ModuleType:
     """The path module to run ``x`` on (see the module docstring for the rules)."""
     requested = backend or os.environ.get("DSQ_BACKEND") or None
+    if requested is not None and requested not in BACKENDS:
+        raise ValueError(f"unknown backend {requested!r}; choose one of {BACKENDS}")
+    if x.numel() == 0:
+        return _module("reference")  # nothing to compute: every path gives the same empty result
     if requested is not None:
-        if requested not in BACKENDS:
-            raise ValueError(f"unknown backend {requested!r}; choose one of {BACKENDS}")
         reason = unavailable_reason(requested, x)
-        if reason is not None and not (requested != "reference" and x.numel() == 0):
+        if reason is not None:
             raise RuntimeError(f"backend {requested!r} cannot run here: {reason}")
-        return _module("reference" if x.numel() == 0 else requested)
+        return _module(requested)
     preferred = "triton" if x.device.type == "cuda" else "compiled"
     reason = unavailable_reason(preferred, x)
     if reason is None:
         return _module(preferred)
-    if x.numel() > 0:
-        _log_once(f"dsq: using the reference quantizer instead of {preferred}: {reason}")
+    _log_once(f"dsq: using the reference quantizer instead of {preferred}: {reason}")
     return _module("reference")
 
 

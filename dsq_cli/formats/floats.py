@@ -31,8 +31,6 @@ class FloatCast(Format):
         return cls()
 
     def _cast(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dtype == torch.float32 and self.name == "fp32":
-            return x  # the identity, whatever the input dtype (float64 stays exact)
         if self.saturate_at is not None:
             x = x.clamp(-self.saturate_at, self.saturate_at)  # clamp keeps NaN; inf -> max
         return x.to(self.dtype)
@@ -68,6 +66,9 @@ class FP32(FloatCast):
     """fp32: the identity (no quantization, any input dtype). Packed storage is a copy."""
 
     name, dtype, pattern = "fp32", torch.float32, re.compile("fp32")
+
+    def _cast(self, x: torch.Tensor) -> torch.Tensor:
+        return x  # the identity, whatever the input dtype (float64 stays exact)
 
 
 @register
