@@ -35,7 +35,12 @@ RESULT_KEYS = (
     "stash_bits_mean",
     "versions",
 )
-_SECRET_NAME = re.compile(r"(KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL)", re.IGNORECASE)
+# A name that says it holds a secret: one of these words as a whole `_`/`-`/`.`-separated part
+# (WANDB_API_KEY, hf_token, aws_secret_access_key), but not max_tokens or sort_keys.
+_SECRET_NAME = re.compile(
+    r"(^|[_.-])(API_?KEY|KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIALS?|AUTH)([_.-]|$)",
+    re.IGNORECASE,
+)
 REDACTED = "<redacted>"
 
 
@@ -100,7 +105,7 @@ def _secret_values(environ: Mapping[str, str]) -> set[str]:
 
 
 def scrub_secrets(obj, environ: Mapping[str, str] | None = None):
-    """``obj`` without secrets: keys that name a secret (``*KEY*``, ``*TOKEN*``, ...) are
+    """``obj`` without secrets: keys that name a secret (``*_KEY``, ``*_TOKEN``, ...) are
     dropped, and any string holding the value of such an environment variable is redacted."""
     secrets = _secret_values(os.environ if environ is None else environ)
 

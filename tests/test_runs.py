@@ -82,3 +82,10 @@ def test_versions_and_result_validation():
     problems = runs.validate_result(bad)
     assert any("status" in p for p in problems) and any("metric" in p for p in problems)
     assert "missing key 'cost'" in problems
+
+
+def test_secret_names_are_whole_words_so_config_keys_survive():
+    config = {"train": {"max_tokens": 4096, "sort_keys": True}, "api_key": "x", "hf_token": "y"}
+    assert runs.scrub_secrets(config, environ={}) == {
+        "train": {"max_tokens": 4096, "sort_keys": True}
+    }

@@ -1,0 +1,181 @@
+"""The `dsq train` config: conf/config.yaml and its groups, composed by Hydra.
+
+Composition runs in struct mode, so an unknown key or group option fails before any work starts;
+the failure is turned into one line that names the key and the choices (`ConfigError`, a
+``ValueError``, which the CLI reports with exit code 2).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Sequence
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from dsq_cli.presets import CONF_DIR
+
+GROUPS = ("task", "model", "quant", "logger")
+
+
+class ConfigError(ValueError):
+    """A config that cannot be composed or does not make sense; the message says how to fix it."""
+
+
+def group_choices(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+def _check_group_overrides(overrides: Sequence[str]) -> None:
+    for override in overrides:
+        key, sep, value = override.partition("=")
+        key = key.lstrip("+~")
+        if not sep or key not in GROUPS:
+            continue
+        for choice in value.split(","):
+            if choice and choice not in group_choices(key):
+                raise ConfigError(
+                    f"unknown {key} {choice!r}; choose one of {group_choices(key)} "
+                    f"(files in conf/{key}/)"
+                )
+
+
+def _describe_unknown_key(cfg: DictConfig | None, dotted: str) -> str:
+    """Why ``dotted`` is not a key of ``cfg``, naming the keys that do exist there."""
+    node, walked = cfg, []
+    for part in dotted.split(".")[:-1]:
+        child = node.get(part) if isinstance(node, DictConfig) else None
+        walked.append(part)
+        if child is None:
+            break
+        if not isinstance(child, DictConfig):
+            where = ".".join(walked)
+            return (
+                f"{where} is a single value ({child!r}), not a group of keys; to give it a "
+                f"schedule write {where}={{levels: [...], patience: N, min_delta: X}}"
+                if where.startswith("quant.")
+                else f"{where} is a single value ({child!r}), it has no key {dotted!r}"
+            )
+        node = child
+    known = sorted(str(k) for k in node.keys()) if isinstance(node, DictConfig) else []
+    return f"unknown config key {dotted!r}" + (f"; keys there: {', '.join(known)}" if known else "")
+
+
+def _explain(err: Exception, overrides: Sequence[str]) -> str:
+    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    match = re.search(r"Could not override '([^']+)'", str(err)) or re.search(
+        r"Key '([^']+)' is not in struct", str(err)
+    )
+    if not match:
+        return f"bad override: {text}"
+    from hydra import compose as hydra_compose
+
+    key = match.group(1)
+    full = next((o.split("=", 1)[0] for o in overrides if key in o.split("=", 1)[0]), key)
+    # The config as the chosen groups make it, without the offending value overrides.
+    groups = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") in GROUPS]
+    try:
+        base = hydra_compose("config", overrides=groups)
+    except Exception:
+        base = None
+    return _describe_unknown_key(base, full.lstrip("+~"))
+
+
+def compose(overrides: Sequence[str] = ()) -> DictConfig:
+    """The resolved `dsq train` config for Hydra-style ``overrides`` (``key=value`` strings)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    overrides = list(overrides)
+    _check_group_overrides(overrides)
+    GlobalHydra.instance().clear()
+    with _without_foreign_schemas(), initialize_config_dir(
+        config_dir=str(CONF_DIR), version_base="1.3"
+    ):
+        try:
+            cfg = hydra_compose("config", overrides=overrides)
+        except Exception as err:  # Hydra raises several exception types for bad overrides
+            raise ConfigError(_explain(err, overrides)) from None
+    # Hydra's own node is not part of a run's config.
+    with _unlocked(cfg):
+        cfg.pop("hydra", None)
+    validate(cfg)
+    return cfg
+
+
+@contextlib.contextmanager
+def _without_foreign_schemas():
+    """Hide other libraries' structured configs while composing ours.
+
+    Importing fairseq stores its dataclasses in Hydra's global ConfigStore under names that are
+    ours too (``config``, ``task/translation``, ``model/...``); Hydra would then validate our YAML
+    files against fairseq's schemas. Only Hydra's own entries stay visible during composition.
+    """
+    from hydra.core.config_store import ConfigStore
+
+    store = ConfigStore.instance()
+    saved = store.repo
+    store.repo = {k: v for k, v in saved.items() if k in ("hydra", "_dummy_empty_config_.yaml")}
+    try:
+        yield
+    finally:
+        store.repo = saved
+
+
+class _unlocked:
+    def __init__(self, cfg: DictConfig):
+        self.cfg = cfg
+
+    def __enter__(self):
+        OmegaConf.set_struct(self.cfg, False)
+        return self.cfg
+
+    def __exit__(self, *exc):
+        OmegaConf.set_struct(self.cfg, True)
+
+
+def validate(cfg: DictConfig) -> None:
+    """Checks that need more than the schema: formats, budgets, paths that must (not) exist."""
+    from dsq_cli.engine import QuantConfig
+
+    try:
+        OmegaConf.resolve(cfg)
+    except Exception as err:
+        raise ConfigError(f"config does not resolve: {str(err).splitlines()[0]}") from None
+    quant = OmegaConf.to_container(cfg.quant)
+    try:
+        QuantConfig.from_dict(quant)
+    except ValueError as err:
+        raise ConfigError(f"quant: {err}") from None
+    train = cfg.train
+    for key in ("max_epochs", "max_updates", "max_tokens", "update_freq", "log_every"):
+        value = train[key]
+        if not isinstance(value, int) or value < 0:
+            raise ConfigError(f"train.{key} must be a non-negative integer, got {value!r}")
+    if train.max_epochs == 0 and train.max_updates == 0:
+        raise ConfigError("set a budget: train.max_epochs or train.max_updates must be positive")
+    if train.max_tokens < 16:
+        raise ConfigError(f"train.max_tokens must be at least 16, got {train.max_tokens}")
+    if not float(train.lr) > 0:
+        raise ConfigError(f"train.lr must be positive, got {train.lr!r}")
+    if train.device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"train.device must be auto, cpu or cuda, got {train.device!r}")
+    subset = cfg.data.subset
+    if subset is not None and (not isinstance(subset, int) or subset < 1):
+        raise ConfigError(f"data.subset must be a positive integer (pairs), got {subset!r}")
+    if int(cfg.eval.beam) < 1:
+        raise ConfigError(f"eval.beam must be at least 1, got {cfg.eval.beam!r}")
+    if cfg.task.name == "translation" and not (cfg.data.src and cfg.data.tgt and cfg.data.raw_dir):
+        raise ConfigError(
+            "task=translation needs data.raw_dir=DIR data.src=SRC data.tgt=TGT "
+            "(DIR holding {train,valid,test}.{SRC,TGT}[.gz])"
+        )
+
+
+def to_yaml(cfg: DictConfig) -> str:
+    return OmegaConf.to_yaml(cfg, resolve=True)
+
+
+def to_plain(cfg: DictConfig | ListConfig) -> dict:
+    return OmegaConf.to_container(cfg, resolve=True)
