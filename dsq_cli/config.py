@@ -90,8 +90,9 @@ def compose(overrides: Sequence[str] = ()) -> DictConfig:
     overrides = list(overrides)
     _check_group_overrides(overrides)
     GlobalHydra.instance().clear()
-    with _without_foreign_schemas(), initialize_config_dir(
-        config_dir=str(CONF_DIR), version_base="1.3"
+    with (
+        _without_foreign_schemas(),
+        initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"),
     ):
         try:
             cfg = hydra_compose("config", overrides=overrides)

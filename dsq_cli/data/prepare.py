@@ -22,7 +22,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .raw import SPLITS, DataError, ParallelSplit, write_lines
+from .raw import SPLITS, ParallelSplit, write_lines
 from .tasks import get_task
 
 log = logging.getLogger(__name__)
@@ -151,11 +151,8 @@ def _joint_dictionary(lines: list[str]):
 def _binarize(lines: list[str], dictionary, prefix: Path) -> None:
     from fairseq.data import indexed_dataset
 
-    builder = indexed_dataset.make_builder(
-        f"{prefix}.bin", impl="mmap", vocab_size=len(dictionary)
-    )
+    builder = indexed_dataset.make_builder(f"{prefix}.bin", impl="mmap", vocab_size=len(dictionary))
     for line in lines:
         ids = dictionary.encode_line(line, add_if_not_exist=False, append_eos=True)
         builder.add_item(ids)
     builder.finalize(f"{prefix}.idx")
-
