@@ -177,5 +177,73 @@ def bench_step(
         typer.echo(step.format_table(result))
 
 
+OVERRIDES_HELP = (
+    "Hydra overrides: group choices (task=multi30k model=transformer_tiny quant=dsq logger=none) "
+    "and keys (train.max_updates=100 quant.q1=bfp3 data.raw_dir=DIR seed=2 resume=RUN_DIR)."
+)
+
+
+@app.command(
+    "train",
+    context_settings={"allow_extra_args": False, "ignore_unknown_options": True},
+)
+@usage_errors
+def train_cmd(
+    overrides: list[str] = typer.Argument(None, help=OVERRIDES_HELP, show_default=False),
+    show_cfg: bool = typer.Option(
+        False, "--cfg", help="Print the resolved config and exit without training."
+    ),
+):
+    """Train one run (fairseq translation with DSQ) into a new run directory under run.root.
+
+    Groups: task (demo, multi30k, iwslt17, wmt14, translation), model (transformer_tiny,
+    transformer_iwslt), quant (the Table 1 presets), logger (wandb, none). Exit codes: 0
+    completed, 2 bad config or data, 3 diverged, 130/143 interrupted (resume=RUN_DIR), 1 failed.
+    """
+    from dsq_cli.config import compose, to_yaml
+    from dsq_cli.trainers.run import load_resume, train
+
+    overrides = list(overrides or [])
+    resume_dir = next((o.split("=", 1)[1] for o in overrides if o.startswith("resume=")), None)
+    if resume_dir and resume_dir != "null":
+        cfg, run_dir, state = load_resume(resume_dir, overrides)
+        resume = (run_dir, state)
+    else:
+        cfg, resume = compose(overrides), None
+    if show_cfg:
+        typer.echo(to_yaml(cfg), nl=False)
+        return
+    outcome = train(cfg, resume=resume)
+    result = outcome.result
+    typer.echo(f"run: {outcome.run_dir}")
+    if outcome.status == "completed":
+        typer.echo(
+            f"completed: {result['updates']} updates, valid loss {result['valid_loss']:.3f}, "
+            f"{result['eval_split']} BLEU {result['bleu']:.2f} "
+            f"(copying the source scores {result['copy_source_bleu']:.2f})"
+        )
+    else:
+        typer.echo(f"{outcome.status}: {result.get('error', '')}", err=True)
+        if outcome.status == "interrupted":
+            typer.echo(f"continue with: dsq train resume={outcome.run_dir}", err=True)
+    raise typer.Exit(outcome.exit_code)
+
+
+@app.command("data")
+@usage_errors
+def data_cmd(
+    task: str = typer.Argument(..., help="A task (conf/task/): demo, multi30k, iwslt17, wmt14..."),
+    overrides: list[str] = typer.Argument(None, help="More overrides, e.g. data.raw_dir=DIR."),
+):
+    """Prepare a task once (download or read raw text, sentencepiece, binarize) into the cache."""
+    from dsq_cli.config import compose
+    from dsq_cli.data.prepare import prepare
+
+    cfg = compose([f"task={task}", *(overrides or [])])
+    data = prepare(cfg)
+    sizes = ", ".join(f"{k} {v}" for k, v in data.manifest["sizes"].items())
+    typer.echo(f"{task}: {data.path} ({sizes}; vocabulary {data.manifest['vocab_size']})")
+
+
 if __name__ == "__main__":  # pragma: no cover
     app()

@@ -95,12 +95,14 @@ def compose(overrides: Sequence[str] = ()) -> DictConfig:
         initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"),
     ):
         try:
-            cfg = hydra_compose("config", overrides=overrides)
+            cfg = hydra_compose("config", overrides=overrides, return_hydra_config=True)
         except Exception as err:  # Hydra raises several exception types for bad overrides
             raise ConfigError(_explain(err, overrides)) from None
-    # Hydra's own node is not part of a run's config.
+    # Hydra's own node is not part of a run's config; which file each group chose is.
+    choices = {g: str(cfg.hydra.runtime.choices.get(g)) for g in GROUPS}
     with _unlocked(cfg):
         cfg.pop("hydra", None)
+        cfg.choices = choices
     validate(cfg)
     return cfg
 

@@ -68,7 +68,7 @@ def sentence_pair(rng: random.Random, lex) -> tuple[str, str]:
         num = rng.choice(lex["num"])
         src.append(num[0])
         tgt.insert(0, num[1])  # counts come first
-    return " ".join(src) + " .", " ".join(tgt) + " ."
+    return " ".join(src) + ".", " ".join(tgt) + "."
 
 
 def generate(split: str, size: int) -> tuple[list[str], list[str]]:

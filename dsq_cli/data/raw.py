@@ -18,26 +18,28 @@ class DataError(ValueError):
     """Input data that cannot be used as it is; the message names the file and the line."""
 
 
-def open_text(path: Path):
-    """A text stream over ``path``, gunzipped when it ends in .gz. Newlines are kept as-is
-    (``newline=""``) so that a stray carriage return or form feed never splits a line."""
-    if str(path).endswith(".gz"):
-        return gzip.open(path, "rt", encoding="utf-8", newline="")
-    return open(path, encoding="utf-8", newline="")
+def open_binary(path: Path):
+    """A byte stream over ``path``, gunzipped when it ends in .gz."""
+    return gzip.open(path, "rb") if str(path).endswith(".gz") else open(path, "rb")
 
 
 def read_lines(path: Path) -> list[str]:
-    """The lines of ``path`` without their line ends; a decoding error names file and line."""
+    """The lines of ``path`` without their line ends; a decoding error names file and line.
+    Only ``\n`` ends a line (bytes are split before decoding), so a stray carriage return or
+    Unicode line separator inside a sentence never shifts the alignment of two sides."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"missing data file {path}")
     lines: list[str] = []
     try:
-        with open_text(path) as stream:
-            for line in stream:
-                lines.append(line.rstrip("\r\n"))
-    except UnicodeDecodeError as err:
-        raise DataError(f"{path}:{len(lines) + 1}: not UTF-8 text ({err.reason})") from None
+        with open_binary(path) as stream:
+            for raw in stream:
+                try:
+                    lines.append(raw.decode("utf-8").rstrip("\r\n"))
+                except UnicodeDecodeError as err:
+                    raise DataError(
+                        f"{path}:{len(lines) + 1}: not UTF-8 text ({err.reason})"
+                    ) from None
     except (OSError, EOFError) as err:  # a truncated or corrupt .gz
         raise DataError(f"{path}: cannot read ({err}); is the file complete?") from None
     if not lines:
@@ -70,13 +72,14 @@ def read_parallel(src_path: Path, tgt_path: Path, *, drop_blank: bool) -> Parall
         )
     kept_src, kept_tgt, dropped = [], [], 0
     for number, (s, t) in enumerate(zip(src, tgt), start=1):
-        if s.strip() and t.strip():
-            kept_src.append(s.strip())
-            kept_tgt.append(t.strip())
+        s, t = " ".join(s.split()), " ".join(t.split())  # one line each, whatever the whitespace
+        if s and t:
+            kept_src.append(s)
+            kept_tgt.append(t)
         elif drop_blank:
             dropped += 1
         else:
-            where = src_path if not s.strip() else tgt_path
+            where = src_path if not s else tgt_path
             raise DataError(f"{where}:{number}: blank line; every line must hold a sentence")
     if not kept_src:
         raise DataError(f"{src_path} and {tgt_path} hold no sentence pair with text on both sides")

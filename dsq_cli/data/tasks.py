@@ -103,7 +103,7 @@ class Demo(TranslationTask):
 
     def fingerprint(self) -> str:
         sizes = dict(self.cfg.task.sizes)
-        return hashlib.sha256(f"demo-v1:{sorted(sizes.items())}".encode()).hexdigest()
+        return hashlib.sha256(f"demo-v2:{sorted(sizes.items())}".encode()).hexdigest()
 
     def load(self) -> dict[str, ParallelSplit]:
         from . import demo
@@ -163,7 +163,7 @@ class _Official(Downloaded):
         from .sources import prepare_raw
 
         try:
-            return Path(prepare_raw(self.name, self.download_dir()))
+            return Path(prepare_raw(self.name, Path(str(self.cfg.data.cache_dir)).expanduser()))
         except DownloadError as err:
             raise DataError(f"{err}; {self.offline_hint()}") from None
 

@@ -1,0 +1,274 @@
+"""Verified downloads and safe unpacking (SPEC section 7).
+
+``fetch`` streams a URL to a temporary name next to its destination, hashing while it writes,
+and moves the file into place only when its SHA-256 matches the pinned value; a mismatch or a
+broken transfer leaves no file behind and raises ``DownloadError`` naming the URL and the
+checksums. ``extract`` unpacks a .tgz/.tar.gz/.tar/.zip into a temporary directory, refusing
+members that would land outside it, and renames the result into place in one step.
+
+Only the standard library is used (urllib, hashlib, tarfile, zipfile).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import stat
+import tarfile
+import tempfile
+import urllib.error
+import urllib.request
+import zipfile
+from collections.abc import Callable
+from pathlib import Path, PurePosixPath, PureWindowsPath
+from typing import BinaryIO
+
+log = logging.getLogger("dsq.data")
+
+CHUNK_BYTES = 1 << 20
+USER_AGENT = "dsq (urllib; verified download)"
+
+
+class DownloadError(RuntimeError):
+    """A file could not be obtained and verified; the message is one line saying what to do."""
+
+
+class ArchiveError(DownloadError):
+    """An archive is unsafe (absolute paths, ``..``, links) or of an unknown kind."""
+
+
+def sha256_of(path: Path) -> str:
+    """Hex SHA-256 of a file, read in chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        for chunk in iter(lambda: file.read(CHUNK_BYTES), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _what_to_do(dest: Path, sha256: str | None) -> str:
+    by_hand = f"place the file by hand at {dest} (sha256 {sha256}) or " if sha256 else ""
+    return (
+        f"Instead, {by_hand}pass data.raw_dir=DIR holding plain parallel text "
+        "{train,valid,test}.{SRC,TGT}."
+    )
+
+
+def _one_line(text: str) -> str:
+    # Error messages must stay on one line even when they quote a server's reason phrase.
+    return " ".join(text.split())
+
+
+def fetch(
+    url: str, sha256: str | None, dest: Path, *, timeout: float = 60, size: int | None = None
+) -> Path:
+    """Download ``url`` to ``dest`` unless ``dest`` already holds the file with ``sha256``.
+
+    ``size`` (bytes), when known, rejects a wrong Content-Length before any data is read.
+    Raises ``DownloadError`` on a missing checksum, a network or HTTP error, or a mismatch;
+    in every failure no partial file is left in ``dest``'s directory.
+    """
+    dest = Path(dest)
+    if not sha256:
+        # Never download unverified data: without a pinned checksum there is nothing to check.
+        raise DownloadError(
+            f"No pinned SHA-256 for {url}, so it is not downloaded. {_what_to_do(dest, None)}"
+        )
+    expected = sha256.lower()
+    stale_note = ""
+    if dest.is_file():
+        actual = sha256_of(dest)
+        if actual == expected:
+            log.info("using %s (sha256 verified)", dest)
+            return dest
+        # The cache only ever receives verified files, so a mismatch means a corrupt or wrong
+        # hand-placed file; it is replaced only once a verified copy has arrived.
+        log.warning(
+            "%s has sha256 %s, not the pinned %s; downloading again", dest, actual, expected
+        )
+        stale_note = f" (the existing {dest} has sha256 {actual} and was left unchanged)"
+
+    advice = _what_to_do(dest, expected)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part")
+    tmp_path = Path(tmp_name)
+    try:
+        with os.fdopen(fd, "wb") as tmp_file:
+            actual, n_bytes = _stream(url, tmp_file, timeout=timeout, size=size, advice=advice)
+            tmp_file.flush()
+            os.fsync(tmp_file.fileno())
+        if actual != expected:
+            raise DownloadError(
+                f"Checksum mismatch for {url}: expected sha256 {expected}, got {actual} "
+                f"({n_bytes} bytes){stale_note}. {advice}"
+            )
+        os.replace(tmp_path, dest)
+    except DownloadError as err:
+        tmp_path.unlink(missing_ok=True)
+        if stale_note and stale_note not in str(err):
+            raise DownloadError(f"{err}{stale_note}") from err
+        raise
+    except BaseException:
+        # KeyboardInterrupt and unexpected errors too: never leave a partial file behind.
+        tmp_path.unlink(missing_ok=True)
+        raise
+    log.info("downloaded %s -> %s (%d bytes, sha256 verified)", url, dest, n_bytes)
+    return dest
+
+
+def _stream(
+    url: str, out: BinaryIO, *, timeout: float, size: int | None, advice: str
+) -> tuple[str, int]:
+    """Copy ``url`` into ``out``; return (hex sha256, byte count). Network errors become
+    ``DownloadError``."""
+    digest = hashlib.sha256()
+    n_bytes = 0
+    request = urllib.request.Request(url, headers={"User-Agent": USER_AGENT})
+    log.info("downloading %s", url)
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            announced = response.headers.get("Content-Length") if response.headers else None
+            if size is not None and announced is not None and announced.isdigit():
+                if int(announced) != size:
+                    raise DownloadError(
+                        f"Download of {url} failed: the server announces {announced} bytes, "
+                        f"the pinned file has {size}. {advice}"
+                    )
+            for chunk in iter(lambda: response.read(CHUNK_BYTES), b""):
+                out.write(chunk)
+                digest.update(chunk)
+                n_bytes += len(chunk)
+    except DownloadError:
+        raise
+    except urllib.error.HTTPError as err:
+        raise DownloadError(
+            _one_line(
+                f"Download of {url} failed: HTTP {err.code} {err.reason} after {n_bytes} bytes "
+                f"(nothing was kept). {advice}"
+            )
+        ) from err
+    except (urllib.error.URLError, OSError, ValueError) as err:
+        # URLError: DNS, refused, missing file:// path; OSError: reset or timeout mid-stream;
+        # ValueError: a malformed URL.
+        reason = getattr(err, "reason", None) or err
+        raise DownloadError(
+            _one_line(
+                f"Download of {url} failed after {n_bytes} bytes: {reason} "
+                f"(nothing was kept). {advice}"
+            )
+        ) from err
+    return digest.hexdigest(), n_bytes
+
+
+# --------------------------------------------------------------------------- archives
+
+
+def _safe_parts(name: str, archive: Path) -> tuple[str, ...]:
+    """The path components of an archive member, refusing any that could escape the target."""
+    posix = PurePosixPath(name.replace("\\", "/"))
+    windows = PureWindowsPath(name)
+    if posix.is_absolute() or windows.is_absolute() or windows.drive or name.startswith("/"):
+        raise ArchiveError(f"Refusing {archive}: member {name!r} has an absolute path.")
+    if ".." in posix.parts:
+        raise ArchiveError(f"Refusing {archive}: member {name!r} leaves the target directory.")
+    return tuple(part for part in posix.parts if part not in ("", "."))
+
+
+def _archive_kind(archive: Path) -> str:
+    name = archive.name.lower()
+    if name.endswith((".tgz", ".tar.gz")):
+        return "r:gz"
+    if name.endswith(".tar"):
+        return "r:"
+    if name.endswith(".zip"):
+        return "zip"
+    raise ArchiveError(f"Cannot unpack {archive}: expected .tgz, .tar.gz, .tar or .zip.")
+
+
+def _target(root: Path, parts: tuple[str, ...], name: str, archive: Path) -> Path:
+    target = root.joinpath(*parts)
+    # Defence in depth: the resolved path must still lie under the temporary root.
+    if not target.resolve().is_relative_to(root.resolve()):
+        raise ArchiveError(f"Refusing {archive}: member {name!r} leaves the target directory.")
+    return target
+
+
+def _copy_member(source: BinaryIO, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target, "wb") as out:
+        shutil.copyfileobj(source, out, CHUNK_BYTES)
+
+
+def _extract_tar(archive: Path, mode: str, root: Path, keep: Callable[[str], bool]) -> None:
+    with tarfile.open(archive, mode) as tar:
+        # One streaming pass: members are checked and written as they come, so a .tgz is
+        # decompressed once; a refusal part-way is cleaned up with the temporary directory.
+        for member in tar:
+            parts = _safe_parts(member.name, archive)
+            if member.issym() or member.islnk():
+                raise ArchiveError(f"Refusing {archive}: member {member.name!r} is a link.")
+            if not (member.isfile() or member.isdir()):
+                raise ArchiveError(
+                    f"Refusing {archive}: member {member.name!r} is not a file or directory."
+                )
+            if not parts or not keep(member.name):
+                continue
+            target = _target(root, parts, member.name, archive)
+            if member.isdir():
+                target.mkdir(parents=True, exist_ok=True)
+                continue
+            source = tar.extractfile(member)
+            if source is None:  # pragma: no cover - isfile() members always have data
+                continue
+            with source:
+                _copy_member(source, target)
+
+
+def _extract_zip(archive: Path, root: Path, keep: Callable[[str], bool]) -> None:
+    with zipfile.ZipFile(archive) as zipped:
+        infos = zipped.infolist()
+        for info in infos:  # zip has a central directory: check everything before writing
+            _safe_parts(info.filename, archive)
+            if stat.S_ISLNK(info.external_attr >> 16):
+                raise ArchiveError(f"Refusing {archive}: member {info.filename!r} is a link.")
+        for info in infos:
+            parts = _safe_parts(info.filename, archive)
+            if not parts or not keep(info.filename):
+                continue
+            target = _target(root, parts, info.filename, archive)
+            if info.is_dir():
+                target.mkdir(parents=True, exist_ok=True)
+                continue
+            with zipped.open(info) as source:
+                _copy_member(source, target)
+
+
+def extract(archive: Path, into: Path, *, keep: Callable[[str], bool] | None = None) -> Path:
+    """Unpack ``archive`` (.tgz, .tar.gz, .tar, .zip) so that ``into`` appears complete or not
+    at all. ``keep(member_name)`` selects the members written (all by default); every member
+    is still checked. Refuses absolute paths, ``..``, links and special files
+    (``ArchiveError``), and an ``into`` that already exists (``FileExistsError``)."""
+    archive, into = Path(archive), Path(into)
+    if into.exists():
+        raise FileExistsError(f"{into} already exists; remove it to unpack {archive} again.")
+    kind = _archive_kind(archive)
+    into.parent.mkdir(parents=True, exist_ok=True)
+    tmp_root = Path(tempfile.mkdtemp(dir=into.parent, prefix=f".{into.name}.", suffix=".part"))
+    try:
+        keep_member = keep or (lambda _name: True)
+        if kind == "zip":
+            _extract_zip(archive, tmp_root, keep_member)
+        else:
+            _extract_tar(archive, kind, tmp_root, keep_member)
+        os.rename(tmp_root, into)
+    except (tarfile.TarError, zipfile.BadZipFile, EOFError) as err:
+        shutil.rmtree(tmp_root, ignore_errors=True)
+        raise ArchiveError(
+            _one_line(f"Cannot unpack {archive}: {err}. Delete it so that it is downloaded again.")
+        ) from err
+    except BaseException:
+        shutil.rmtree(tmp_root, ignore_errors=True)
+        raise
+    return into

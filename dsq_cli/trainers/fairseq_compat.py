@@ -1,0 +1,58 @@
+"""fairseq 0.12 against the Hydra 1.3 and torch 2.6+ that dsq runs with.
+
+* ``convert_namespace_to_omegaconf`` uses ``hydra.experimental`` and Hydra 1.0-style configs,
+  an error once Hydra's version base is 1.2 or later (dsq's own composition sets 1.3):
+  `namespace_to_config` runs it under base 1.1, for the duration of the call only.
+* fairseq's own checkpoints pickle ``argparse.Namespace`` and other objects that torch's default
+  ``weights_only=True`` refuses: `load_fairseq_checkpoint` allows exactly those types, for a file
+  the user named (SPEC 7), instead of turning safety off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+
+@contextlib.contextmanager
+def _hydra_11_for_fairseq():
+    """fairseq composes its config with Hydra 1.1 semantics (``hydra.experimental``, ``@package
+    _group_``), which Hydra 1.3 keeps only while the global version base is 1.1. dsq's own
+    composition sets base 1.3; fairseq gets 1.1 for the duration of its call."""
+    import warnings
+
+    from hydra import version
+    from hydra.core.global_hydra import GlobalHydra
+
+    saved = version.getbase()
+    version.setbase("1.1")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Hydra's deprecation notes about fairseq's usage
+            yield
+    finally:
+        version.VersionBase.instance().setbase(saved)  # the Version object as it was
+        GlobalHydra.instance().clear()
+
+
+def namespace_to_config(args):
+    """fairseq's ``convert_namespace_to_omegaconf(args)``, working under Hydra 1.3."""
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
+    with _hydra_11_for_fairseq():
+        return convert_namespace_to_omegaconf(args)
+
+
+def load_fairseq_checkpoint(path: str | Path) -> dict:
+    """A checkpoint in fairseq's own format (e.g. a released RoBERTa), from a path the user gave.
+
+    torch's safe loader is kept on; only the plain container types fairseq pickles are allowed.
+    """
+    import argparse
+    import collections
+
+    import torch
+
+    allowed = [argparse.Namespace, collections.OrderedDict, collections.defaultdict, dict, list]
+    with torch.serialization.safe_globals(allowed):
+        return torch.load(Path(path), map_location="cpu", weights_only=True)

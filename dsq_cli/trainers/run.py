@@ -1,0 +1,253 @@
+"""`dsq train`: one run from a composed config to a finished run directory (SPEC 5).
+
+Everything that can be checked is checked before the run directory exists (config, data), so
+bad input leaves nothing behind. Then: config.yaml, result.json (``running``), training, and the
+final result.json with its status: ``completed``, ``interrupted`` (Ctrl-C / SIGTERM, resumable
+with ``resume=RUN_DIR``), ``diverged`` (NaN/Inf loss; the last good checkpoint stays) or
+``failed`` (any other error, named in result.json and the log).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from dsq_cli import runs
+from dsq_cli.config import ConfigError, to_plain
+
+from .common import (
+    EXIT_CODES,
+    Diverged,
+    Interrupted,
+    RunRecorder,
+    StopRequest,
+    load_checkpoint,
+    run_log,
+)
+
+log = logging.getLogger(__name__)
+RESUMABLE = ("interrupted", "failed", "diverged", "running")
+
+
+@dataclass
+class Outcome:
+    status: str
+    run_dir: Path
+    result: dict
+    exit_code: int
+
+
+def resolve_device(requested: str) -> str:
+    import torch
+
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device=cuda but torch sees no CUDA device; use train.device=cpu")
+    return requested
+
+
+def run_name(cfg: DictConfig) -> str:
+    if cfg.run.name:
+        return str(cfg.run.name)
+    return f"{cfg.task.name}-{cfg.choices.quant}-seed{cfg.seed}"
+
+
+def load_resume(run_dir: str, overrides: list[str]) -> tuple[DictConfig, Path, dict]:
+    """The stored config of ``run_dir`` with ``overrides`` merged on top, and its checkpoint."""
+    path = Path(run_dir)
+    config_path, result_path = path / "config.yaml", path / "result.json"
+    if not config_path.is_file():
+        raise ConfigError(f"resume={run_dir}: no config.yaml there; is it a dsq run directory?")
+    import json
+
+    status = json.loads(result_path.read_text()).get("status") if result_path.is_file() else None
+    if status == "completed":
+        raise ConfigError(f"resume={run_dir}: that run already completed; start a new run")
+    checkpoint = path / "checkpoints" / "checkpoint_last.pt"
+    if not checkpoint.is_file():
+        raise ConfigError(
+            f"resume={run_dir}: no checkpoints/checkpoint_last.pt (the run stopped before its "
+            "first checkpoint); start it again instead"
+        )
+    cfg = OmegaConf.load(config_path)
+    OmegaConf.set_struct(cfg, True)
+    for override in overrides:
+        key = override.split("=", 1)[0].lstrip("+~")
+        if key in ("task", "model", "quant", "logger") or key.startswith("choices"):
+            raise ConfigError(
+                f"resume continues the stored config; {key}= cannot change (start a new run)"
+            )
+        if key == "resume":
+            continue
+    try:
+        extra = [o for o in overrides if not o.startswith("resume=")]
+        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(extra))
+    except Exception as err:
+        raise ConfigError(f"resume: bad override: {str(err).splitlines()[0]}") from None
+    return cfg, path, load_checkpoint(checkpoint)
+
+
+def train(cfg: DictConfig, *, resume: tuple[Path, dict] | None = None) -> Outcome:
+    """Run ``cfg`` to the end; returns the outcome (never raises for a training failure)."""
+    from dsq_cli.data.prepare import prepare
+    from dsq_cli.data.tasks import TASKS
+
+    if str(cfg.task.name) not in TASKS:
+        raise ConfigError(f"task {cfg.task.name} has no trainer yet; translation tasks: {TASKS}")
+    device = resolve_device(str(cfg.train.device))
+    data = prepare(cfg)  # DataError (bad or missing data) before any run directory exists
+
+    if resume is not None:
+        run_dir, state = resume
+    else:
+        run_dir = (
+            runs.exact_run_dir(cfg.run.dir)
+            if cfg.run.dir
+            else runs.new_run_dir(cfg.run.root, run_name(cfg))
+        )
+        state = None
+        runs.write_atomic(run_dir / "config.yaml", _config_yaml(cfg))
+    from .loggers import make_logger
+
+    plain = to_plain(cfg)
+    started_at = _dt.datetime.now().isoformat(timespec="seconds")
+    with run_log(run_dir / "train.log"):
+        experiment = make_logger(cfg.logger, run_dir, plain)
+        recorder = RunRecorder(run_dir, experiment)
+        base = _result_base(cfg, plain, data, device, started_at, resume is not None)
+        recorder.result(base | {"status": "running"})
+        outcome = _train_and_evaluate(cfg, data, device, recorder, state, base)
+        experiment.summary(_summary(outcome.result))
+        experiment.finish(exit_code=outcome.exit_code)
+    return outcome
+
+
+def _config_yaml(cfg: DictConfig) -> str:
+    import yaml
+
+    return yaml.safe_dump(runs.scrub_secrets(to_plain(cfg)), sort_keys=False)
+
+
+def _train_and_evaluate(cfg, data, device, recorder, state, base) -> Outcome:
+    from .translation import TranslationTrainer, stash_bits_mean
+
+    trainer = None
+    status, error, evaluation = "completed", None, {}
+    exit_code = 0
+    with StopRequest() as stop:
+        try:
+            trainer = TranslationTrainer(cfg, data, recorder, device)
+            if state is not None:
+                recorder.truncate_after(int(state["num_updates"]))
+            trainer.train(stop, state)
+            evaluation = trainer.bleu(stop)
+            recorder.metrics({"kind": "test", "update": trainer.updates, **evaluation})
+        except Interrupted as err:
+            status, error = "interrupted", str(err)
+            exit_code = 128 + err.signum
+        except Diverged as err:
+            status, error = "diverged", str(err)
+            exit_code = EXIT_CODES["diverged"]
+            log.error("diverged: %s", err)
+        except KeyboardInterrupt:
+            status, error, exit_code = "interrupted", "stopped by a second signal", 128 + 2
+        except Exception as err:
+            log.exception("training failed")
+            status, error, exit_code = "failed", f"{type(err).__name__}: {err}", 1
+    result = dict(base)
+    result.update(status=status, value=evaluation.get("bleu"), **evaluation)
+    if error:
+        result["error"] = error
+    if trainer is not None:
+        progress = trainer.progress
+        result.update(
+            updates=trainer.updates,
+            epochs=trainer.epoch_itr.epoch if trainer.epoch_itr else 0,
+            valid_loss=progress["last_valid_loss"],
+            best_valid_loss=progress["best_valid_loss"],
+            wall_seconds=round(progress["wall_seconds"], 3),
+            stash_bits_mean=stash_bits_mean(progress["segments"]),
+            bits_final=trainer.quant.current(),
+            precision_segments=[
+                {"points": points, "updates": n} for points, n in progress["segments"]
+            ],
+            cost=_run_cost(progress),
+            patch=trainer.patch_report.as_dict() | {"summary": trainer.patch_report.summary()},
+        )
+    result["finished_at"] = _dt.datetime.now().isoformat(timespec="seconds")
+    recorder.result(result)
+    return Outcome(status, recorder.dir, result, exit_code)
+
+
+def _run_cost(progress: dict) -> dict:
+    """SPEC 4: the update-weighted cost over the levels used, priced on one recorded step."""
+    from dsq_cli.cost import scheduled_cost
+    from dsq_cli.engine.accounting import GemmRecord
+
+    shapes, segments = progress.get("gemm_shapes"), progress["segments"]
+    if not shapes or not segments:
+        return {"arith_ratio": None, "dram_ratio": None, "baseline": "fixed32"}
+    records = [
+        GemmRecord(
+            g["kind"], g["batch"], g["n"], g["k"], g["m"],
+            tuple(sorted(g["formats"].items())), g["stash_bytes"],
+        )
+        for g in shapes
+    ]  # fmt: skip
+    cost = scheduled_cost(records, [(points, n) for points, n in segments], "fixed32")
+    cost["gemms_per_step"] = len(records) * 3
+    return cost
+
+
+def _result_base(cfg, plain, data, device, started_at, resumed) -> dict:
+    quant = {"preset": str(cfg.choices.quant), **plain["quant"]}
+    quant["modified"] = _quant_modified(str(cfg.choices.quant), plain["quant"])
+    return {
+        "status": "running",
+        "task": str(cfg.task.name),
+        "model": str(cfg.model.name),
+        "seed": int(cfg.seed),
+        "quant": quant,
+        "metric": str(cfg.task.metric),
+        "value": None,
+        "valid_loss": None,
+        "updates": 0,
+        "wall_seconds": 0.0,
+        "cost": {"arith_ratio": None, "dram_ratio": None, "baseline": "fixed32"},
+        "stash_bits_mean": None,
+        "versions": runs.versions(),
+        "device": device,
+        "data": {"dir": str(data.path), **data.manifest},
+        "started_at": started_at,
+        "resumed": resumed,
+    }
+
+
+def _quant_modified(preset: str, points: dict) -> bool:
+    from dsq_cli.presets import load_quant_preset
+
+    try:
+        stored = load_quant_preset(preset)
+    except ValueError:
+        return True
+    return any(stored.get(k) != v for k, v in points.items() if k != "modified")
+
+
+def _summary(result: dict) -> dict:
+    keys = ("status", "value", "bleu", "valid_loss", "best_valid_loss", "updates", "cost",
+            "wall_seconds", "stash_bits_mean", "copy_source_bleu", "bits_final")  # fmt: skip
+    return {k: result[k] for k in keys if k in result}
+
+
+def timestamp() -> float:
+    return time.time()
+
+
+SIGNAL_NAMES = {signal.SIGINT: "SIGINT", signal.SIGTERM: "SIGTERM"}
