@@ -196,9 +196,10 @@ def train_cmd(
 ):
     """Train one run (fairseq translation with DSQ) into a new run directory under run.root.
 
-    Groups: task (demo, multi30k, iwslt17, wmt14, translation), model (transformer_tiny,
-    transformer_iwslt), quant (the Table 1 presets), logger (wandb, none). Exit codes: 0
-    completed, 2 bad config or data, 3 diverged, 130/143 interrupted (resume=RUN_DIR), 1 failed.
+    Groups: task (demo, multi30k, iwslt17, wmt14, translation), model (transformer_small,
+    transformer_tiny, transformer_iwslt), quant (the Table 1 presets), logger (wandb, none).
+    Exit codes: 0 completed, 2 bad config or data, 3 diverged, 130/143 interrupted
+    (continue with resume=RUN_DIR), 1 failed.
     """
     from dsq_cli.config import compose, to_yaml
     from dsq_cli.trainers.run import load_resume, train

@@ -53,6 +53,9 @@ def summary_and_history(path: Path) -> tuple[dict, list[dict]]:
                 summary[key] = json.loads(item.value_json)
         elif kind == "history":
             history.append(
-                {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in record.history.item}
+                {
+                    (i.key or "/".join(i.nested_key)): json.loads(i.value_json)
+                    for i in record.history.item
+                }
             )
     return summary, history

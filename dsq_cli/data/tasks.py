@@ -123,7 +123,10 @@ class Downloaded(TranslationTask):
         return (
             f"on a machine with network run `dsq data {self.name} "
             f"data.cache_dir={self.cfg.data.cache_dir}` and copy that cache here, or pass "
-            f"data.raw_dir=DIR with the task's plain text files"
+            f"data.raw_dir=DIR with "
+            + ", ".join(
+                f"{stem}.{{{self.src},{self.tgt}}}[.gz]" for stem in self.split_stems.values()
+            )
         )
 
 

@@ -23,6 +23,7 @@ def _hydra_11_for_fairseq():
 
     from hydra import version
     from hydra.core.global_hydra import GlobalHydra
+    from packaging.version import Version
 
     saved = version.getbase()
     version.setbase("1.1")
@@ -31,7 +32,8 @@ def _hydra_11_for_fairseq():
             warnings.simplefilter("ignore")  # Hydra's deprecation notes about fairseq's usage
             yield
     finally:
-        version.VersionBase.instance().setbase(saved)  # the Version object as it was
+        if isinstance(saved, Version):  # unset before: every later initialize() sets its own
+            version.VersionBase.instance().setbase(saved)
         GlobalHydra.instance().clear()
 
 
@@ -56,3 +58,32 @@ def load_fairseq_checkpoint(path: str | Path) -> dict:
     allowed = [argparse.Namespace, collections.OrderedDict, collections.defaultdict, dict, list]
     with torch.serialization.safe_globals(allowed):
         return torch.load(Path(path), map_location="cpu", weights_only=True)
+
+
+class _NoNanDetector:
+    """Stands in for fairseq's NanDetector, whose forward hooks fail under torch 2.6+ (a
+    ``StopIteration`` from torch's hook plumbing), turning a NaN into an unrelated crash."""
+
+    def __init__(self, model, forward=True, backward=True):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@contextlib.contextmanager
+def nan_detector_disabled():
+    """While training: fairseq re-runs a NaN step under NanDetector before raising
+    FloatingPointError; with the detector neutral, the FloatingPointError (which dsq reports as
+    a divergence) is what comes out."""
+    import fairseq.trainer
+
+    saved = fairseq.trainer.NanDetector
+    fairseq.trainer.NanDetector = _NoNanDetector
+    try:
+        yield
+    finally:
+        fairseq.trainer.NanDetector = saved

@@ -12,14 +12,13 @@ from __future__ import annotations
 import datetime as _dt
 import logging
 import signal
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
 from dsq_cli import runs
-from dsq_cli.config import ConfigError, to_plain
+from dsq_cli.config import ConfigError, to_plain, validate
 
 from .common import (
     EXIT_CODES,
@@ -86,11 +85,14 @@ def load_resume(run_dir: str, overrides: list[str]) -> tuple[DictConfig, Path, d
             )
         if key == "resume":
             continue
+    extra = [o for o in overrides if not o.startswith("resume=")]
     try:
-        extra = [o for o in overrides if not o.startswith("resume=")]
         cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(extra))
     except Exception as err:
         raise ConfigError(f"resume: bad override: {str(err).splitlines()[0]}") from None
+    validate(cfg)
+    if extra:  # config.yaml stays the fully resolved config the run actually uses
+        runs.write_atomic(config_path, _config_yaml(cfg))
     return cfg, path, load_checkpoint(checkpoint)
 
 
@@ -156,8 +158,9 @@ def _train_and_evaluate(cfg, data, device, recorder, state, base) -> Outcome:
             status, error = "diverged", str(err)
             exit_code = EXIT_CODES["diverged"]
             log.error("diverged: %s", err)
-        except KeyboardInterrupt:
-            status, error, exit_code = "interrupted", "stopped by a second signal", 128 + 2
+        except KeyboardInterrupt:  # a second signal, or Ctrl-C outside the update loop
+            status, error = "interrupted", "stopped at once by a second signal"
+            exit_code = 128 + (stop.signum or signal.SIGINT)
         except Exception as err:
             log.exception("training failed")
             status, error, exit_code = "failed", f"{type(err).__name__}: {err}", 1
@@ -244,10 +247,3 @@ def _summary(result: dict) -> dict:
     keys = ("status", "value", "bleu", "valid_loss", "best_valid_loss", "updates", "cost",
             "wall_seconds", "stash_bits_mean", "copy_source_bleu", "bits_final")  # fmt: skip
     return {k: result[k] for k in keys if k in result}
-
-
-def timestamp() -> float:
-    return time.time()
-
-
-SIGNAL_NAMES = {signal.SIGINT: "SIGINT", signal.SIGTERM: "SIGTERM"}

@@ -31,6 +31,7 @@ from .common import (
     save_checkpoint,
     set_rng_state,
 )
+from .fairseq_compat import nan_detector_disabled
 
 log = logging.getLogger(__name__)
 
@@ -188,13 +189,20 @@ class TranslationTrainer:
             segments.append([points, 1])
 
     def train(self, stop: StopRequest, resume_state: dict | None) -> None:
-        from fairseq.data import iterators
-
         if resume_state is not None:
             self.load_state_dict(resume_state)
         else:
             self.epoch_itr = self.trainer.get_train_iterator(epoch=1, load_dataset=True)
             self.trainer.lr_step(self.epoch_itr.epoch)
+        with nan_detector_disabled():
+            self._train_loop(stop)
+        if self.progress["validations"] == 0 or self.progress.get("validated_at") != self.updates:
+            self.validate(step_schedule=True)
+        self.checkpoint()
+
+    def _train_loop(self, stop: StopRequest) -> None:
+        from fairseq.data import iterators
+
         train_cfg = self.cfg.train
         progress_bar = Progress(int(train_cfg.max_updates) or None, self.updates)
         started = time.monotonic()
@@ -234,9 +242,6 @@ class TranslationTrainer:
         finally:
             progress_bar.close()
             self.progress["wall_seconds"] = wall_before + time.monotonic() - started
-        if self.progress["validations"] == 0 or self.progress.get("validated_at") != self.updates:
-            self.validate(step_schedule=True)
-        self.checkpoint()
 
     def _lr(self) -> float:
         return float(self.trainer.get_lr())

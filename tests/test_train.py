@@ -1,0 +1,348 @@
+"""`dsq train`: config errors, a short real run and its files, wandb, divergence, interrupt and
+resume. Budgets are tiny (a few updates of a 2-layer model on a slice of the demo corpus)."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from dsq_cli import runs
+from dsq_cli.cli import app
+from dsq_cli.trainers.common import load_checkpoint
+
+RUNNER = CliRunner()
+DSQ = str(Path(sys.executable).with_name("dsq"))
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("dsq-cache")
+
+
+def small(cache_dir, root, *extra):
+    """A demo run of a few updates on 600 sentence pairs."""
+    return [
+        "task=demo",
+        "task.sizes.train=600",
+        "task.sizes.valid=40",
+        "task.sizes.test=40",
+        "data.vocab_size=200",
+        f"data.cache_dir={cache_dir}",
+        "model=transformer_small",
+        "train.max_tokens=1024",
+        "train.max_updates=8",
+        "train.validate_every=4",
+        "train.log_every=1",
+        "eval.beam=1",
+        "logger=none",
+        f"run.root={root}",
+        *extra,
+    ]
+
+
+def train(args):
+    return RUNNER.invoke(app, ["train", *args])
+
+
+def only_run(root: Path) -> Path:
+    (run_dir,) = [p for p in root.iterdir() if p.is_dir()]
+    return run_dir
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+# -- config errors: exit 2, one line, no run directory ------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("task=nope", "unknown task 'nope'; choose one of"),
+        ("quant=int4", "unknown quant 'int4'; choose one of"),
+        ("train.foo=1", "unknown config key 'train.foo'; keys there:"),
+        ("quant.q1=bfp99", "invalid format spec 'bfp99'"),
+        ("train.max_updates=-3", "train.max_updates must be a non-negative integer"),
+        ("data.raw_dir=/no/such/dir", "data.raw_dir=/no/such/dir does not exist"),
+    ],
+)
+def test_config_errors_exit_2_and_leave_no_run(tmp_path, cache_dir, override, message):
+    root = tmp_path / "runs"
+    if override.startswith("data.raw_dir"):
+        args = ["task=multi30k", override, f"data.cache_dir={cache_dir}", f"run.root={root}"]
+    else:
+        args = small(cache_dir, root, override)
+    result = train(args)
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+    assert result.output.count("\n") == 1  # one line, no traceback
+    assert not root.exists() or not any(root.iterdir())
+
+
+def test_existing_run_dir_is_refused(tmp_path, cache_dir):
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    result = train(small(cache_dir, tmp_path / "runs", f"run.dir={taken}"))
+    assert result.exit_code == 2
+    assert "already exists" in result.output
+    assert list(taken.iterdir()) == []
+
+
+def test_print_config_resolves_groups_and_overrides(tmp_path, cache_dir):
+    result = train(["--cfg", "task=multi30k", "quant=stash_bfp", "quant.q1=bfp3", "seed=7"])
+    assert result.exit_code == 0, result.output
+    assert "name: multi30k" in result.output
+    assert "q1: bfp3" in result.output
+    assert "seed: 7" in result.output
+    assert "quant: stash_bfp" in result.output  # the group choices are recorded
+    assert "name: transformer_tiny" in result.output  # multi30k's default model
+
+
+def test_task_chooses_its_default_model_but_model_wins():
+    from dsq_cli.config import compose
+
+    assert compose([]).model.name == "transformer_small"
+    assert compose(["task=iwslt17"]).model.name == "transformer_iwslt"
+    assert compose(["task=iwslt17", "model=transformer_tiny"]).model.name == "transformer_tiny"
+
+
+def test_schedule_override_on_a_plain_point_says_how():
+    from dsq_cli.config import ConfigError, compose
+
+    with pytest.raises(ConfigError, match=r"quant.q1=\{levels"):
+        compose(["quant=bfp8", "quant.q1.levels=[bfp2,bfp4]"])
+    cfg = compose(["quant=dsq", "quant.q1.levels=[bfp2,bfp4]"])
+    assert list(cfg.quant.q1.levels) == ["bfp2", "bfp4"]
+
+
+# -- one short run: every file of SPEC 5, consistent with each other and with wandb -------------
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, cache_dir):
+    root = tmp_path_factory.mktemp("runs")
+    secret = "wandb-secret-value-0123456789"
+    os.environ["WANDB_API_KEY"] = secret
+    try:
+        # min_delta 100: after the first validation (which sets `best`) none counts as an
+        # improvement, so the stash rises at every later one while a level is left.
+        result = train(
+            small(
+                cache_dir,
+                root,
+                "train.validate_every=2",
+                "logger=wandb",
+                "logger.mode=offline",
+                "quant.q1={levels: [bfp2, bfp3, bfp4], patience: 1, min_delta: 100}",
+            )
+        )
+    finally:
+        del os.environ["WANDB_API_KEY"]
+    return result, only_run(root), secret
+
+
+def test_short_run_completes_with_every_result_field(finished_run):
+    result, run_dir, _ = finished_run
+    assert result.exit_code == 0, result.output
+    assert f"run: {run_dir}" in result.output
+    res = json.loads((run_dir / "result.json").read_text())
+    assert runs.validate_result(res) == []
+    assert res["status"] == "completed"
+    assert res["task"] == "demo" and res["metric"] == "bleu"
+    assert res["quant"]["preset"] == "dsq" and res["quant"]["modified"] is True
+    assert res["updates"] == 8
+    assert res["value"] == res["bleu"] and 0 <= res["bleu"] <= 100
+    assert res["bleu_signature"].startswith("nrefs:1|")
+    assert res["wall_seconds"] > 0
+    assert set(res["versions"]) >= {"python", "torch", "fairseq", "dsq_commit"}
+    assert 0 < res["cost"]["arith_ratio"] < 1 and 0 < res["cost"]["dram_ratio"] < 1
+    assert res["cost"]["baseline"] == "fixed32"
+    for name in ("config.yaml", "metrics.jsonl", "schedule.jsonl", "train.log", "test.hyp"):
+        assert (run_dir / name).is_file(), name
+    assert (run_dir / "checkpoints" / "checkpoint_last.pt").is_file()
+
+
+def test_metrics_and_schedule_agree_with_result(finished_run):
+    _, run_dir, _ = finished_run
+    res = json.loads((run_dir / "result.json").read_text())
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    train_lines = [m for m in metrics if m["kind"] == "train"]
+    valid_lines = [m for m in metrics if m["kind"] == "valid"]
+    (test_line,) = [m for m in metrics if m["kind"] == "test"]
+    assert [m["update"] for m in train_lines] == list(range(1, 9))
+    assert [m["update"] for m in valid_lines] == [2, 4, 6, 8]
+    assert valid_lines[-1]["valid_loss"] == res["valid_loss"]
+    assert min(m["valid_loss"] for m in valid_lines) == res["best_valid_loss"]
+    assert test_line["bleu"] == res["bleu"]
+    # Validations at 2 (sets best), 4 and 6 (each a level up), 8 (no level left).
+    changes = read_jsonl(run_dir / "schedule.jsonl")
+    assert [(c["update"], c["point"], c["from"], c["to"]) for c in changes] == [
+        (4, "q1", "bfp2e8b16", "bfp3e8b16"),
+        (6, "q1", "bfp3e8b16", "bfp4e8b16"),
+    ]
+    bits = ["bfp2e8b16"] * 4 + ["bfp3e8b16"] * 2 + ["bfp4e8b16"] * 2
+    assert [m["bits"]["q1"] for m in train_lines] == bits
+    assert res["bits_final"]["q1"] == "bfp4e8b16"
+    assert res["stash_bits_mean"] == pytest.approx((2.5 * 4 + 3.5 * 2 + 4.5 * 2) / 8)
+    assert [s["updates"] for s in res["precision_segments"]] == [4, 2, 2]
+
+
+def test_wandb_offline_run_holds_the_same_final_numbers(finished_run):
+    from wandb_records import summary_and_history
+
+    _, run_dir, _ = finished_run
+    res = json.loads((run_dir / "result.json").read_text())
+    (run_file,) = glob.glob(str(run_dir / "wandb" / "offline-run-*" / "*.wandb"))
+    summary, history = summary_and_history(Path(run_file))
+    assert summary["status"] == "completed"
+    for key in ("bleu", "valid_loss", "best_valid_loss", "updates", "stash_bits_mean"):
+        assert summary[key] == res[key], key
+    assert summary["cost/arith_ratio"] == res["cost"]["arith_ratio"]
+    assert summary["cost/dram_ratio"] == res["cost"]["dram_ratio"]
+    logged_valid = [h["valid/valid_loss"] for h in history if "valid/valid_loss" in h]
+    assert logged_valid[-1] == res["valid_loss"]
+    assert any(h.get("schedule/q1_level") == 2 for h in history)
+
+
+def test_no_secret_in_any_run_file(finished_run):
+    _, run_dir, secret = finished_run
+    for path in run_dir.rglob("*"):
+        if path.is_file():
+            assert secret.encode() not in path.read_bytes(), path
+
+
+def test_checkpoint_loads_with_weights_only(finished_run):
+    _, run_dir, _ = finished_run
+    path = run_dir / "checkpoints" / "checkpoint_last.pt"
+    state = torch.load(path, map_location="cpu", weights_only=True)  # torch's safe loader
+    assert state["num_updates"] == 8
+    assert state["dsq_schedule"]["q1"]["level"] == 2
+    assert load_checkpoint(path)["format"] == "dsq-checkpoint-1"
+
+
+def test_fairseq_format_checkpoint_loads_without_disabling_safety(tmp_path):
+    import argparse
+
+    from dsq_cli.trainers.fairseq_compat import load_fairseq_checkpoint
+
+    path = tmp_path / "fairseq.pt"
+    torch.save(
+        {"args": argparse.Namespace(arch="roberta_base"), "model": {"w": torch.ones(2)}}, path
+    )
+    with pytest.raises(Exception, match="weights_only"):
+        torch.load(path, weights_only=True)  # what fairseq's own loader runs into
+    state = load_fairseq_checkpoint(path)
+    assert state["args"].arch == "roberta_base"
+    assert torch.equal(state["model"]["w"], torch.ones(2))
+
+
+# -- faults -------------------------------------------------------------------------------------
+
+
+def test_nan_loss_stops_as_diverged_and_keeps_the_last_good_checkpoint(
+    tmp_path, cache_dir, monkeypatch
+):
+    from fairseq.trainer import Trainer
+
+    original = Trainer.train_step
+    calls = {"n": 0}
+
+    def poisoned(self, samples, raise_oom=False):
+        calls["n"] += 1
+        if calls["n"] == 6:  # update 6: a weight turns NaN, so loss and gradients do too
+            with torch.no_grad():
+                next(self.model.parameters()).fill_(float("nan"))
+        return original(self, samples, raise_oom)
+
+    monkeypatch.setattr(Trainer, "train_step", poisoned)
+    root = tmp_path / "runs"
+    result = train(small(cache_dir, root, "train.validate_every=2"))
+    assert result.exit_code == 3, result.output
+    run_dir = only_run(root)
+    res = json.loads((run_dir / "result.json").read_text())
+    assert res["status"] == "diverged"
+    assert "update 6" in res["error"]
+    assert res["updates"] == 5 and res["value"] is None
+    state = load_checkpoint(run_dir / "checkpoints" / "checkpoint_last.pt")
+    assert state["num_updates"] == 4  # the last validated, finite state
+    assert all(torch.isfinite(t).all() for t in state["model"].values() if t.is_floating_point())
+    assert not (run_dir / "checkpoints" / "crash.pt").exists()
+
+
+def _wait_for_update(metrics: Path, update: int, proc, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stderr.read()
+        if metrics.is_file():
+            updates = [m["update"] for m in read_jsonl(metrics) if m["kind"] == "train"]
+            if updates and max(updates) >= update:
+                return
+        time.sleep(0.2)
+    raise AssertionError(f"no update {update} within {timeout} s")
+
+
+def test_sigterm_checkpoints_and_resume_matches_an_uninterrupted_run(tmp_path, cache_dir):
+    args = small(cache_dir, tmp_path / "x", "train.max_updates=10", "train.validate_every=3")
+    straight = subprocess.run(
+        [DSQ, "train", *[a for a in args if not a.startswith("run.root")],
+         f"run.dir={tmp_path / 'straight'}"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert straight.returncode == 0, straight.stderr
+
+    stopped = tmp_path / "stopped"
+    proc = subprocess.Popen(
+        [DSQ, "train", *[a for a in args if not a.startswith("run.root")], f"run.dir={stopped}"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    _wait_for_update(stopped / "metrics.jsonl", 4, proc)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert f"dsq train resume={stopped}" in err
+    interrupted = json.loads((stopped / "result.json").read_text())
+    assert interrupted["status"] == "interrupted"
+    assert 4 <= interrupted["updates"] < 10
+
+    resumed = subprocess.run(
+        [DSQ, "train", f"resume={stopped}"], capture_output=True, text=True, timeout=600
+    )
+    assert resumed.returncode == 0, resumed.stderr
+    a = json.loads((tmp_path / "straight" / "result.json").read_text())
+    b = json.loads((stopped / "result.json").read_text())
+    assert b["status"] == "completed" and b["resumed"] is True
+    for key in ("updates", "valid_loss", "best_valid_loss", "bleu", "stash_bits_mean", "cost"):
+        assert a[key] == b[key], key
+    assert (tmp_path / "straight" / "test.hyp").read_text() == (stopped / "test.hyp").read_text()
+
+    def losses(run_dir):
+        return [(m["kind"], m["update"], m.get("loss", m.get("valid_loss")))
+                for m in read_jsonl(run_dir / "metrics.jsonl")]  # fmt: skip
+
+    assert losses(tmp_path / "straight") == losses(stopped)
+
+
+def test_resume_refuses_a_completed_run(finished_run):
+    _, run_dir, _ = finished_run
+    result = train([f"resume={run_dir}"])
+    assert result.exit_code == 2
+    assert "already completed" in result.output
+
+
+def test_two_runs_started_at_once_get_two_directories(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(8) as pool:
+        dirs = list(pool.map(lambda _: runs.new_run_dir(tmp_path, "same-name"), range(16)))
+    assert len(set(dirs)) == 16
