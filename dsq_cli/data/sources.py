@@ -401,11 +401,14 @@ def _fetch_any(download: Download, dest: Path, timeout: float) -> Path:
         except DownloadError as err:
             if not download.sha256:
                 raise  # no checksum: no URL will do, say so once
-            log.warning("%s", err)
+            log.info("%s", err)
             failures.append(err)
     if len(failures) == 1:
         raise failures[0]
-    raise DownloadError(" | ".join(str(err) for err in failures)) from failures[-1]
+    # One line: the first URL's failure stands for all; the mirrors are counted, not repeated.
+    raise DownloadError(
+        f"{failures[0]} ({len(failures) - 1} mirror(s) failed as well)"
+    ) from failures[-1]
 
 
 def raw_dir_of(task: str, cache_dir: Path) -> Path:

@@ -112,6 +112,13 @@ class Demo(TranslationTask):
         return {split: ParallelSplit(*demo.generate(split, int(sizes[split]))) for split in SPLITS}
 
 
+def _without_advice(err: Exception) -> str:
+    """The download error's reason; the advice that follows it is the task's own (offline_hint)."""
+    reason, _, mirrors = str(err).partition(" Instead, ")
+    mirrors = mirrors[mirrors.rfind(" (") :] if mirrors.endswith("as well)") else ""
+    return f"{reason.rstrip()}{mirrors} "
+
+
 class Downloaded(TranslationTask):
     """A task whose official text is downloaded (SPEC 7: pinned SHA-256) when no raw_dir is
     given."""
@@ -121,8 +128,9 @@ class Downloaded(TranslationTask):
 
     def offline_hint(self) -> str:
         return (
-            f"on a machine with network run `dsq data {self.name} "
-            f"data.cache_dir={self.cfg.data.cache_dir}` and copy that cache here, or pass "
+            f"To work offline, run `dsq data {self.name} "
+            f"data.cache_dir={self.cfg.data.cache_dir}` on a machine with network and copy that "
+            "cache here, or pass "
             f"data.raw_dir=DIR with "
             + ", ".join(
                 f"{stem}.{{{self.src},{self.tgt}}}[.gz]" for stem in self.split_stems.values()
@@ -154,7 +162,7 @@ class Multi30k(Downloaded):
             try:
                 fetch(MULTI30K_URL.format(name=name), sha256, directory / name)
             except DownloadError as err:
-                raise DataError(f"{err}; {self.offline_hint()}") from None
+                raise DataError(_without_advice(err) + self.offline_hint()) from None
         return directory
 
 
@@ -168,7 +176,7 @@ class _Official(Downloaded):
         try:
             return Path(prepare_raw(self.name, Path(str(self.cfg.data.cache_dir)).expanduser()))
         except DownloadError as err:
-            raise DataError(f"{err}; {self.offline_hint()}") from None
+            raise DataError(_without_advice(err) + self.offline_hint()) from None
 
 
 @register_task("iwslt17")

@@ -283,7 +283,6 @@ class TranslationTrainer:
             "loss": sum(window) / len(window),
             "nll_loss": _float(logging_output.get("nll_loss")),
             "lr": self._lr(),
-            "gnorm": _float(logging_output.get("gnorm")),
             "bits": bits_in_force(self.quant),
             "wall_seconds": round(self.progress["wall_seconds"], 3),
         }
