@@ -8,4 +8,13 @@ PY=.venv/bin/python
 if [[ ! -x "$PY" ]]; then
     PY=python3
 fi
-exec "$PY" scripts/gpu_check.py "$@"
+"$PY" scripts/gpu_check.py "$@"
+# The trainer's CUDA path end to end: a short demo run (dsq and fp32), no network, no wandb.
+if "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    out=$(mktemp -d)
+    for quant in fp32 dsq; do
+        "$PY" -m dsq_cli.cli train task=demo quant=$quant logger=none train.device=cuda \
+            data.cache_dir="$out/cache" run.root="$out/runs" train.max_updates=100 2>/dev/null \
+            | tail -1 | sed "s/^/train $quant (cuda, 100 updates): /"
+    done
+fi
