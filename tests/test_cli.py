@@ -146,3 +146,12 @@ def test_bench_step_json_on_a_tiny_transformer():
     assert rows["stash_bfp"]["points"]["q1"] == "bfp4"
     assert all(r["step_ms"] > 0 for r in rows.values())
     assert rows["stash_bfp"]["activation_mb"] < rows["fp32"]["activation_mb"]
+
+
+def test_bench_step_prints_its_table():
+    pytest.importorskip("fairseq")
+    args = ["--presets", "fp32,dsq", "--layers", "1", "--width", "64", "--tokens", "64"]
+    result = runner.invoke(app, ["bench", "step", *args, "--src-len", "8", "--repeats", "1"])
+    assert result.exit_code == 0, result.output
+    assert "fp32" in result.output and "dsq" in result.output
+    assert "torch" in result.output  # the machine line above the table

@@ -49,6 +49,9 @@ def first_level(preset: dict) -> dict:
     return {k: (v["levels"][0] if isinstance(v, dict) else v) for k, v in preset.items()}
 
 
+from .quant import _machine  # noqa: E402  (one description of the machine for both benches)
+
+
 def _sync(dev: torch.device) -> None:
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
@@ -139,6 +142,7 @@ def run(
         "tokens": sentences * src_len,
         "vocab": vocab,
         "threads": torch.get_num_threads(),
+        "machine": _machine(dev),
         "torch": torch.__version__,
         "repeats": repeats,
         "rows": rows,
