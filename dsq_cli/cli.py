@@ -183,6 +183,16 @@ OVERRIDES_HELP = (
 )
 
 
+def _quiet_library_warnings() -> None:
+    """fairseq 0.12 on torch 2.x warns at every update about APIs it uses (autocast, jit,
+    pin_memory without a GPU); they say nothing about the run and drown the progress line."""
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"fairseq\.")
+    warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"torch\.jit")
+    warnings.filterwarnings("ignore", message=r".*'pin_memory' argument is set as true.*")
+
+
 @app.command(
     "train",
     context_settings={"allow_extra_args": False, "ignore_unknown_options": True},
@@ -204,6 +214,7 @@ def train_cmd(
     from dsq_cli.config import compose, to_yaml
     from dsq_cli.trainers.run import load_resume, train
 
+    _quiet_library_warnings()
     overrides = list(overrides or [])
     resume_dir = next((o.split("=", 1)[1] for o in overrides if o.startswith("resume=")), None)
     if resume_dir and resume_dir != "null":
