@@ -342,6 +342,20 @@ def _convert_wmt14(archives: Mapping[str, Path], scratch: Path, out_dir: Path) -
     return counts
 
 
+def _statmt(path: str, sha256: str, size: int, checksum_from: str, host: str = "www") -> Download:
+    """A statmt.org archive: https, with the same path over http as the mirror."""
+    url = f"{host}.statmt.org/{path}"
+    return Download(
+        filename=WMT14_DEV_ARCHIVE if path.endswith("/dev.tgz") else PurePosixPath(path).name,
+        url=f"https://{url}",
+        mirrors=(f"http://{url}",),
+        sha256=sha256,
+        size=size,
+        checksum_from=checksum_from,
+    )
+
+
+_ALSO_STAGEDML = f"{_TFDS_WMT14} (the same value is pinned by stagedml's fetchurl)"
 WMT14 = Source(
     name="wmt14",
     src_lang="en",
@@ -349,37 +363,30 @@ WMT14 = Source(
     description="WMT14 en->de: Europarl v7 + Common Crawl + News Commentary v9, "
     "newstest2013 valid, newstest2014 (full) test",
     downloads=(
-        Download(
-            filename="training-parallel-europarl-v7.tgz",
-            url="https://www.statmt.org/wmt13/training-parallel-europarl-v7.tgz",
-            mirrors=("http://www.statmt.org/wmt13/training-parallel-europarl-v7.tgz",),
-            sha256="0224c7c710c8a063dfd893b0cc0830202d61f4c75c17eb8e31836103d27d96e7",
-            size=657632379,
-            checksum_from=f"{_TFDS_WMT14} (the same value is pinned by stagedml's fetchurl)",
+        _statmt(
+            "wmt13/training-parallel-europarl-v7.tgz",
+            "0224c7c710c8a063dfd893b0cc0830202d61f4c75c17eb8e31836103d27d96e7",
+            657632379,
+            _ALSO_STAGEDML,
         ),
-        Download(
-            filename="training-parallel-commoncrawl.tgz",
-            url="https://www.statmt.org/wmt13/training-parallel-commoncrawl.tgz",
-            mirrors=("http://www.statmt.org/wmt13/training-parallel-commoncrawl.tgz",),
-            sha256="c7a74e2ea01ac6c920123108627e35278d4ccb5701e15428ffa34de86fa3a9e5",
-            size=918311367,
-            checksum_from=f"{_TFDS_WMT14} (the same value is pinned by stagedml's fetchurl)",
+        _statmt(
+            "wmt13/training-parallel-commoncrawl.tgz",
+            "c7a74e2ea01ac6c920123108627e35278d4ccb5701e15428ffa34de86fa3a9e5",
+            918311367,
+            _ALSO_STAGEDML,
         ),
-        Download(
-            filename="training-parallel-nc-v9.tgz",
-            url="https://www.statmt.org/wmt14/training-parallel-nc-v9.tgz",
-            mirrors=("http://www.statmt.org/wmt14/training-parallel-nc-v9.tgz",),
-            sha256="cb8953f292298e6877ae433c98912b927cb0766b303f4540512ddd286c748485",
-            size=80418416,
-            checksum_from=_TFDS_WMT14,
+        _statmt(
+            "wmt14/training-parallel-nc-v9.tgz",
+            "cb8953f292298e6877ae433c98912b927cb0766b303f4540512ddd286c748485",
+            80418416,
+            _TFDS_WMT14,
         ),
-        Download(
-            filename=WMT14_DEV_ARCHIVE,
-            url="https://data.statmt.org/wmt19/translation-task/dev.tgz",
-            mirrors=("http://data.statmt.org/wmt19/translation-task/dev.tgz",),
-            sha256="7a7deccf82ebb05ba508dba5eb21356492224e8f630ec4f992132b029b4b25e7",
-            size=38654961,
-            checksum_from=_TFDS_WMT14,
+        _statmt(
+            "wmt19/translation-task/dev.tgz",
+            "7a7deccf82ebb05ba508dba5eb21356492224e8f630ec4f992132b029b4b25e7",
+            38654961,
+            _TFDS_WMT14,
+            host="data",
         ),
     ),
     convert=_convert_wmt14,
