@@ -15,6 +15,7 @@ if not torch.cuda.is_available():
 import math  # noqa: E402
 
 import pytest  # noqa: E402
+from conftest import assert_bitwise_equal  # noqa: E402
 
 pytest.importorskip("triton")
 
@@ -31,17 +32,8 @@ DEVICE = "cpu" if INTERPRET else "cuda"
 
 # ----------------------------------------------------------------------------- helpers
 def assert_same(got: torch.Tensor, want: torch.Tensor) -> None:
-    """Bit-exact equality: dtype, shape, NaN positions, and the float32 bits elsewhere."""
-    assert got.dtype == want.dtype and got.shape == want.shape
-    g, w = got.float(), want.float()
-    g_nan, w_nan = torch.isnan(g), torch.isnan(w)
-    assert torch.equal(g_nan, w_nan), "NaN positions differ"
-    g_bits = torch.where(g_nan, 0, g.view(torch.int32))
-    w_bits = torch.where(w_nan, 0, w.view(torch.int32))
-    if not torch.equal(g_bits, w_bits):
-        bad = (g_bits != w_bits).nonzero()[:5]
-        detail = [(tuple(i.tolist()), g[tuple(i)].item(), w[tuple(i)].item()) for i in bad]
-        raise AssertionError(f"values differ at (index, triton, reference): {detail}")
+    """Bit-exact equality (conftest's definition: dtype, shape, NaN positions, bits, sign of 0)."""
+    assert_bitwise_equal(got, want, "triton vs reference")
 
 
 def gen(seed: int) -> torch.Generator:
