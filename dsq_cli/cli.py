@@ -257,5 +257,138 @@ def data_cmd(
     typer.echo(f"{task}: {data.path} ({sizes}; vocabulary {data.manifest['vocab_size']})")
 
 
+@app.command("table")
+@usage_errors
+def table_cmd(
+    paths: list[str] = typer.Argument(
+        None, help="Run directories or roots searched recursively for result.json (default: runs)."
+    ),
+    fmt: str = typer.Option("markdown", "--format", help="markdown | csv | latex | json"),
+    out: str = typer.Option(None, "--out", help="Write the table to FILE instead of stdout."),
+    plot: str = typer.Option(
+        None, "--plot", help="Also draw metric against arithmetic and DRAM ratio to FILE.png."
+    ),
+    use_wandb: bool = typer.Option(
+        False, "--wandb", help="Also log the table (and --plot) as a wandb run, job_type table."
+    ),
+    wandb_project: str = typer.Option("dsq", help="wandb project for --wandb."),
+    wandb_dir: str = typer.Option(".", help="Where --wandb writes its files (DIR/wandb)."),
+):
+    """Table 1 (SPEC 6) from runs' result.json: presets as rows, tasks as columns (docs/table.md).
+
+    Runs that diverged, were interrupted or are running show as such; an unreadable result.json
+    is named on stderr and skipped. No runs found: exit 2.
+    """
+    from dsq_cli import runs, table
+
+    if fmt not in table.FORMATS:
+        raise ValueError(f"--format must be one of {', '.join(table.FORMATS)}, got {fmt!r}")
+    if plot is not None and not plot.lower().endswith(".png"):
+        raise ValueError(f"--plot writes a PNG; {plot!r} does not end in .png")
+    result_table = table.collect(paths or ["runs"])
+    for warning in result_table.warnings:
+        typer.echo(f"dsq: warning: {warning}", err=True)
+    text = table.render(result_table, fmt)
+    if out is None:
+        typer.echo(text, nl=False)
+    else:
+        runs.write_atomic(out, text)
+        typer.echo(f"table: {out}")
+    if plot is not None:
+        from dsq_cli.plots import plot_frontier
+
+        typer.echo(f"plot: {plot_frontier(result_table, plot)}", err=out is None)
+    if use_wandb:
+        wandb_run = table.log_to_wandb(result_table, wandb_project, wandb_dir, plot)
+        typer.echo(f"wandb: {wandb_run.dir}", err=out is None)
+
+
+@app.command("plot")
+@usage_errors
+def plot_cmd(
+    run_dir: str = typer.Argument(..., help="A run directory (with metrics.jsonl)."),
+    out: str = typer.Option(None, "--out", help="The PNG to write (default RUN_DIR/plot.png)."),
+):
+    """Plot a run: bits per value in force at q0..q3 and the loss over updates."""
+    from dsq_cli.plots import plot_run
+
+    typer.echo(f"plot: {plot_run(run_dir, out)}")
+
+
+@app.command(
+    "cost",
+    context_settings={"allow_extra_args": False, "ignore_unknown_options": True},
+)
+@usage_errors
+def cost_cmd(
+    overrides: list[str] = typer.Argument(
+        None,
+        help="Hydra overrides choosing the model and the quant points: model=transformer_iwslt "
+        "quant=dsq quant.q1=bfp3 task=iwslt17 (the task gives the default --vocab).",
+        show_default=False,
+    ),
+    baseline: str = typer.Option(
+        "fixed32", "--baseline", help="The quant preset (conf/quant/) the ratios are against."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+    cost_model: str = typer.Option(
+        "default",
+        "--cost-model",
+        help="Coefficients from conf/cost/NAME.yaml: default, additive, elementwise_fp32.",
+    ),
+    tokens: int = typer.Option(4096, "--tokens", help="Source tokens per batch."),
+    src_len: int = typer.Option(32, "--src-len", help="Source sentence length."),
+    tgt_len: int = typer.Option(None, "--tgt-len", help="Target sentence length [--src-len]."),
+    vocab: int = typer.Option(
+        None, "--vocab", help="Output vocabulary (the task's data.vocab_size by default)."
+    ),
+):
+    """Arithmetic and DRAM cost of one training step (SPEC 4) as ratios to a baseline,
+    derived from the model config and batch shape: no data, no training.
+
+    Scheduled points are priced at their first level; the ratios at the last levels follow.
+    The coefficients and rules are derived in docs/cost-model.md.
+    """
+    from omegaconf import OmegaConf
+
+    from dsq_cli.config import compose
+    from dsq_cli.cost import CostModel, baseline_points
+    from dsq_cli.cost.report import cost_report, format_report
+
+    # unknown names: one line listing the choices, before any work
+    for option, check, name in (
+        ("--cost-model", CostModel.load, cost_model),
+        ("--baseline", baseline_points, baseline),
+    ):
+        try:
+            check(name)
+        except ValueError as err:
+            raise ValueError(f"{option}: {err}") from None
+    cfg = compose(list(overrides or []))
+    tweaked = [o for o in overrides or [] if o.lstrip("+~").startswith("quant.")]
+    quant_name = str(cfg.choices.quant) + (f" ({' '.join(tweaked)})" if tweaked else "")
+    report = cost_report(
+        OmegaConf.to_container(cfg.model, resolve=True),
+        OmegaConf.to_container(cfg.quant, resolve=True),
+        quant_name=quant_name,
+        baseline=baseline,
+        cost_model=cost_model,
+        tokens=tokens,
+        src_len=src_len,
+        tgt_len=tgt_len,
+        vocab=int(cfg.data.vocab_size) if vocab is None else vocab,
+        vocab_from=(
+            f"task {cfg.choices.task}'s data.vocab_size; --vocab N to change"
+            if vocab is None
+            else "--vocab"
+        ),
+    )
+    if as_json:
+        json.dump(report, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        typer.echo(format_report(report))
+
+
 if __name__ == "__main__":  # pragma: no cover
     app()

@@ -4,9 +4,15 @@
     >>> ratios(recorder.gemms, {"q0": "bfp8", "q1": "bfp4", "q2": "bfp8", "q3": "fixed16"})
     (arith_ratio, dram_ratio)      # against fixed32 at every point
 
-See ``dsq_cli/cost/model.py`` for the three GEMMs per record and the DRAM rule.
+    >>> from dsq_cli.cost import derive_records
+    >>> derive_records(model_cfg, src_tokens=4096, src_len=32, vocab=10000, quant=quant)
+    [GemmRecord(...), ...]          # one training step's GEMMs, without building the model
+
+See ``dsq_cli/cost/model.py`` for the three GEMMs per record and the DRAM rule,
+``derive.py`` for the GEMMs of a fairseq transformer, ``report.py`` for ``dsq cost``.
 """
 
+from .derive import DEFAULT_VOCAB, DerivedGemm, derive_gemms, derive_records, step_shape
 from .model import (
     CostModel,
     CostTotals,
@@ -20,7 +26,12 @@ from .model import (
 )
 
 __all__ = [
+    "DEFAULT_VOCAB",
     "CostModel",
+    "DerivedGemm",
+    "derive_gemms",
+    "derive_records",
+    "step_shape",
     "CostTotals",
     "GemmCost",
     "StepCost",

@@ -17,7 +17,8 @@ DRAM is the bits moved, each tensor at ``numel * bits_per_value`` of its format:
 GEMM reads its two operands (q0) and writes its output (q0) and the stash (q1: ``x``, or both
 ``a`` and ``b``), the stash write left out when q1 equals q0 (the q0 copy is the stash); each
 backward GEMM reads ``g`` (q3) and its other operand (``W`` in q2, or a stash in q1) and writes
-its gradient (q3). Coefficients live in conf/cost/<name>.yaml.
+its gradient (q3). Coefficients live in conf/cost/<name>.yaml; conf/cost/elementwise_fp32.yaml
+moves the activations and their gradients at 32 bits instead (``activations_fp32``).
 
 Costs are exact ``Fraction``s, so a uniform ``fixed<w>`` config gives exactly ``(w/32)**2`` and
 ``w/32`` against ``fixed32``; ratios are returned as floats.
@@ -41,6 +42,7 @@ from dsq_cli.formats.floats import FloatCast
 from dsq_cli.presets import CONF_DIR, load_quant_preset
 
 POINTS = ("q0", "q1", "q2", "q3")
+DRAM_SWITCHES = ("stash_write_when_q1_equals_q0", "flush_activation_grads", "activations_fp32")
 ARITHMETIC_MODELS = ("bit_product", "additive")
 FLOAT_SPECS = ("fp32", "fp16", "bf16", "e4m3", "e5m2")  # every floating format needs a width
 COST_DIR = CONF_DIR / "cost"
@@ -59,6 +61,7 @@ class CostModel:
     float_widths: Mapping[str, int]  # effective w of each floating format in c(fa, fb)
     stash_write_when_q1_equals_q0: bool
     flush_activation_grads: bool
+    activations_fp32: bool  # activations and their gradients move at 32 bits (see default.yaml)
 
     @classmethod
     def load(cls, name: str = "default") -> CostModel:
@@ -71,7 +74,10 @@ class CostModel:
         _check_keys("cost model", data, {"arithmetic", "float_widths", "dram"})
         arithmetic, dram = data["arithmetic"], data["dram"]
         _check_keys("arithmetic", arithmetic, {"model", "scale"})
-        _check_keys("dram", dram, {"stash_write_when_q1_equals_q0", "flush_activation_grads"})
+        _check_keys("dram", dram, set(DRAM_SWITCHES))
+        for switch in DRAM_SWITCHES:
+            if not isinstance(dram[switch], bool):
+                raise ValueError(f"dram.{switch} must be true or false, got {dram[switch]!r}")
         if arithmetic["model"] not in ARITHMETIC_MODELS:
             raise ValueError(
                 f"arithmetic model must be one of {ARITHMETIC_MODELS}, got {arithmetic['model']!r}"
@@ -96,8 +102,9 @@ class CostModel:
             arithmetic=arithmetic["model"],
             scale=scale,
             float_widths=MappingProxyType(widths),
-            stash_write_when_q1_equals_q0=bool(dram["stash_write_when_q1_equals_q0"]),
-            flush_activation_grads=bool(dram["flush_activation_grads"]),
+            stash_write_when_q1_equals_q0=dram["stash_write_when_q1_equals_q0"],
+            flush_activation_grads=dram["flush_activation_grads"],
+            activations_fp32=dram["activations_fp32"],
         )
 
     def width(self, fmt: Format) -> int:
@@ -203,7 +210,13 @@ def gemm_costs(
     model = model or CostModel.load()
     f = _formats_in_force(record, points)
     b0, b1, b2, b3 = (_bits(f[p]) for p in POINTS)  # DRAM bits per value at q0..q3
-    write_stash = f["q1"] != f["q0"] or model.stash_write_when_q1_equals_q0
+    # activations_fp32: the activations and their gradients live in fp32 between the GEMMs (the
+    # elementwise ops of SPEC 2 run in fp32), so there is no q0 copy of x to serve as the stash
+    act_fwd = Fraction(32) if model.activations_fp32 else b0  # x (a, b) read, y (z) written
+    act_grad = Fraction(32) if model.activations_fp32 else b3  # g read, dx (da, db) written
+    write_stash = (
+        f["q1"] != f["q0"] or model.stash_write_when_q1_equals_q0 or model.activations_fp32
+    )
     flush = 1 if model.flush_activation_grads else 0
     macs = record.macs
 
@@ -217,18 +230,18 @@ def gemm_costs(
         n_x, n_w, n_g = batch * n * k, m * k, batch * n * m
         n_stash = n_x if write_stash else 0
         return [
-            gemm("forward", "q0", "q0", (n_x + n_w + n_g) * b0 + n_stash * b1),
-            gemm("grad_x", "q2", "q2", n_g * b3 + n_w * b2 + flush * n_x * b3),
-            gemm("grad_w", "q3", "q1", n_g * b3 + n_x * b1 + n_w * b3),
+            gemm("forward", "q0", "q0", (n_x + n_g) * act_fwd + n_w * b0 + n_stash * b1),
+            gemm("grad_x", "q2", "q2", n_g * act_grad + n_w * b2 + flush * n_x * act_grad),
+            gemm("grad_w", "q3", "q1", n_g * act_grad + n_x * b1 + n_w * b3),
         ]
     if record.kind == "matmul":
         # elements of a (= da = stash_a), of b (= db = stash_b), of z (= g)
         n_a, n_b, n_g = batch * n * k, batch * k * m, batch * n * m
         n_stash = n_a + n_b if write_stash else 0
         return [
-            gemm("forward", "q0", "q0", (n_a + n_b + n_g) * b0 + n_stash * b1),
-            gemm("grad_a", "q2", "q1", n_g * b3 + n_b * b1 + flush * n_a * b3),
-            gemm("grad_b", "q1", "q3", n_g * b3 + n_a * b1 + flush * n_b * b3),
+            gemm("forward", "q0", "q0", (n_a + n_b + n_g) * act_fwd + n_stash * b1),
+            gemm("grad_a", "q2", "q1", n_g * act_grad + n_b * b1 + flush * n_a * act_grad),
+            gemm("grad_b", "q1", "q3", n_g * act_grad + n_a * b1 + flush * n_b * act_grad),
         ]
     raise ValueError(f"unknown GEMM record kind {record.kind!r}; expected 'linear' or 'matmul'")
 

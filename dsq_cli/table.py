@@ -1,0 +1,673 @@
+"""``dsq table``: Table 1 (SPEC 6) from the result.json files of run directories (SPEC 5).
+
+Rows are quant presets in SPEC 6 order (a run whose quant points differ from its preset gets a
+row of its own right after it); columns are tasks, each with the metric, the arithmetic and DRAM
+cost ratios and the mean stash bits. Only result.json is read, so the table works without wandb
+and on runs copied from elsewhere. docs/table.md describes the conventions.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import os
+import statistics
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dsq_cli import runs
+from dsq_cli.presets import TABLE1_ORDER, load_quant_preset
+
+FORMATS = ("markdown", "csv", "latex", "json")
+QUANT_KEYS = ("q0", "q1", "q2", "q3", "stash_scope")
+METRIC_LABELS = {"bleu": "BLEU", "mcc": "MCC", "f1": "F1"}
+# The paper's headline (abstract, IWSLT17): DSQ against 16-bit fixed point at every point. Its
+# body's Table 1 normalizes to fixed32 instead, as this table does (SPEC 4).
+PAPER_REFERENCE = {
+    "source": "Yang et al., EMNLP Findings 2023, abstract",
+    "task": "iwslt17",
+    "row": "dsq",
+    "baseline": "fixed16",
+    "arith_reduction": 20.95,
+    "dram_reduction": 2.55,
+}
+CSV_COLUMNS = (
+    "kind",
+    "row",
+    "preset",
+    "modified",
+    "task",
+    "model",
+    "metric",
+    "n",
+    "metric_mean",
+    "metric_std",
+    "arith_ratio",
+    "dram_ratio",
+    "arith_reduction",
+    "dram_reduction",
+    "stash_bits_mean",
+    "baseline",
+    "status",
+    "note",
+)
+
+
+@dataclass(frozen=True)
+class Run:
+    """One readable result.json and the row and column it belongs to."""
+
+    path: Path  # the result.json
+    result: dict
+    row: str
+    task: str
+    model: str | None
+    metric: str
+
+    @property
+    def status(self) -> str:
+        return self.result["status"]
+
+
+@dataclass
+class Cell:
+    """The runs of one (row, column): numbers from the completed ones, the others counted."""
+
+    runs: list[Run] = field(default_factory=list)
+
+    @property
+    def completed(self) -> list[Run]:
+        return [r for r in self.runs if r.status == "completed"]
+
+    @property
+    def other_statuses(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for run in self.runs:
+            if run.status != "completed":
+                counts[run.status] = counts.get(run.status, 0) + 1
+        return dict(sorted(counts.items()))
+
+    def _mean(self, values: list[float]) -> float | None:
+        return statistics.fmean(values) if values else None
+
+    @property
+    def metric_values(self) -> list[float]:
+        return [r.result["value"] for r in self.completed]
+
+    @property
+    def metric_mean(self) -> float | None:
+        return self._mean(self.metric_values)
+
+    @property
+    def metric_std(self) -> float | None:
+        values = self.metric_values
+        return statistics.stdev(values) if len(values) > 1 else None
+
+    def cost_mean(self, key: str) -> float | None:
+        """Cost ratios are equal across seeds of a static preset; a scheduled preset's differ
+        with the schedule each seed followed, so the cell holds their mean."""
+        return self._mean([r.result["cost"][key] for r in self.completed])
+
+    @property
+    def stash_bits_mean(self) -> float | None:
+        return self._mean([r.result["stash_bits_mean"] for r in self.completed])
+
+    @property
+    def note(self) -> str:
+        """What did not complete: ``+1 diverged`` beside numbers, ``diverged`` instead of them."""
+        others = self.other_statuses
+        if self.completed:
+            return ", ".join(f"+{n} {status}" for status, n in others.items())
+        return ", ".join(status if n == 1 else f"{n} {status}" for status, n in others.items())
+
+
+@dataclass(frozen=True)
+class Column:
+    key: tuple[str, str | None, str]  # task, model, metric
+    label: str
+
+    @property
+    def task(self) -> str:
+        return self.key[0]
+
+    @property
+    def model(self) -> str | None:
+        return self.key[1]
+
+    @property
+    def metric(self) -> str:
+        return self.key[2]
+
+
+@dataclass
+class Table:
+    rows: list[str]
+    columns: list[Column]
+    cells: dict[tuple[str, str], Cell]  # (row, column label) -> cell
+    row_quant: dict[str, dict]  # row -> the quant mapping of its runs (preset, points, modified)
+    baselines: list[str]
+    warnings: list[str]
+
+    def cell(self, row: str, column: Column) -> Cell | None:
+        return self.cells.get((row, column.label))
+
+    def rebased(self) -> list[dict]:
+        """Our dsq row against our fixed16 row, per task, in the paper's headline terms."""
+        out = []
+        for column in self.columns:
+            dsq, fixed16 = self.cell("dsq", column), self.cell("fixed16", column)
+            if not (dsq and fixed16 and dsq.completed and fixed16.completed):
+                continue
+            arith = fixed16.cost_mean("arith_ratio") / dsq.cost_mean("arith_ratio")
+            dram = fixed16.cost_mean("dram_ratio") / dsq.cost_mean("dram_ratio")
+            out.append(
+                {
+                    "task": column.task,
+                    "column": column.label,
+                    "row": "dsq",
+                    "baseline": "fixed16",
+                    "arith_reduction": arith,
+                    "dram_reduction": dram,
+                }
+            )
+        return out
+
+
+# -- collecting -----------------------------------------------------------------------------
+
+
+def find_result_files(paths: Iterable[str | os.PathLike]) -> list[Path]:
+    """Every result.json under ``paths`` (run directories, roots searched recursively, or
+    result.json files). A directory holding a result.json is a run and is not searched further,
+    which keeps the walk out of its checkpoints and wandb files."""
+    found: dict[Path, None] = {}  # ordered and without duplicates
+    paths = [Path(p) for p in paths]
+    missing = [str(p) for p in paths if not p.exists()]
+    if missing:
+        raise ValueError(f"no such file or directory: {', '.join(missing)}")
+    for path in paths:
+        if path.is_file():
+            if path.name != "result.json":
+                raise ValueError(f"{path} is not a result.json or a directory of runs")
+            found[path.resolve()] = None
+            continue
+        for dirpath, dirnames, filenames in os.walk(path):
+            if "result.json" in filenames:
+                found[(Path(dirpath) / "result.json").resolve()] = None
+                dirnames.clear()
+            else:
+                dirnames.sort()
+    if not found:
+        raise ValueError(f"no runs (result.json) under {', '.join(str(p) for p in paths)}")
+    return sorted(found)
+
+
+def _problems(result) -> list[str]:
+    if not isinstance(result, Mapping):
+        return ["not a JSON object"]
+    problems = runs.validate_result(result)
+    if problems:
+        return problems
+    if result["status"] == "completed":
+        # A completed run must carry the numbers it is shown with.
+        if not _is_number(result["value"]):
+            problems.append(f"completed but value is {result['value']!r}")
+        for key in ("arith_ratio", "dram_ratio"):
+            if not _is_number(result["cost"][key]):
+                problems.append(f"completed but cost.{key} is {result['cost'][key]!r}")
+        if not _is_number(result["stash_bits_mean"]):
+            problems.append(f"completed but stash_bits_mean is {result['stash_bits_mean']!r}")
+    return problems
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def read_runs(paths: Iterable[str | os.PathLike]) -> tuple[list[Run], list[str]]:
+    """The readable runs under ``paths`` and a warning for each result.json skipped."""
+    warnings: list[str] = []
+    found: list[Run] = []
+    files = find_result_files(paths)
+    for path in files:
+        try:
+            result = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            warnings.append(f"skipped {path}: unreadable ({err})")
+            continue
+        problems = _problems(result)
+        if problems:
+            warnings.append(f"skipped {path}: {'; '.join(problems)}")
+            continue
+        quant = result["quant"]
+        found.append(
+            Run(
+                path=path,
+                result=result,
+                row=row_name(quant),
+                task=str(result["task"]),
+                model=None if result.get("model") is None else str(result["model"]),
+                metric=str(result["metric"]),
+            )
+        )
+    if not found:
+        raise ValueError(
+            f"no readable result.json among the {len(files)} found "
+            f"({len(warnings)} skipped: {warnings[0] if warnings else ''})"
+        )
+    return found, warnings
+
+
+def _render_point(value) -> str:
+    if isinstance(value, Mapping) and "levels" in value:
+        return ">".join(str(level) for level in value["levels"])
+    if isinstance(value, (list, tuple)):
+        return ">".join(str(v) for v in value)
+    return str(value)
+
+
+def quant_differences(quant: Mapping) -> list[str] | None:
+    """``point=value`` for each quant key that differs from the stored preset (None when the
+    preset is not in conf/quant/)."""
+    try:
+        stored = load_quant_preset(str(quant["preset"]))
+    except ValueError:
+        return None
+    differences = []
+    for key in QUANT_KEYS:
+        mine, theirs = quant.get(key), stored.get(key)
+        if mine == theirs or (key == "stash_scope" and mine is None):
+            continue
+        if isinstance(mine, Mapping) and isinstance(theirs, Mapping):
+            for sub in sorted(set(mine) | set(theirs)):
+                if mine.get(sub) != theirs.get(sub):
+                    differences.append(f"{key}.{sub}={_render_point(mine.get(sub))}")
+        else:
+            differences.append(f"{key}={_render_point(mine)}")
+    return differences
+
+
+def row_name(quant: Mapping) -> str:
+    """The preset, or ``preset* (q1=bfp3)`` for a run whose points were overridden, so that it
+    is never averaged into the preset's own row."""
+    preset = str(quant["preset"])
+    modified = quant.get("modified")
+    differences = quant_differences(quant)
+    if modified is None:  # result.json written before the flag existed
+        modified = differences is None or bool(differences)
+    if not modified:
+        return preset
+    return f"{preset}* ({', '.join(differences)})" if differences else f"{preset}*"
+
+
+def _row_order(row: str) -> tuple:
+    preset = row.split("*", 1)[0]
+    known = preset in TABLE1_ORDER
+    rank = TABLE1_ORDER.index(preset) if known else len(TABLE1_ORDER)
+    return (rank, preset, row != preset, row)
+
+
+def build_table(found: list[Run], warnings: list[str] | None = None) -> Table:
+    """Group runs into rows (quant) and columns (task; model and metric too where a task has
+    runs of several)."""
+    models: dict[str, set] = {}
+    metrics: dict[str, set] = {}
+    for run in found:
+        models.setdefault(run.task, set()).add(run.model)
+        metrics.setdefault(run.task, set()).add(run.metric)
+    columns: dict[tuple, Column] = {}
+    cells: dict[tuple[str, str], Cell] = {}
+    row_quant: dict[str, dict] = {}
+    for run in found:
+        key = (run.task, run.model, run.metric)
+        if key not in columns:
+            extra = []
+            if len(models[run.task]) > 1:
+                extra.append(str(run.model))
+            if len(metrics[run.task]) > 1:
+                extra.append(run.metric)
+            label = f"{run.task} ({', '.join(extra)})" if extra else run.task
+            columns[key] = Column(key, label)
+        cells.setdefault((run.row, columns[key].label), Cell()).runs.append(run)
+        row_quant.setdefault(run.row, dict(run.result["quant"]))
+    for cell in cells.values():
+        cell.runs.sort(key=lambda r: (r.result.get("seed") is None, r.result.get("seed"), r.path))
+    baselines = sorted({str(r.result["cost"]["baseline"]) for r in found})
+    warnings = list(warnings or [])
+    if len(baselines) > 1:
+        warnings.append(
+            f"cost ratios are against different baselines ({', '.join(baselines)}); "
+            "they are not comparable across rows"
+        )
+    return Table(
+        rows=sorted(row_quant, key=_row_order),
+        columns=sorted(columns.values(), key=lambda c: c.label),
+        cells=cells,
+        row_quant=row_quant,
+        baselines=baselines,
+        warnings=warnings,
+    )
+
+
+def collect(paths: Iterable[str | os.PathLike]) -> Table:
+    found, warnings = read_runs(paths)
+    return build_table(found, warnings)
+
+
+# -- rendering ------------------------------------------------------------------------------
+
+
+def _fmt_ratio(ratio: float) -> str:
+    """``0.0519 (19.3x)``: the fraction of the baseline's cost and how many times fewer."""
+    if ratio == 0:
+        return "0"
+    return f"{ratio:.3g} ({1 / ratio:.3g}x)"
+
+
+def _metric_text(cell: Cell, pm: str) -> str:
+    text = f"{cell.metric_mean:.2f}"
+    notes = [cell.note] if cell.note else []
+    if cell.metric_std is not None:
+        text += f" {pm} {cell.metric_std:.2f}"
+        notes.insert(0, f"n={len(cell.completed)}")
+    return f"{text} ({'; '.join(notes)})" if notes else text
+
+
+def cell_texts(cell: Cell | None, pm: str = "±") -> list[str]:
+    """Metric, arith, DRAM, stash bits as shown: numbers of completed runs, else the status."""
+    if cell is None:
+        return ["-"] * 4
+    if not cell.completed:
+        return [cell.note, "-", "-", "-"]
+    return [
+        _metric_text(cell, pm),
+        _fmt_ratio(cell.cost_mean("arith_ratio")),
+        _fmt_ratio(cell.cost_mean("dram_ratio")),
+        f"{cell.stash_bits_mean:.3g}",
+    ]
+
+
+def _metric_label(metric: str) -> str:
+    return METRIC_LABELS.get(metric, metric)
+
+
+def _baseline_text(table: Table) -> str:
+    return "/".join(table.baselines) or "fixed32"
+
+
+def legend_lines(table: Table) -> list[str]:
+    baseline = _baseline_text(table)
+    paper = PAPER_REFERENCE
+    lines = [
+        f"arith, DRAM: cost per training step as a fraction of {baseline} at every point "
+        f"(result.json's cost ratios, SPEC 4), and in brackets how many times fewer; lower is "
+        "cheaper.",
+        "metric: mean ± sample standard deviation over completed seeds (n runs); runs that did "
+        "not complete are counted beside it, or shown by status when none completed.",
+        f"reference, paper ({paper['task'].upper()}, DSQ vs {paper['baseline']}): "
+        f"{paper['arith_reduction']}x arithmetic, {paper['dram_reduction']}x DRAM.",
+    ]
+    for ours in table.rebased():
+        lines.append(
+            f"ours ({ours['column']}, dsq vs fixed16): {ours['arith_reduction']:.3g}x "
+            f"arithmetic, {ours['dram_reduction']:.3g}x DRAM."
+        )
+    return lines
+
+
+def _md_escape(text: str) -> str:
+    # Only the cell separator: a lone ``*`` (``dsq*``) cannot open emphasis, and ``_`` inside a
+    # word (``stash_bfp``) is literal in GitHub markdown, so the raw text stays readable.
+    return text.replace("|", "\\|")
+
+
+def render_markdown(table: Table) -> str:
+    header = ["quant"]
+    for column in table.columns:
+        header += [
+            f"{column.label} {_metric_label(column.metric)}",
+            "arith",
+            "DRAM",
+            "stash bits",
+        ]
+    lines = [
+        "| " + " | ".join(_md_escape(h) for h in header) + " |",
+        "|" + "---|" + "---:|" * (len(header) - 1),
+    ]
+    for row in table.rows:
+        texts = [_md_escape(row)]
+        for column in table.columns:
+            texts += [_md_escape(t) for t in cell_texts(table.cell(row, column))]
+        lines.append("| " + " | ".join(texts) + " |")
+    lines.append("")
+    lines += [f"- {_md_escape(line)}" for line in legend_lines(table)]
+    return "\n".join(lines) + "\n"
+
+
+def _latex_escape(text: str) -> str:
+    replacements = {
+        "\\": r"\textbackslash{}",
+        "&": r"\&",
+        "%": r"\%",
+        "$": r"\$",
+        "#": r"\#",
+        "_": r"\_",
+        "{": r"\{",
+        "}": r"\}",
+        "~": r"\textasciitilde{}",
+        "^": r"\textasciicircum{}",
+        ">": r"$>$",
+        "±": r"$\pm$",
+    }
+    return "".join(replacements.get(char, char) for char in text)
+
+
+def render_latex(table: Table) -> str:
+    """A booktabs tabular (``\\usepackage{booktabs}``), the legend as spanning footnote rows."""
+    width = 1 + 4 * len(table.columns)
+    lines = [
+        r"\begin{tabular}{l" + "rrrr" * len(table.columns) + "}",
+        r"\toprule",
+        " & ".join(
+            [""]
+            + [
+                rf"\multicolumn{{4}}{{c}}{{{_latex_escape(c.label)} "
+                rf"({_latex_escape(_metric_label(c.metric))})}}"
+                for c in table.columns
+            ]
+        )
+        + r" \\",
+        "".join(rf"\cmidrule(lr){{{2 + 4 * i}-{5 + 4 * i}}}" for i in range(len(table.columns))),
+        " & ".join(
+            ["quant"]
+            + [_metric_label(c.metric) + " & arith & DRAM & stash bits" for c in table.columns]
+        )
+        + r" \\",
+        r"\midrule",
+    ]
+    for row in table.rows:
+        texts = [_latex_escape(row)]
+        for column in table.columns:
+            texts += [_latex_escape(t) for t in cell_texts(table.cell(row, column))]
+        lines.append(" & ".join(texts) + r" \\")
+    lines.append(r"\bottomrule")
+    for line in legend_lines(table):
+        lines.append(rf"\multicolumn{{{width}}}{{l}}{{\footnotesize {_latex_escape(line)}}} \\")
+    lines.append(r"\end{tabular}")
+    return "\n".join(lines) + "\n"
+
+
+def _cell_record(row: str, column: Column, cell: Cell, quant: Mapping) -> dict:
+    """The numbers of one cell, unrounded: a single completed run's are its result.json's."""
+    completed = bool(cell.completed)
+    arith = cell.cost_mean("arith_ratio")
+    dram = cell.cost_mean("dram_ratio")
+    return {
+        "row": row,
+        "preset": quant["preset"],
+        "modified": row != quant["preset"],
+        "task": column.task,
+        "model": column.model,
+        "metric": column.metric,
+        "n": len(cell.completed),
+        "metric_mean": cell.metric_mean,
+        "metric_std": cell.metric_std,
+        "arith_ratio": arith,
+        "dram_ratio": dram,
+        "arith_reduction": 1 / arith if arith else None,
+        "dram_reduction": 1 / dram if dram else None,
+        "stash_bits_mean": cell.stash_bits_mean,
+        "baseline": "/".join(sorted({str(r.result["cost"]["baseline"]) for r in cell.runs})),
+        "status": "completed" if completed else cell.note,
+        "note": cell.note if completed else "",
+    }
+
+
+def _filled_cells(table: Table):
+    """(row, column, cell) for each cell that has runs, in table order."""
+    for row in table.rows:
+        for column in table.columns:
+            cell = table.cell(row, column)
+            if cell is not None:
+                yield row, column, cell
+
+
+def cell_records(table: Table) -> list[dict]:
+    """One record per (row, column) that has runs, in table order."""
+    return [
+        _cell_record(row, column, cell, table.row_quant[row])
+        for row, column, cell in _filled_cells(table)
+    ]
+
+
+def reference_records(table: Table) -> list[dict]:
+    paper = PAPER_REFERENCE
+    records = [
+        {
+            "kind": "reference",
+            "row": f"paper: {paper['row']} vs {paper['baseline']}",
+            "task": paper["task"],
+            "arith_reduction": paper["arith_reduction"],
+            "dram_reduction": paper["dram_reduction"],
+            "baseline": paper["baseline"],
+            "note": paper["source"],
+        }
+    ]
+    for ours in table.rebased():
+        records.append(
+            {
+                "kind": "reference",
+                "row": f"ours: {ours['row']} vs {ours['baseline']}",
+                "task": ours["task"],
+                "arith_reduction": ours["arith_reduction"],
+                "dram_reduction": ours["dram_reduction"],
+                "baseline": ours["baseline"],
+                "note": f"column {ours['column']}",
+            }
+        )
+    return records
+
+
+def render_csv(table: Table) -> str:
+    """Long form: one line per cell, then the reference lines (``kind`` tells them apart)."""
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=CSV_COLUMNS, lineterminator="\n")
+    writer.writeheader()
+    for record in cell_records(table):
+        writer.writerow({"kind": "result", **record})
+    for record in reference_records(table):
+        writer.writerow(record)
+    return buffer.getvalue()
+
+
+def as_json(table: Table) -> dict:
+    cells: dict[str, dict] = {}
+    for row, column, cell in _filled_cells(table):
+        record = _cell_record(row, column, cell, table.row_quant[row])
+        record["runs"] = [
+            {
+                "result": str(run.path),
+                "seed": run.result.get("seed"),
+                "status": run.status,
+                "value": run.result["value"],
+                "arith_ratio": run.result["cost"]["arith_ratio"],
+                "dram_ratio": run.result["cost"]["dram_ratio"],
+                "stash_bits_mean": run.result["stash_bits_mean"],
+                "updates": run.result["updates"],
+            }
+            for run in cell.runs
+        ]
+        cells.setdefault(row, {})[column.label] = record
+    return {
+        "rows": [
+            {"name": row, "preset": table.row_quant[row]["preset"], "quant": table.row_quant[row]}
+            for row in table.rows
+        ],
+        "tasks": [
+            {"column": c.label, "task": c.task, "model": c.model, "metric": c.metric}
+            for c in table.columns
+        ],
+        "cells": cells,
+        "baselines": table.baselines,
+        "reference": {"paper": dict(PAPER_REFERENCE), "ours": table.rebased()},
+        "legend": legend_lines(table),
+        "warnings": table.warnings,
+    }
+
+
+def render_json(table: Table) -> str:
+    return json.dumps(as_json(table), indent=2) + "\n"
+
+
+RENDERERS = {
+    "markdown": render_markdown,
+    "csv": render_csv,
+    "latex": render_latex,
+    "json": render_json,
+}
+
+
+def render(table: Table, fmt: str) -> str:
+    if fmt not in RENDERERS:
+        raise ValueError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    return RENDERERS[fmt](table)
+
+
+# -- wandb ----------------------------------------------------------------------------------
+
+
+def log_to_wandb(
+    table: Table,
+    project: str = "dsq",
+    wandb_dir: str | os.PathLike = ".",
+    plot_path: str | os.PathLike | None = None,
+):
+    """Log Table 1 (the CSV's columns) and the frontier plot as one wandb run (job_type
+    ``table``): online with a login, offline otherwise (as ``logger.mode=auto``)."""
+    import wandb
+
+    from dsq_cli.trainers.loggers import wandb_mode
+
+    Path(wandb_dir).mkdir(parents=True, exist_ok=True)
+    run = wandb.init(
+        project=project,
+        job_type="table",
+        dir=str(wandb_dir),
+        mode=wandb_mode("auto"),
+        config={"rows": table.rows, "columns": [c.label for c in table.columns]},
+        settings=wandb.Settings(console="off", silent=True),
+    )
+    try:
+        records = [{"kind": "result", **r} for r in cell_records(table)]
+        records += reference_records(table)
+        data = [[record.get(column) for column in CSV_COLUMNS] for record in records]
+        values = {"table1": wandb.Table(columns=list(CSV_COLUMNS), data=data)}
+        if plot_path is not None:
+            values["frontier"] = wandb.Image(str(plot_path))
+        run.log(values)
+    finally:
+        run.finish()
+    return run

@@ -1,0 +1,386 @@
+"""`dsq table` and `dsq plot` on synthetic run directories (SPEC 5 result.json files, shaped like
+the full multi30k runs'): every format holds the runs' numbers, statuses show as words, bad input
+is named and skipped or ends with exit 2, plots are PNGs, and --wandb writes an offline run."""
+
+from __future__ import annotations
+
+import csv
+import glob
+import io
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from dsq_cli import table
+from dsq_cli.cli import app
+
+runner = CliRunner()
+
+POINTS = {
+    "fp32": {"q0": "fp32", "q1": "fp32", "q2": "fp32", "q3": "fp32"},
+    "fixed16": {"q0": "fixed16", "q1": "fixed16", "q2": "fixed16", "q3": "fixed16"},
+    "stash_bfp": {"q0": "bfp8", "q1": "bfp4", "q2": "bfp8", "q3": "fixed16"},
+    "dsq": {
+        "q0": "bfp8",
+        "q1": {
+            "levels": ["bfp2", "bfp3", "bfp4", "bfp6", "bfp8"],
+            "min_delta": 0.0,
+            "patience": 1,
+        },
+        "q2": "bfp8",
+        "q3": "fixed16",
+    },
+}
+MODELS = {"multi30k": "transformer_tiny", "iwslt17": "transformer_iwslt"}
+
+# (preset, task, seed, status, BLEU, arith ratio, DRAM ratio, stash bits); dsq's seeds follow
+# different schedules, so their costs differ.
+RUNS = [
+    ("fp32", "multi30k", 1, "completed", 27.384, 1.0, 1.0, 32.0),
+    ("fp32", "iwslt17", 1, "completed", 33.12, 1.0, 1.0, 32.0),
+    ("fixed16", "multi30k", 1, "completed", 27.301, 0.25, 0.5, 16.0),
+    ("fixed16", "iwslt17", 1, "completed", 33.05, 0.25, 0.5, 16.0),
+    ("fixed16", "iwslt17", 2, "interrupted", None, 0.25, 0.5, 16.0),
+    ("stash_bfp", "multi30k", 1, "completed", 26.93, 0.0705, 0.3893, 4.5),
+    ("stash_bfp", "iwslt17", 1, "diverged", None, 0.0705, 0.3893, 4.5),
+    ("dsq", "multi30k", 1, "completed", 26.4149, 0.0518704543461384, 0.36614714968006845, 2.5),
+    ("dsq", "multi30k", 2, "completed", 26.0312, 0.0534, 0.3702, 2.875),
+    ("dsq", "multi30k", 3, "diverged", None, 0.0518, 0.366, 2.5),
+    ("dsq", "iwslt17", 1, "running", None, None, None, None),
+]
+
+
+def result_json(preset, task, seed, status, value, arith, dram, stash_bits, points=None):
+    points = points or POINTS[preset]
+    return {
+        "status": status,
+        "task": task,
+        "model": MODELS[task],
+        "seed": seed,
+        "quant": {
+            "preset": preset,
+            **points,
+            "stash_scope": "gemm",
+            "modified": points is not POINTS[preset],
+        },
+        "metric": "bleu",
+        "value": value,
+        "bleu": value,
+        "valid_loss": None if status == "running" else 4.9,
+        "updates": 0 if status == "running" else 640,
+        "wall_seconds": 845.876,
+        "cost": {"arith_ratio": arith, "dram_ratio": dram, "baseline": "fixed32"},
+        "stash_bits_mean": stash_bits,
+        "versions": {"python": "3.11.7", "torch": "2.13.0+cpu", "fairseq": "0.12.3.1"},
+    }
+
+
+def write_run(root: Path, result: dict) -> Path:
+    name = f"{result['task']}-{result['quant']['preset']}-seed{result['seed']}"
+    if result["quant"]["modified"]:
+        name += "-modified"
+    run_dir = root / result["task"] / name
+    run_dir.mkdir(parents=True)
+    (run_dir / "result.json").write_text(json.dumps(result, indent=2))
+    return run_dir
+
+
+MODIFIED = ("dsq", "multi30k", 1, "completed", 26.2, 0.06, 0.38, 3.5)
+MODIFIED_POINTS = {**POINTS["dsq"], "q1": "bfp3"}
+
+
+@pytest.fixture
+def root(tmp_path):
+    root = tmp_path / "runs"
+    for spec in RUNS:
+        write_run(root, result_json(*spec))
+    write_run(root, result_json(*MODIFIED, points=MODIFIED_POINTS))
+    corrupt = root / "multi30k" / "multi30k-bfp8-seed1"
+    corrupt.mkdir(parents=True)
+    (corrupt / "result.json").write_text('{"status": "completed", "task": ')  # torn copy
+    incomplete = root / "iwslt17" / "iwslt17-bfp6-seed1"
+    incomplete.mkdir(parents=True)
+    (incomplete / "result.json").write_text(json.dumps({"status": "completed", "task": "x"}))
+    return root
+
+
+def completed(preset, task):
+    return [r for r in RUNS if r[0] == preset and r[1] == task and r[3] == "completed"]
+
+
+def parse_markdown(text: str) -> tuple[list[str], dict[str, list[str]]]:
+    lines = [line for line in text.splitlines() if line.startswith("|")]
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    rows = {}
+    for line in lines[2:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        rows[cells[0]] = cells[1:]
+    return header, rows
+
+
+def ratio_text(ratio: float) -> str:
+    return f"{ratio:.3g} ({1 / ratio:.3g}x)"
+
+
+def invoke(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+# -- markdown (default) -----------------------------------------------------------------------
+
+
+def test_markdown_rows_in_table1_order_with_the_runs_numbers(root):
+    result = invoke("table", root)
+    assert result.exit_code == 0, result.output
+    header, rows = parse_markdown(result.stdout)
+    assert header == ["quant"] + [
+        h
+        for task in ("iwslt17", "multi30k")
+        for h in (f"{task} BLEU", "arith", "DRAM", "stash bits")
+    ]
+    assert list(rows) == ["fp32", "fixed16", "stash_bfp", "dsq", "dsq* (q1=bfp3)"]
+    for preset in ("fp32", "fixed16", "stash_bfp"):
+        (_, _, _, _, value, arith, dram, bits) = completed(preset, "multi30k")[0]
+        assert rows[preset][4:] == [
+            f"{value:.2f}",
+            ratio_text(arith),
+            ratio_text(dram),
+            f"{bits:g}",
+        ]
+    (_, _, _, _, value, arith, dram, bits) = completed("fp32", "iwslt17")[0]
+    assert rows["fp32"][:4] == [f"{value:.2f}", "1 (1x)", "1 (1x)", "32"]
+    assert rows["dsq* (q1=bfp3)"][4:] == ["26.20", ratio_text(0.06), ratio_text(0.38), "3.5"]
+
+
+def test_markdown_seeds_give_mean_and_spread_and_count_what_did_not_complete(root):
+    _, rows = parse_markdown(invoke("table", root).stdout)
+    seeds = completed("dsq", "multi30k")
+    values = [r[4] for r in seeds]
+    mean, std = statistics.fmean(values), statistics.stdev(values)
+    arith = statistics.fmean(r[5] for r in seeds)
+    bits = statistics.fmean(r[7] for r in seeds)
+    assert rows["dsq"][4] == f"{mean:.2f} ± {std:.2f} (n=2; +1 diverged)"
+    assert rows["dsq"][5] == ratio_text(arith)
+    assert rows["dsq"][7] == f"{bits:.3g}"
+    assert rows["fixed16"][0] == "33.05 (+1 interrupted)"
+
+
+def test_runs_without_a_completed_seed_show_their_status_never_numbers(root):
+    _, rows = parse_markdown(invoke("table", root).stdout)
+    assert rows["stash_bfp"][:4] == ["diverged", "-", "-", "-"]
+    assert rows["dsq"][:4] == ["running", "-", "-", "-"]
+    assert rows["dsq* (q1=bfp3)"][:4] == ["-", "-", "-", "-"]  # never run on iwslt17
+
+
+def test_corrupt_result_json_is_named_and_skipped(root):
+    result = invoke("table", root)
+    assert result.exit_code == 0
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("dsq: warning:")]
+    assert len(warnings) == 2, result.stderr
+    torn = str((root / "multi30k" / "multi30k-bfp8-seed1" / "result.json").resolve())
+    incomplete = str((root / "iwslt17" / "iwslt17-bfp6-seed1" / "result.json").resolve())
+    assert any(torn in w and "unreadable" in w for w in warnings)
+    assert any(incomplete in w and "missing key 'quant'" in w for w in warnings)
+    assert "bfp8" not in parse_markdown(result.stdout)[1]
+
+
+def test_reference_line_and_our_dsq_against_fixed16(root):
+    stdout = invoke("table", root).stdout
+    assert "- reference, paper (IWSLT17, DSQ vs fixed16): 20.95x arithmetic, 2.55x DRAM." in stdout
+    arith = 0.25 / statistics.fmean(r[5] for r in completed("dsq", "multi30k"))
+    assert f"- ours (multi30k, dsq vs fixed16): {arith:.3g}x arithmetic" in stdout
+    assert "ours (iwslt17" not in stdout  # dsq has no completed iwslt17 run
+
+
+# -- csv, json, latex -------------------------------------------------------------------------
+
+
+def test_csv_holds_the_exact_numbers(root):
+    result = invoke("table", root, "--format", "csv")
+    assert result.exit_code == 0, result.output
+    records = list(csv.DictReader(io.StringIO(result.stdout)))
+    cells = {(r["row"], r["task"]): r for r in records if r["kind"] == "result"}
+    for preset, task, *_ in RUNS:
+        runs = completed(preset, task)
+        record = cells[(preset, task)]
+        if not runs:
+            assert record["metric_mean"] == record["arith_ratio"] == ""
+            continue
+        assert int(record["n"]) == len(runs)
+        assert float(record["metric_mean"]) == statistics.fmean(r[4] for r in runs)
+        assert float(record["arith_ratio"]) == statistics.fmean(r[5] for r in runs)
+        assert float(record["dram_ratio"]) == statistics.fmean(r[6] for r in runs)
+        assert float(record["stash_bits_mean"]) == statistics.fmean(r[7] for r in runs)
+    assert cells[("stash_bfp", "iwslt17")]["status"] == "diverged"
+    assert cells[("dsq", "iwslt17")]["status"] == "running"
+    assert cells[("dsq", "multi30k")]["note"] == "+1 diverged"
+    assert cells[("dsq* (q1=bfp3)", "multi30k")]["modified"] == "True"
+    (paper,) = [r for r in records if r["row"] == "paper: dsq vs fixed16"]
+    assert (paper["kind"], paper["task"], paper["arith_reduction"]) == (
+        "reference",
+        "iwslt17",
+        "20.95",
+    )
+    assert paper["dram_reduction"] == "2.55"
+
+
+def test_json_cells_and_runs_equal_result_json(root, tmp_path):
+    out = tmp_path / "table.json"
+    result = invoke("table", root, "--format", "json", "--out", out)
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert [r["name"] for r in data["rows"]] == [
+        "fp32",
+        "fixed16",
+        "stash_bfp",
+        "dsq",
+        "dsq* (q1=bfp3)",
+    ]
+    assert [t["task"] for t in data["tasks"]] == ["iwslt17", "multi30k"]
+    assert data["reference"]["paper"]["arith_reduction"] == 20.95
+    assert len(data["warnings"]) == 2
+    single = data["cells"]["stash_bfp"]["multi30k"]
+    assert (single["metric_mean"], single["arith_ratio"], single["dram_ratio"]) == (
+        26.93,
+        0.0705,
+        0.3893,
+    )
+    assert single["metric_std"] is None
+    dsq = data["cells"]["dsq"]["multi30k"]
+    by_seed = {run["seed"]: run for run in dsq["runs"]}
+    for preset, task, seed, status, value, arith, dram, bits in RUNS:
+        if (preset, task) == ("dsq", "multi30k"):
+            run = by_seed[seed]
+            assert (run["status"], run["value"], run["arith_ratio"]) == (status, value, arith)
+            assert (run["dram_ratio"], run["stash_bits_mean"]) == (dram, bits)
+    assert dsq["metric_std"] == statistics.stdev([26.4149, 26.0312])
+    assert data["cells"]["dsq"]["iwslt17"]["status"] == "running"
+
+
+def test_latex_is_a_booktabs_tabular_with_the_reference_as_footnote(root):
+    result = invoke("table", root, "--format", "latex")
+    assert result.exit_code == 0, result.output
+    text = result.stdout
+    assert text.startswith(r"\begin{tabular}{l" + "rrrr" * 2 + "}")
+    assert text.rstrip().endswith(r"\end{tabular}")
+    assert r"stash\_bfp & diverged & - & - & - & 26.93 & " in text
+    assert r"26.22 $\pm$ 0.27 (n=2; +1 diverged)" in text
+    assert r"\multicolumn{9}{l}{\footnotesize reference, paper (IWSLT17" in text
+
+
+# -- bad input --------------------------------------------------------------------------------
+
+
+def test_a_root_without_runs_says_so_and_exits_2(tmp_path):
+    (tmp_path / "empty").mkdir()
+    result = invoke("table", tmp_path / "empty")
+    assert result.exit_code == 2
+    assert result.stderr.strip() == f"dsq: error: no runs (result.json) under {tmp_path / 'empty'}"
+
+
+def test_missing_path_bad_format_and_only_corrupt_files_exit_2(tmp_path, root):
+    result = invoke("table", tmp_path / "nowhere")
+    assert result.exit_code == 2 and "no such file or directory" in result.stderr
+    result = invoke("table", root, "--format", "html")
+    assert result.exit_code == 2 and "--format must be one of" in result.stderr
+    only_corrupt = tmp_path / "corrupt"
+    (only_corrupt / "run").mkdir(parents=True)
+    (only_corrupt / "run" / "result.json").write_text("not json")
+    result = invoke("table", only_corrupt)
+    assert result.exit_code == 2
+    assert "no readable result.json among the 1 found" in result.stderr
+
+
+def test_rows_of_unknown_presets_follow_the_known_ones(tmp_path):
+    root = tmp_path / "runs"
+    extra = result_json("fp32", "multi30k", 1, "completed", 20.0, 0.5, 0.5, 8.0)
+    extra["quant"] = {"preset": "aaa_custom", **POINTS["fixed16"], "modified": True}
+    write_run(root, extra)
+    write_run(root, result_json("dsq", "multi30k", 1, "completed", 26.0, 0.05, 0.37, 2.5))
+    found = table.collect([root])
+    assert found.rows == ["dsq", "aaa_custom*"]
+
+
+# -- plots and wandb --------------------------------------------------------------------------
+
+
+def write_metrics(run_dir: Path) -> None:
+    """A dsq run whose stash rose bfp2 -> bfp3 at the validation of update 40."""
+    bits = {"q0": "bfp8e8b16", "q1": "bfp2e8b16", "q2": "bfp8e8b16", "q3": "fixed16"}
+    later = {**bits, "q1": "bfp3e8b16"}
+    lines = []
+    for update in range(10, 81, 10):
+        lines.append({"kind": "train", "update": update, "loss": 12 - update / 10, "bits": bits})
+        if update % 20 == 0:
+            lines.append(
+                {"kind": "valid", "update": update, "valid_loss": 9 - update / 20, "bits": bits}
+            )
+        if update == 40:
+            bits = later
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    change = {"update": 40, "point": "q1", "from": "bfp2e8b16", "to": "bfp3e8b16",
+              "from_level": 0, "to_level": 1, "valid_loss": 7.0}  # fmt: skip
+    (run_dir / "schedule.jsonl").write_text(json.dumps(change) + "\n")
+
+
+def assert_png(path: Path) -> None:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(data) > 20_000  # axes, lines and text, not an empty canvas
+
+
+def test_plot_run_writes_bits_and_loss_png(tmp_path):
+    run_dir = write_run(tmp_path, result_json(*RUNS[7]))
+    write_metrics(run_dir)
+    result = invoke("plot", run_dir)
+    assert result.exit_code == 0, result.output
+    assert_png(run_dir / "plot.png")
+    out = tmp_path / "elsewhere" / "run.png"
+    assert invoke("plot", run_dir, "--out", out).exit_code == 0
+    assert_png(out)
+
+
+def test_bits_series_steps_at_the_schedule_change(tmp_path):
+    from dsq_cli.plots import _read_jsonl, bits_series
+
+    run_dir = write_run(tmp_path, result_json(*RUNS[7]))
+    write_metrics(run_dir)
+    series = bits_series(
+        _read_jsonl(run_dir / "metrics.jsonl"), _read_jsonl(run_dir / "schedule.jsonl")
+    )
+    q1 = dict(series["q1"])
+    assert q1[0] == q1[40] == "bfp2e8b16" and q1[50] == "bfp3e8b16"
+    assert set(dict(series["q0"]).values()) == {"bfp8e8b16"}
+
+
+def test_plot_refuses_a_directory_without_metrics(tmp_path):
+    result = invoke("plot", tmp_path)
+    assert result.exit_code == 2 and "has no metrics.jsonl" in result.stderr
+
+
+def test_table_plot_writes_the_frontier_png(root, tmp_path):
+    out = tmp_path / "frontier.png"
+    result = invoke("table", root, "--plot", out)
+    assert result.exit_code == 0, result.output
+    assert_png(out)
+    assert invoke("table", root, "--plot", tmp_path / "frontier.svg").exit_code == 2
+
+
+def test_wandb_logs_the_table_offline(root, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    out = tmp_path / "frontier.png"
+    result = invoke("table", root, "--plot", out, "--wandb", "--wandb-dir", tmp_path / "wb")
+    assert result.exit_code == 0, result.output
+    (run_dir,) = glob.glob(str(tmp_path / "wb" / "wandb" / "offline-run-*"))
+    tables = glob.glob(f"{run_dir}/files/media/table/table1_*.table.json")
+    assert len(tables) == 1
+    logged = json.loads(Path(tables[0]).read_text())
+    assert logged["columns"] == list(table.CSV_COLUMNS)
+    rows = {(r[1], r[4]): dict(zip(logged["columns"], r)) for r in logged["data"]}
+    assert rows[("stash_bfp", "multi30k")]["arith_ratio"] == 0.0705
+    assert rows[("stash_bfp", "iwslt17")]["status"] == "diverged"
+    assert glob.glob(f"{run_dir}/files/media/images/frontier_*.png")
