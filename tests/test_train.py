@@ -346,3 +346,18 @@ def test_two_runs_started_at_once_get_two_directories(tmp_path):
     with ThreadPoolExecutor(8) as pool:
         dirs = list(pool.map(lambda _: runs.new_run_dir(tmp_path, "same-name"), range(16)))
     assert len(set(dirs)) == 16
+
+
+def test_a_failure_after_training_is_recorded_not_left_running(tmp_path, cache_dir, monkeypatch):
+    import dsq_cli.trainers.run as run_module
+
+    def broken_cost(progress):
+        raise ValueError("dram: expected keys [...]")
+
+    monkeypatch.setattr(run_module, "_run_cost", broken_cost)
+    root = tmp_path / "runs"
+    result = train(small(cache_dir, root, "train.max_updates=2", "train.validate_every=2"))
+    assert result.exit_code == 1, result.output
+    res = json.loads((only_run(root) / "result.json").read_text())
+    assert res["status"] == "failed"
+    assert "summarising the run: ValueError: dram" in res["error"]

@@ -138,7 +138,7 @@ def _config_yaml(cfg: DictConfig) -> str:
 
 
 def _train_and_evaluate(cfg, data, device, recorder, state, base) -> Outcome:
-    from .translation import TranslationTrainer, stash_bits_mean
+    from .translation import TranslationTrainer
 
     trainer = None
     status, error, evaluation = "completed", None, {}
@@ -169,24 +169,33 @@ def _train_and_evaluate(cfg, data, device, recorder, state, base) -> Outcome:
     if error:
         result["error"] = error
     if trainer is not None:
-        progress = trainer.progress
-        result.update(
-            updates=trainer.updates,
-            epochs=trainer.epoch_itr.epoch if trainer.epoch_itr else 0,
-            valid_loss=progress["last_valid_loss"],
-            best_valid_loss=progress["best_valid_loss"],
-            wall_seconds=round(progress["wall_seconds"], 3),
-            stash_bits_mean=stash_bits_mean(progress["segments"]),
-            bits_final=trainer.quant.current(),
-            precision_segments=[
-                {"points": points, "updates": n} for points, n in progress["segments"]
-            ],
-            cost=_run_cost(progress),
-            patch=trainer.patch_report.as_dict() | {"summary": trainer.patch_report.summary()},
-        )
+        try:
+            result.update(_trained_fields(trainer))
+        except Exception as err:  # e.g. a broken cost config: never leave "running" behind
+            log.exception("summarising the run failed")
+            status, exit_code = "failed", EXIT_CODES["failed"]
+            result.update(status=status, error=f"summarising the run: {type(err).__name__}: {err}")
     result["finished_at"] = _dt.datetime.now().isoformat(timespec="seconds")
     recorder.result(result)
     return Outcome(status, recorder.dir, result, exit_code)
+
+
+def _trained_fields(trainer) -> dict:
+    from .translation import stash_bits_mean
+
+    progress = trainer.progress
+    return dict(
+        updates=trainer.updates,
+        epochs=trainer.epoch_itr.epoch if trainer.epoch_itr else 0,
+        valid_loss=progress["last_valid_loss"],
+        best_valid_loss=progress["best_valid_loss"],
+        wall_seconds=round(progress["wall_seconds"], 3),
+        stash_bits_mean=stash_bits_mean(progress["segments"]),
+        bits_final=trainer.quant.current(),
+        precision_segments=[{"points": points, "updates": n} for points, n in progress["segments"]],
+        cost=_run_cost(progress),
+        patch=trainer.patch_report.as_dict() | {"summary": trainer.patch_report.summary()},
+    )
 
 
 def _run_cost(progress: dict) -> dict:
