@@ -390,5 +390,44 @@ def cost_cmd(
         typer.echo(format_report(report))
 
 
+@app.command("sweep", context_settings={"ignore_unknown_options": True})
+@usage_errors
+def sweep_cmd(
+    overrides: list[str] = typer.Argument(
+        None,
+        help="dsq train overrides with Hydra sweep syntax (quant=fp32,dsq seed=1,2), "
+        "run.root=ROOT (the sweep root), launcher=local|joblib, launcher.n_jobs=N.",
+        show_default=False,
+    ),
+    dry_run: bool = typer.Option(False, "--dry-run", help="List the jobs without running them."),
+    force: bool = typer.Option(
+        False, "--force", help="Run jobs that completed earlier again (the old runs are kept)."
+    ),
+):
+    """Run a grid of dsq train jobs under one root, then print the dsq table of that root.
+
+    A failed job does not stop the others; rerunning the same sweep skips completed jobs.
+    """
+    from dsq_cli import sweep
+
+    overrides = list(overrides or [])
+    if dry_run:
+        root, launcher, _, jobs = sweep.plan(overrides)
+        typer.echo(f"{len(jobs)} jobs under {root} (launcher={launcher}):")
+        for job in jobs:
+            typer.echo(f"  {job.name}: dsq train {' '.join(job.overrides)} run.dir={job.run_dir}")
+        return
+    root, jobs = sweep.run(overrides, force=force)
+    typer.echo(sweep.summary(jobs))
+    from dsq_cli import table
+
+    try:
+        typer.echo("\n" + table.render(table.collect([str(root)]), "markdown"))
+    except ValueError as err:  # no job produced a run
+        typer.echo(f"no table: {err}", err=True)
+    if any(j.status not in ("completed", "skipped") for j in jobs):
+        raise typer.Exit(1)
+
+
 if __name__ == "__main__":  # pragma: no cover
     app()

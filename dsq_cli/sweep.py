@@ -1,0 +1,193 @@
+"""`dsq sweep`: a grid of `dsq train` jobs under one sweep root, then the Table 1 of that root.
+
+Overrides use Hydra's sweep syntax (``quant=fp32,dsq seed=1,2 seed=range(1,4)``); the grid is
+their cartesian product, expanded by Hydra's own override parser. Each job is one `dsq train`
+process with ``run.dir=ROOT/<job name>``, its output in ``ROOT/<job name>.log``, so a job that
+fails (bad override, divergence, crash) never stops the others, and a rerun of the same sweep
+finds each finished job by its name and skips it.
+
+Launchers (``launcher=`` in the sweep overrides): ``local`` runs the jobs one after another;
+``joblib`` runs ``launcher.n_jobs`` at once on this machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import itertools
+import json
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+LAUNCHERS = ("local", "joblib")
+
+
+@dataclasses.dataclass
+class Job:
+    name: str
+    overrides: list[str]
+    run_dir: Path
+    status: str = (
+        "pending"  # pending | skipped | completed | diverged | interrupted | failed | invalid
+    )
+    detail: str = ""
+
+    @property
+    def log(self) -> Path:
+        return self.run_dir.with_name(self.run_dir.name + ".log")
+
+
+def _launcher_options(overrides: Sequence[str]) -> tuple[str, dict, list[str]]:
+    """Split ``launcher=...`` and ``launcher.KEY=...`` off the job overrides."""
+    launcher, options, rest = "local", {}, []
+    for override in overrides:
+        key, _, value = override.partition("=")
+        if key == "launcher":
+            launcher = value
+        elif key.startswith("launcher."):
+            options[key.split(".", 1)[1]] = value
+        else:
+            rest.append(override)
+    if launcher not in LAUNCHERS:
+        raise ValueError(f"unknown launcher {launcher!r}; choose one of {list(LAUNCHERS)}")
+    unknown = set(options) - ({"n_jobs"} if launcher == "joblib" else set())
+    if unknown:
+        raise ValueError(f"launcher={launcher} has no option(s) {sorted(unknown)}")
+    return launcher, options, rest
+
+
+def expand(overrides: Sequence[str]) -> list[list[str]]:
+    """The grid: one override list per job, in Hydra's sweep order (last key varies fastest)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(list(overrides))
+    except Exception as err:
+        raise ValueError(f"bad sweep override: {str(err).splitlines()[0]}") from None
+    axes = []
+    for override in parsed:
+        key = override.get_key_element()
+        if override.is_sweep_override():
+            axes.append([f"{key}={value}" for value in override.sweep_string_iterator()])
+        else:
+            axes.append([override.input_line])
+    return [list(combo) for combo in itertools.product(*axes)]
+
+
+def job_name(overrides: Sequence[str], varying: set[str]) -> str:
+    """A readable, filesystem-safe name from the overrides that vary across the sweep."""
+    parts = [o.replace("=", "-", 1) for o in overrides if o.split("=", 1)[0] in varying]
+    # Only characters that need no quoting in a Hydra override (the job runs with run.dir=...).
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", "_".join(parts or ["job"])).strip("_")[:200]
+
+
+def sweep_root(overrides: Sequence[str]) -> tuple[Path, list[str]]:
+    """``run.root=DIR`` is the sweep root; without it, ``runs/sweep-<digest>``, the same for the
+    same overrides, so that rerunning a sweep finds its finished jobs."""
+    import hashlib
+
+    roots = [o.split("=", 1)[1] for o in overrides if o.startswith("run.root=")]
+    rest = [o for o in overrides if not o.startswith("run.root=")]
+    if roots:
+        return Path(roots[-1]), rest
+    digest = hashlib.sha256("\n".join(sorted(rest)).encode()).hexdigest()[:10]
+    return Path("runs") / f"sweep-{digest}", rest
+
+
+def plan(overrides: Sequence[str]) -> tuple[Path, str, dict, list[Job]]:
+    root, overrides = sweep_root(overrides)
+    launcher, options, job_overrides = _launcher_options(overrides)
+    if any(o.split("=", 1)[0] in ("run.dir", "resume") for o in job_overrides):
+        raise ValueError("a sweep places each run itself (run.dir=ROOT/JOB); set run.root=ROOT")
+    grid = expand(job_overrides)
+    varying = {
+        o.split("=", 1)[0] for column in zip(*grid) for o in column if len({c for c in column}) > 1
+    }
+    jobs = [Job(job_name(o, varying), o, root / job_name(o, varying)) for o in grid]
+    names = [j.name for j in jobs]
+    if len(set(names)) != len(names):
+        raise ValueError("two jobs of this sweep would share a name; make the grid distinct")
+    return root, launcher, options, jobs
+
+
+def _status_of(run_dir: Path) -> str | None:
+    try:
+        return json.loads((run_dir / "result.json").read_text()).get("status")
+    except (OSError, ValueError):
+        return None
+
+
+def _run_job(job: Job, dsq: Sequence[str]) -> Job:
+    """One `dsq train` process; its stdout and stderr go to the job's log."""
+    from dsq_cli.config import ConfigError, compose
+
+    try:
+        compose(job.overrides)  # an invalid override fails this job only, before it starts
+    except (ConfigError, ValueError) as err:
+        job.status, job.detail = "invalid", str(err)
+        job.log.write_text(f"dsq: error: {err}\n")
+        return job
+    with open(job.log, "w") as log:
+        proc = subprocess.run(
+            [*dsq, "train", *job.overrides, f"run.dir={job.run_dir}"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=os.environ.copy(),
+        )
+    status = _status_of(job.run_dir)
+    job.status = status if status else "failed"
+    if proc.returncode != 0:
+        job.detail = f"exit {proc.returncode}"
+    return job
+
+
+def _set_aside(run_dir: Path) -> None:
+    """A rerun never deletes a run: an unfinished or forced one is renamed out of the way."""
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    run_dir.rename(run_dir.with_name(f"{run_dir.name}.old-{stamp}"))
+
+
+def run(overrides: Sequence[str], *, force: bool = False) -> tuple[Path, list[Job]]:
+    root, launcher, options, jobs = plan(overrides)
+    root.mkdir(parents=True, exist_ok=True)
+    todo = []
+    for job in jobs:
+        status = _status_of(job.run_dir) if job.run_dir.exists() else None
+        if status == "completed" and not force:
+            job.status, job.detail = "skipped", "completed earlier"
+            continue
+        if job.run_dir.exists():
+            _set_aside(job.run_dir)
+        todo.append(job)
+    dsq = [sys.executable, "-m", "dsq_cli.cli"]
+    if launcher == "joblib" and todo:
+        from joblib import Parallel, delayed
+
+        n_jobs = int(options.get("n_jobs", 2))
+        # Threads are enough: each job is its own `dsq train` process.
+        Parallel(n_jobs=n_jobs, prefer="threads")(delayed(_run_job)(job, dsq) for job in todo)
+    else:
+        for job in todo:
+            _run_job(job, dsq)
+    return root, jobs
+
+
+def summary(jobs: Sequence[Job]) -> str:
+    width = max(len(j.name) for j in jobs)
+    lines = [f"{'job'.ljust(width)}  status      log / note"]
+    for job in jobs:
+        note = str(job.log) if job.status not in ("completed", "skipped") else job.detail
+        if job.status == "invalid":
+            note = f"{job.log}: {job.detail}"
+        lines.append(f"{job.name.ljust(width)}  {job.status:<10}  {note}")
+    failed = [j for j in jobs if j.status not in ("completed", "skipped")]
+    lines.append(
+        f"{len(jobs)} jobs: {sum(j.status == 'completed' for j in jobs)} ran and completed, "
+        f"{sum(j.status == 'skipped' for j in jobs)} skipped (completed earlier), "
+        f"{len(failed)} failed"
+    )
+    return "\n".join(lines)

@@ -1,0 +1,106 @@
+"""`dsq sweep`: the grid, dry runs, failed jobs that do not stop the others, skipping finished
+jobs on a rerun, and the joblib launcher giving the same results as the local one."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from dsq_cli import sweep
+from dsq_cli.cli import app
+
+RUNNER = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("sweep-cache")
+    return [
+        "task=demo",
+        "task.sizes.train=400",
+        "task.sizes.valid=20",
+        "task.sizes.test=20",
+        "data.vocab_size=150",
+        f"data.cache_dir={cache}",
+        "model=transformer_small",
+        "train.max_tokens=512",
+        "train.max_updates=2",
+        "train.validate_every=2",
+        "eval.beam=1",
+        "logger=none",
+    ]
+
+
+def results(root):
+    return {
+        p.parent.name: json.loads(p.read_text())
+        for p in root.glob("*/result.json")
+        if ".old-" not in p.parent.name
+    }
+
+
+def test_the_grid_is_the_product_of_the_sweep_overrides():
+    grid = sweep.expand(["task=demo", "quant=fp32,dsq", "seed=range(1,3)"])
+    assert grid == [
+        ["task=demo", "quant=fp32", "seed=1"],
+        ["task=demo", "quant=fp32", "seed=2"],
+        ["task=demo", "quant=dsq", "seed=1"],
+        ["task=demo", "quant=dsq", "seed=2"],
+    ]
+
+
+def test_dry_run_lists_the_jobs_without_running(tmp_path):
+    args = ["sweep", "task=demo", "quant=fp32,dsq", "seed=1,2", f"run.root={tmp_path}"]
+    result = RUNNER.invoke(app, [*args, "--dry-run"])
+    assert result.exit_code == 0, result.output
+    assert f"4 jobs under {tmp_path}" in result.output
+    assert f"run.dir={tmp_path}/quant-dsq_seed-2" in result.output
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (["launcher=ray"], "unknown launcher 'ray'"),
+        (["launcher=local", "launcher.n_jobs=2"], "launcher=local has no option(s) ['n_jobs']"),
+        (["run.dir=/x"], "a sweep places each run itself"),
+    ],
+)
+def test_bad_sweep_options_are_usage_errors(bad, message):
+    result = RUNNER.invoke(app, ["sweep", "task=demo", *bad, "--dry-run"])
+    assert result.exit_code == 2
+    assert message in result.output
+
+
+def test_a_bad_job_fails_alone_and_a_rerun_skips_finished_jobs(tmp_path, tiny):
+    # q1 of the fp32 preset is a single format, so the schedule override is invalid for that
+    # job only; the dsq job runs.
+    args = ["sweep", *tiny, "quant=fp32,dsq", "quant.q1.levels=[bfp2,bfp4]", f"run.root={tmp_path}"]
+    first = RUNNER.invoke(app, args)
+    assert first.exit_code == 1, first.output
+    assert "quant-fp32  invalid" in first.output
+    assert str(tmp_path / "quant-fp32.log") in first.output
+    assert "1 ran and completed, 0 skipped (completed earlier), 1 failed" in first.output
+    assert "| dsq* (q1.levels=" in first.output  # the table of the root follows
+    assert results(tmp_path)["quant-dsq"]["status"] == "completed"
+
+    again = RUNNER.invoke(app, args)
+    assert "quant-dsq   skipped" in again.output
+    assert "0 ran and completed, 1 skipped (completed earlier), 1 failed" in again.output
+
+
+def test_joblib_launcher_gives_the_same_results_as_local(tmp_path, tiny):
+    local, parallel = tmp_path / "local", tmp_path / "joblib"
+    grid = ["quant=dsq", "seed=1,2"]
+    assert RUNNER.invoke(app, ["sweep", *tiny, *grid, f"run.root={local}"]).exit_code == 0
+    result = RUNNER.invoke(
+        app, ["sweep", *tiny, *grid, f"run.root={parallel}", "launcher=joblib", "launcher.n_jobs=2"]
+    )
+    assert result.exit_code == 0, result.output
+    a, b = results(local), results(parallel)
+    assert sorted(a) == sorted(b) == ["seed-1", "seed-2"]
+    for name in a:
+        for key in ("status", "bleu", "valid_loss", "updates", "cost"):
+            assert a[name][key] == b[name][key], (name, key)
