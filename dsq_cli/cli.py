@@ -396,7 +396,8 @@ def sweep_cmd(
     overrides: list[str] = typer.Argument(
         None,
         help="dsq train overrides with Hydra sweep syntax (quant=fp32,dsq seed=1,2), "
-        "run.root=ROOT (the sweep root), launcher=local|joblib, launcher.n_jobs=N.",
+        "run.root=ROOT (the sweep root), launcher=local|joblib|slurm, launcher.n_jobs=N, "
+        "launcher.partition=P launcher.gpus_per_node=G launcher.timeout_min=T (Slurm).",
         show_default=False,
     ),
     dry_run: bool = typer.Option(False, "--dry-run", help="List the jobs without running them."),
@@ -412,8 +413,13 @@ def sweep_cmd(
 
     overrides = list(overrides or [])
     if dry_run:
-        root, launcher, _, jobs = sweep.plan(overrides)
+        root, launcher, options, jobs = sweep.plan(overrides)
+        sbatch = ""
+        if launcher == "slurm":  # rendered without a cluster: an invalid config fails here
+            sbatch = sweep.slurm_sbatch(sweep.slurm_config(root, options), "dsq train ...")
         typer.echo(f"{len(jobs)} jobs under {root} (launcher={launcher}):")
+        if sbatch:
+            typer.echo("  " + "\n  ".join(ln for ln in sbatch.splitlines() if "#SBATCH" in ln))
         for job in jobs:
             typer.echo(f"  {job.name}: dsq train {' '.join(job.overrides)} run.dir={job.run_dir}")
         return

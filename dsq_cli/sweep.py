@@ -7,7 +7,9 @@ fails (bad override, divergence, crash) never stops the others, and a rerun of t
 finds each finished job by its name and skips it.
 
 Launchers (``launcher=`` in the sweep overrides): ``local`` runs the jobs one after another;
-``joblib`` runs ``launcher.n_jobs`` at once on this machine.
+``joblib`` runs ``launcher.n_jobs`` at once on this machine; ``slurm`` submits them as a job
+array through submitit, configured like hydra-submitit-launcher (``launcher.partition=gpu
+launcher.gpus_per_node=1 launcher.timeout_min=720``: the keys of its ``SlurmQueueConf``).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-LAUNCHERS = ("local", "joblib")
+LAUNCHERS = ("local", "joblib", "slurm")
 
 
 @dataclasses.dataclass
@@ -54,10 +56,82 @@ def _launcher_options(overrides: Sequence[str]) -> tuple[str, dict, list[str]]:
             rest.append(override)
     if launcher not in LAUNCHERS:
         raise ValueError(f"unknown launcher {launcher!r}; choose one of {list(LAUNCHERS)}")
-    unknown = set(options) - ({"n_jobs"} if launcher == "joblib" else set())
+    allowed = {"local": set(), "joblib": {"n_jobs"}, "slurm": set(slurm_keys())}[launcher]
+    unknown = set(options) - allowed
     if unknown:
-        raise ValueError(f"launcher={launcher} has no option(s) {sorted(unknown)}")
+        raise ValueError(
+            f"launcher={launcher} has no option(s) {sorted(unknown)}"
+            + (f"; its options: {sorted(allowed)}" if allowed else "")
+        )
     return launcher, options, rest
+
+
+def slurm_keys() -> list[str]:
+    """The options of hydra-submitit-launcher's Slurm queue (its ``SlurmQueueConf``)."""
+    import dataclasses
+
+    from hydra_plugins.hydra_submitit_launcher.config import SlurmQueueConf
+
+    return [f.name for f in dataclasses.fields(SlurmQueueConf) if f.name != "_target_"]
+
+
+def slurm_config(root: Path, options: dict) -> dict:
+    """The launcher config: SlurmQueueConf's defaults with the sweep's ``launcher.*`` values,
+    type-checked by OmegaConf (``timeout_min=abc`` is an error naming the key)."""
+    from hydra_plugins.hydra_submitit_launcher.config import SlurmQueueConf
+    from omegaconf import OmegaConf
+
+    config = OmegaConf.structured(SlurmQueueConf)
+    config.submitit_folder = str(root / ".submitit" / "%j")
+    config.name = f"dsq-sweep-{root.name}"  # its default interpolates Hydra's job name
+    try:
+        config = OmegaConf.merge(
+            config, OmegaConf.from_dotlist([f"{k}={v}" for k, v in options.items()])
+        )
+    except Exception as err:
+        raise ValueError(f"launcher=slurm: {str(err).splitlines()[0]}") from None
+    plain = OmegaConf.to_container(config, resolve=True)
+    plain.pop("_target_", None)
+    return plain
+
+
+def slurm_sbatch(config: dict, command: str) -> str:
+    """The sbatch script submitit would write for ``config``, rendered without a cluster: the
+    check that the launcher config is valid (an unknown or mistyped key fails here)."""
+    from submitit.slurm import slurm
+
+    renames = slurm.SlurmExecutor._equivalence_dict()  # name -> job_name, timeout_min -> time
+    params = {
+        renames.get(key, key): value
+        for key, value in config.items()
+        if key not in ("submitit_folder", "max_num_timeout") and value is not None
+    }
+    if "mem" in params:
+        params["mem"] = slurm._convert_mem(params["mem"])
+    try:
+        return slurm._make_sbatch_string(
+            command=command, folder=config["submitit_folder"], **params
+        )
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"launcher=slurm: submitit refuses the config: {err}") from None
+
+
+def slurm_executor(config: dict):
+    """A submitit executor set up as hydra-submitit-launcher sets up its own; building it checks
+    every parameter, without a cluster."""
+    import submitit
+    from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
+    from omegaconf import OmegaConf
+
+    params = dict(config)
+    folder = params.pop("submitit_folder")
+    max_num_timeout = params.pop("max_num_timeout")
+    executor = submitit.AutoExecutor(
+        cluster="slurm", folder=folder, slurm_max_num_timeout=max_num_timeout
+    )
+    base = set(OmegaConf.structured(BaseQueueConf).keys())
+    executor.update_parameters(**{k if k in base else f"slurm_{k}": v for k, v in params.items()})
+    return executor
 
 
 def expand(overrides: Sequence[str]) -> list[list[str]]:
@@ -164,7 +238,17 @@ def run(overrides: Sequence[str], *, force: bool = False) -> tuple[Path, list[Jo
             _set_aside(job.run_dir)
         todo.append(job)
     dsq = [sys.executable, "-m", "dsq_cli.cli"]
-    if launcher == "joblib" and todo:
+    if launcher == "slurm" and todo:
+        executor = slurm_executor(slurm_config(root, options))
+        # One array job; `dsq sweep` waits for it like Hydra's launcher does.
+        submitted = executor.map_array(_run_job, todo, [dsq] * len(todo))
+        for job, handle in zip(todo, submitted):
+            try:
+                done = handle.result()
+                job.status, job.detail = done.status, done.detail
+            except Exception as err:
+                job.status, job.detail = "failed", f"slurm job {handle.job_id}: {err}"
+    elif launcher == "joblib" and todo:
         from joblib import Parallel, delayed
 
         n_jobs = int(options.get("n_jobs", 2))

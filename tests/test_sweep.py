@@ -104,3 +104,31 @@ def test_joblib_launcher_gives_the_same_results_as_local(tmp_path, tiny):
     for name in a:
         for key in ("status", "bleu", "valid_loss", "updates", "cost"):
             assert a[name][key] == b[name][key], (name, key)
+
+
+def test_slurm_launcher_composes_a_valid_submitit_config_without_a_cluster(tmp_path):
+    options = {"partition": "gpu", "gpus_per_node": "2", "timeout_min": "720", "mem_gb": "32"}
+    config = sweep.slurm_config(tmp_path, options)
+    assert config["partition"] == "gpu" and config["gpus_per_node"] == 2
+    assert config["timeout_min"] == 720 and config["submitit_folder"].startswith(str(tmp_path))
+    script = sweep.slurm_sbatch(config, "dsq train task=demo")
+    for line in ("#SBATCH --partition=gpu", "#SBATCH --gpus-per-node=2", "#SBATCH --time=720",
+                 "#SBATCH --mem=32GB"):  # fmt: skip
+        assert line in script
+    args = ["sweep", "task=demo", "quant=fp32,dsq", "launcher=slurm", "launcher.partition=gpu"]
+    result = RUNNER.invoke(app, [*args, f"run.root={tmp_path}", "--dry-run"])
+    assert result.exit_code == 0, result.output
+    assert "#SBATCH --partition=gpu" in result.output and "2 jobs under" in result.output
+
+
+@pytest.mark.parametrize(
+    "option, message",
+    [
+        ("launcher.timeout_min=abc", "could not be converted to Integer"),
+        ("launcher.gpus=1", "launcher=slurm has no option(s) ['gpus']; its options:"),
+    ],
+)
+def test_slurm_config_errors_name_the_key(option, message):
+    result = RUNNER.invoke(app, ["sweep", "task=demo", "launcher=slurm", option, "--dry-run"])
+    assert result.exit_code == 2
+    assert message in result.output
