@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import threading
 from collections.abc import Sequence
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -83,12 +84,20 @@ def _explain(err: Exception, overrides: Sequence[str]) -> str:
 
 def compose(overrides: Sequence[str] = ()) -> DictConfig:
     """The resolved `dsq train` config for Hydra-style ``overrides`` (``key=value`` strings)."""
+    overrides = list(overrides)
+    _check_group_overrides(overrides)
+    with _COMPOSING:  # Hydra's state and the schema swap below are process-global
+        return _compose_locked(overrides)
+
+
+_COMPOSING = threading.Lock()
+
+
+def _compose_locked(overrides: list[str]) -> DictConfig:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    overrides = list(overrides)
-    _check_group_overrides(overrides)
     GlobalHydra.instance().clear()
     with (
         _without_foreign_schemas(),
@@ -119,10 +128,14 @@ def _without_foreign_schemas():
 
     store = ConfigStore.instance()
     saved = store.repo
-    store.repo = {k: v for k, v in saved.items() if k in ("hydra", "_dummy_empty_config_.yaml")}
+    visible = {k: v for k, v in saved.items() if k in ("hydra", "_dummy_empty_config_.yaml")}
+    store.repo = visible
     try:
         yield
     finally:
+        # Keep what was registered meanwhile (a module imported during composition).
+        for key, value in visible.items():
+            saved.setdefault(key, value)
         store.repo = saved
 
 

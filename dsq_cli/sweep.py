@@ -195,16 +195,22 @@ def _status_of(run_dir: Path) -> str | None:
         return None
 
 
-def _run_job(job: Job, dsq: Sequence[str]) -> Job:
-    """One `dsq train` process; its stdout and stderr go to the job's log."""
+def _check_job(job: Job) -> bool:
+    """Compose the job's config here, in this process: an invalid override fails this job only,
+    before anything is launched."""
     from dsq_cli.config import ConfigError, compose
 
     try:
-        compose(job.overrides)  # an invalid override fails this job only, before it starts
+        compose(job.overrides)
     except (ConfigError, ValueError) as err:
         job.status, job.detail = "invalid", str(err)
         job.log.write_text(f"dsq: error: {err}\n")
-        return job
+        return False
+    return True
+
+
+def _run_job(job: Job, dsq: Sequence[str]) -> Job:
+    """One `dsq train` process; its stdout and stderr go to the job's log."""
     with open(job.log, "w") as log:
         proc = subprocess.run(
             [*dsq, "train", *job.overrides, f"run.dir={job.run_dir}"],
@@ -236,7 +242,8 @@ def run(overrides: Sequence[str], *, force: bool = False) -> tuple[Path, list[Jo
             continue
         if job.run_dir.exists():
             _set_aside(job.run_dir)
-        todo.append(job)
+        if _check_job(job):
+            todo.append(job)
     dsq = [sys.executable, "-m", "dsq_cli.cli"]
     if launcher == "slurm" and todo:
         executor = slurm_executor(slurm_config(root, options))
