@@ -12,9 +12,9 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
+from dsq_cli.engine.config import POINTS
 from dsq_cli.table import METRIC_LABELS, PAPER_REFERENCE, Table
 
-POINTS = ("q0", "q1", "q2", "q3")
 POINT_ROLES = {
     "q0": "forward x, W",
     "q1": "stash",

@@ -18,7 +18,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from dsq_cli import runs
-from dsq_cli.config import ConfigError, to_plain, validate
+from dsq_cli.config import GROUPS, ConfigError, to_plain, validate
 
 from .common import (
     EXIT_CODES,
@@ -79,12 +79,10 @@ def load_resume(run_dir: str, overrides: list[str]) -> tuple[DictConfig, Path, d
     OmegaConf.set_struct(cfg, True)
     for override in overrides:
         key = override.split("=", 1)[0].lstrip("+~")
-        if key in ("task", "model", "quant", "logger") or key.startswith("choices"):
+        if key in GROUPS or key.startswith("choices"):
             raise ConfigError(
                 f"resume continues the stored config; {key}= cannot change (start a new run)"
             )
-        if key == "resume":
-            continue
     extra = [o for o in overrides if not o.startswith("resume=")]
     try:
         cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(extra))

@@ -104,10 +104,6 @@ def quant_config(cfg) -> QuantConfig:
     return QuantConfig.from_dict(OmegaConf.to_container(cfg.quant, resolve=True))
 
 
-def bits_in_force(quant: QuantConfig) -> dict[str, str]:
-    return quant.current()
-
-
 class TranslationTrainer:
     """One translation run. ``run()`` trains to the budget, then scores BLEU."""
 
@@ -181,7 +177,7 @@ class TranslationTrainer:
         return not (max_epochs and self.epoch_itr.next_epoch_idx > max_epochs)
 
     def _count_update(self) -> None:
-        points = bits_in_force(self.quant)
+        points = self.quant.current()
         segments = self.progress["segments"]
         if segments and segments[-1][0] == points:
             segments[-1][1] += 1
@@ -227,7 +223,7 @@ class TranslationTrainer:
                     if self._validation_due(end_of_epoch):
                         self.validate(step_schedule=True)
                         self.checkpoint()
-                    progress_bar.update(self.updates, loss, bits_in_force(self.quant), self._lr())
+                    progress_bar.update(self.updates, loss, self.quant.current(), self._lr())
                     if stop.signum is not None:
                         self.checkpoint()
                         stop.check()
@@ -283,7 +279,7 @@ class TranslationTrainer:
             "loss": sum(window) / len(window),
             "nll_loss": _float(logging_output.get("nll_loss")),
             "lr": self._lr(),
-            "bits": bits_in_force(self.quant),
+            "bits": self.quant.current(),
             "wall_seconds": round(self.progress["wall_seconds"], 3),
         }
         self.recorder.metrics(record)
@@ -304,7 +300,7 @@ class TranslationTrainer:
         self.progress["last_valid_loss"] = valid_loss
         self.progress["validations"] += 1
         self.progress["validated_at"] = self.updates
-        bits_before = bits_in_force(self.quant)
+        bits_before = self.quant.current()
         changes = self.quant.step(valid_loss, self.updates) if step_schedule else []
         self.recorder.metrics(
             {
