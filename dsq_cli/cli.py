@@ -183,16 +183,6 @@ OVERRIDES_HELP = (
 )
 
 
-def _quiet_library_warnings() -> None:
-    """fairseq 0.12 on torch 2.x warns at every update about APIs it uses (autocast, jit,
-    pin_memory without a GPU); they say nothing about the run and drown the progress line."""
-    import warnings
-
-    warnings.filterwarnings("ignore", category=FutureWarning, module=r"fairseq\.")
-    warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"torch\.jit")
-    warnings.filterwarnings("ignore", message=r".*'pin_memory' argument is set as true.*")
-
-
 @app.command(
     "train",
     context_settings={"allow_extra_args": False, "ignore_unknown_options": True},
@@ -212,9 +202,10 @@ def train_cmd(
     (continue with resume=RUN_DIR), 1 failed.
     """
     from dsq_cli.config import compose, to_yaml
+    from dsq_cli.trainers.common import quiet_library_warnings
     from dsq_cli.trainers.run import load_resume, train
 
-    _quiet_library_warnings()
+    quiet_library_warnings()
     overrides = list(overrides or [])
     resume_dir = next((o.split("=", 1)[1] for o in overrides if o.startswith("resume=")), None)
     if resume_dir and resume_dir != "null":
@@ -226,6 +217,8 @@ def train_cmd(
         typer.echo(to_yaml(cfg), nl=False)
         return
     outcome = train(cfg, resume=resume)
+    if not outcome.main:  # a rank other than 0 under torchrun: rank 0 reports
+        raise typer.Exit(outcome.exit_code)
     result = outcome.result
     typer.echo(f"run: {outcome.run_dir}")
     if outcome.status == "completed":

@@ -92,6 +92,14 @@ def slurm_config(root: Path, options: dict) -> dict:
         raise ValueError(f"launcher=slurm: {str(err).splitlines()[0]}") from None
     plain = OmegaConf.to_container(config, resolve=True)
     plain.pop("_target_", None)
+    if plain.get("tasks_per_node", 1) != 1 or plain.get("nodes", 1) != 1:
+        # Each array task runs one `dsq train`, which spawns its own ranks; several Slurm tasks
+        # per job would each start a whole run of their own.
+        raise ValueError(
+            "launcher=slurm: a job is one `dsq train` process; for several GPUs per run set "
+            "launcher.gpus_per_node=N and train.distributed_world_size=N "
+            "(tasks_per_node and nodes stay 1; see docs/scaling.md)"
+        )
     return plain
 
 

@@ -126,6 +126,7 @@ def test_slurm_launcher_composes_a_valid_submitit_config_without_a_cluster(tmp_p
     [
         ("launcher.timeout_min=abc", "could not be converted to Integer"),
         ("launcher.gpus=1", "launcher=slurm has no option(s) ['gpus']; its options:"),
+        ("launcher.tasks_per_node=2", "set launcher.gpus_per_node=N and train.distributed_"),
     ],
 )
 def test_slurm_config_errors_name_the_key(option, message):

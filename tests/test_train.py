@@ -8,12 +8,11 @@ import json
 import os
 import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from train_helpers import DSQ, only_run, read_jsonl, small, wait_for_update
 from typer.testing import CliRunner
 
 from dsq_cli import runs
@@ -21,7 +20,6 @@ from dsq_cli.cli import app
 from dsq_cli.trainers.common import load_checkpoint
 
 RUNNER = CliRunner()
-DSQ = str(Path(sys.executable).with_name("dsq"))
 
 
 @pytest.fixture(scope="module")
@@ -29,38 +27,8 @@ def cache_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("dsq-cache")
 
 
-def small(cache_dir, root, *extra):
-    """A demo run of a few updates on 600 sentence pairs."""
-    return [
-        "task=demo",
-        "task.sizes.train=600",
-        "task.sizes.valid=40",
-        "task.sizes.test=40",
-        "data.vocab_size=200",
-        f"data.cache_dir={cache_dir}",
-        "model=transformer_small",
-        "train.max_tokens=1024",
-        "train.max_updates=8",
-        "train.validate_every=4",
-        "train.log_every=1",
-        "eval.beam=1",
-        "logger=none",
-        f"run.root={root}",
-        *extra,
-    ]
-
-
 def train(args):
     return RUNNER.invoke(app, ["train", *args])
-
-
-def only_run(root: Path) -> Path:
-    (run_dir,) = [p for p in root.iterdir() if p.is_dir()]
-    return run_dir
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 # -- config errors: exit 2, one line, no run directory ------------------------------------------
@@ -280,18 +248,6 @@ def test_nan_loss_stops_as_diverged_and_keeps_the_last_good_checkpoint(
     assert not (run_dir / "checkpoints" / "crash.pt").exists()
 
 
-def _wait_for_update(metrics: Path, update: int, proc, timeout: float = 240) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.stderr.read()
-        if metrics.is_file():
-            updates = [m["update"] for m in read_jsonl(metrics) if m["kind"] == "train"]
-            if updates and max(updates) >= update:
-                return
-        time.sleep(0.2)
-    raise AssertionError(f"no update {update} within {timeout} s")
-
-
 def test_sigterm_checkpoints_and_resume_matches_an_uninterrupted_run(tmp_path, cache_dir):
     args = small(cache_dir, tmp_path / "x", "train.max_updates=10", "train.validate_every=3")
     straight = subprocess.run(
@@ -306,7 +262,7 @@ def test_sigterm_checkpoints_and_resume_matches_an_uninterrupted_run(tmp_path, c
         [DSQ, "train", *[a for a in args if not a.startswith("run.root")], f"run.dir={stopped}"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
-    _wait_for_update(stopped / "metrics.jsonl", 4, proc)
+    wait_for_update(stopped / "metrics.jsonl", 4, proc)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 128 + signal.SIGTERM, err

@@ -27,6 +27,16 @@ CHECKPOINT_FORMAT = "dsq-checkpoint-1"
 EXIT_CODES = {"completed": 0, "failed": 1, "diverged": 3, "interrupted": 130}
 
 
+def quiet_library_warnings() -> None:
+    """fairseq 0.12 on torch 2.x warns at every update about APIs it uses (autocast, jit,
+    pin_memory without a GPU); they say nothing about the run and drown the progress line."""
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"fairseq\.")
+    warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"torch\.jit")
+    warnings.filterwarnings("ignore", message=r".*'pin_memory' argument is set as true.*")
+
+
 class Diverged(RuntimeError):
     """A NaN or Inf loss: training stops, the last good checkpoint stays."""
 
@@ -109,7 +119,14 @@ class Progress:
     """One status line on stderr: update, loss, bits in force, ETA. On a terminal it redraws in
     place; otherwise (logs, CI) it prints a line at most every ``interval`` seconds."""
 
-    def __init__(self, total_updates: int | None, start_update: int = 0, interval: float = 30.0):
+    def __init__(
+        self,
+        total_updates: int | None,
+        start_update: int = 0,
+        interval: float = 30.0,
+        quiet: bool = False,
+    ):
+        self.quiet = quiet  # ranks other than 0 of a distributed run
         self.total = total_updates or None
         self.start_update = start_update
         self.started = time.monotonic()
@@ -119,7 +136,7 @@ class Progress:
 
     def update(self, update: int, loss: float | None, bits: Mapping[str, str], lr: float) -> None:
         now = time.monotonic()
-        if not self.tty and now - self.last_print < self.interval:
+        if self.quiet or (not self.tty and now - self.last_print < self.interval):
             return
         self.last_print = now
         done = update - self.start_update
@@ -141,7 +158,7 @@ class Progress:
         sys.stderr.flush()
 
     def close(self) -> None:
-        if self.tty:
+        if self.tty and not self.quiet:
             sys.stderr.write("\n")
             sys.stderr.flush()
 
@@ -197,6 +214,27 @@ class RunRecorder:
                 if line.strip() and json.loads(line).get("update", 0) <= update
             ]
             runs.write_atomic(path, "".join(line + "\n" for line in kept))
+
+
+class QuietRecorder(RunRecorder):
+    """A RunRecorder that writes nothing: ranks other than 0 of a distributed run, whose numbers
+    (all-reduced) are rank 0's."""
+
+    def __init__(self, run_dir: Path):
+        self.dir = run_dir
+        self.checkpoint_dir = run_dir / "checkpoints"
+
+    def metrics(self, record: Mapping) -> None:
+        pass
+
+    def schedule_change(self, record: Mapping) -> None:
+        pass
+
+    def result(self, result: Mapping) -> None:
+        pass
+
+    def truncate_after(self, update: int) -> None:
+        pass
 
 
 @contextlib.contextmanager

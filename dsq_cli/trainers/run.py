@@ -20,10 +20,12 @@ from omegaconf import DictConfig, OmegaConf
 from dsq_cli import runs
 from dsq_cli.config import GROUPS, ConfigError, to_plain, validate
 
+from . import distributed
 from .common import (
     EXIT_CODES,
     Diverged,
     Interrupted,
+    QuietRecorder,
     RunRecorder,
     StopRequest,
     load_checkpoint,
@@ -40,6 +42,7 @@ class Outcome:
     run_dir: Path
     result: dict
     exit_code: int
+    main: bool = True  # False on ranks other than 0, which report nothing
 
 
 def resolve_device(requested: str) -> str:
@@ -95,25 +98,120 @@ def load_resume(run_dir: str, overrides: list[str]) -> tuple[DictConfig, Path, d
 
 
 def train(cfg: DictConfig, *, resume: tuple[Path, dict] | None = None) -> Outcome:
-    """Run ``cfg`` to the end; returns the outcome (never raises for a training failure)."""
+    """Run ``cfg`` to the end; returns the outcome (never raises for a training failure).
+
+    With ``train.distributed_world_size=N`` this process spawns N workers (one per device) and
+    waits; under torchrun it is itself one of them (`distributed`)."""
     from dsq_cli.data.prepare import prepare
     from dsq_cli.data.tasks import TASKS
 
     if str(cfg.task.name) not in TASKS:
         raise ConfigError(f"task {cfg.task.name} has no trainer yet; translation tasks: {TASKS}")
     device = resolve_device(str(cfg.train.device))
+    launched = distributed.from_environment()
+    if launched is not None:
+        return _train_launched(cfg, resume, launched, device)
+    world_size = int(cfg.train.distributed_world_size)
+    distributed.check_devices(world_size, device)
     data = prepare(cfg)  # DataError (bad or missing data) before any run directory exists
+    run_dir, state = _open_run_dir(cfg, resume)
+    if world_size > 1:
+        codes = distributed.spawn(cfg, run_dir, resumed=resume is not None, device=device)
+        return _spawned_outcome(run_dir, codes)
+    return train_rank(cfg, run_dir, device=device, resumed=resume is not None, data=data,
+                      state=state)  # fmt: skip
 
+
+def _open_run_dir(cfg: DictConfig, resume) -> tuple[Path, dict | None]:
     if resume is not None:
-        run_dir, state = resume
-    else:
-        run_dir = (
-            runs.exact_run_dir(cfg.run.dir)
-            if cfg.run.dir
-            else runs.new_run_dir(cfg.run.root, run_name(cfg))
+        return resume
+    run_dir = (
+        runs.exact_run_dir(cfg.run.dir)
+        if cfg.run.dir
+        else runs.new_run_dir(cfg.run.root, run_name(cfg))
+    )
+    runs.write_atomic(run_dir / "config.yaml", _config_yaml(cfg))
+    return run_dir, None
+
+
+def _train_launched(cfg, resume, rank: distributed.Rank, device: str) -> Outcome:
+    """One process of a torchrun / srun launch: rank 0 prepares the data and makes the run
+    directory, then tells the others where it is (or what was wrong)."""
+    from dsq_cli.data.prepare import prepare
+
+    configured = int(cfg.train.distributed_world_size)
+    if configured not in (1, rank.world_size):
+        raise ConfigError(
+            f"train.distributed_world_size={configured} but the launcher started "
+            f"{rank.world_size} processes; drop the override or make them agree"
         )
-        state = None
-        runs.write_atomic(run_dir / "config.yaml", _config_yaml(cfg))
+    cfg.train.distributed_world_size = rank.world_size
+    distributed.init_process_group(rank, device, "env://")
+    try:
+        data = state = run_dir = error = None
+        if rank.is_main:
+            try:
+                data = prepare(cfg)
+                run_dir, state = _open_run_dir(cfg, resume)
+            except ValueError as err:  # ConfigError, DataError: one line for every rank
+                error = err
+        told = distributed.broadcast_from_main(
+            ("error", str(error)) if error is not None else ("run_dir", str(run_dir))
+        )
+        if error is not None:
+            raise error
+        if told[0] == "error":
+            raise ConfigError(told[1])
+        return train_rank(cfg, Path(told[1]), rank=rank, device=device,
+                          resumed=resume is not None, data=data, state=state)  # fmt: skip
+    finally:
+        distributed.destroy_process_group()
+
+
+def _spawned_outcome(run_dir: Path, codes: dict[int, int | None]) -> Outcome:
+    """The run's outcome from rank 0's result.json. A rank that failed or had to be killed while
+    rank 0 was still training leaves it at ``running``: it is then recorded as ``failed``."""
+    import json
+
+    result = json.loads((run_dir / "result.json").read_text())
+    main_code = codes[0]
+    if result.get("status") == "running" or main_code is None:
+        bad = ", ".join(
+            f"rank {r} exited with {code if code is not None else 'a signal'}"
+            for r, code in codes.items()
+            if code != 0
+        )
+        result.update(
+            status="failed",
+            error=f"distributed training failed: {bad} (see train.log and train.rankN.log)",
+            finished_at=_dt.datetime.now().isoformat(timespec="seconds"),
+        )
+        runs.write_json(run_dir / "result.json", result)
+        main_code = EXIT_CODES["failed"]
+    return Outcome(str(result["status"]), run_dir, result, main_code)
+
+
+def train_rank(
+    cfg: DictConfig,
+    run_dir: Path,
+    *,
+    device: str,
+    resumed: bool,
+    rank: distributed.Rank = distributed.SINGLE,
+    data=None,
+    state: dict | None = None,
+) -> Outcome:
+    """Train in this process, as ``rank`` of the data-parallel group. Rank 0 writes the run
+    directory (SPEC 5) and the experiment logger; other ranks only their own log."""
+    from dsq_cli.data.prepare import prepare
+
+    if data is None:
+        data = prepare(cfg)  # a spawned worker: the parent prepared it, so this reads the cache
+    if state is None and resumed:
+        state = load_checkpoint(run_dir / "checkpoints" / "checkpoint_last.pt")
+    if not rank.is_main:
+        with run_log(run_dir / f"train.rank{rank.rank}.log"):
+            return _train_and_evaluate(cfg, data, device, QuietRecorder(run_dir), state, {}, rank)
     from .loggers import make_logger
 
     plain = to_plain(cfg)
@@ -121,9 +219,9 @@ def train(cfg: DictConfig, *, resume: tuple[Path, dict] | None = None) -> Outcom
     with run_log(run_dir / "train.log"):
         experiment = make_logger(cfg.logger, run_dir, plain)
         recorder = RunRecorder(run_dir, experiment)
-        base = _result_base(cfg, plain, data, device, started_at, resume is not None)
+        base = _result_base(cfg, plain, data, device, started_at, resumed)
         recorder.result(base | {"status": "running"})
-        outcome = _train_and_evaluate(cfg, data, device, recorder, state, base)
+        outcome = _train_and_evaluate(cfg, data, device, recorder, state, base, rank)
         experiment.summary(_summary(outcome.result))
         experiment.finish(exit_code=outcome.exit_code)
     return outcome
@@ -135,7 +233,7 @@ def _config_yaml(cfg: DictConfig) -> str:
     return yaml.safe_dump(runs.scrub_secrets(to_plain(cfg)), sort_keys=False)
 
 
-def _train_and_evaluate(cfg, data, device, recorder, state, base) -> Outcome:
+def _train_and_evaluate(cfg, data, device, recorder, state, base, rank) -> Outcome:
     from .translation import TranslationTrainer
 
     trainer = None
@@ -143,12 +241,13 @@ def _train_and_evaluate(cfg, data, device, recorder, state, base) -> Outcome:
     exit_code = 0
     with StopRequest() as stop:
         try:
-            trainer = TranslationTrainer(cfg, data, recorder, device)
+            trainer = TranslationTrainer(cfg, data, recorder, device, rank)
             if state is not None:
                 recorder.truncate_after(int(state["num_updates"]))
             trainer.train(stop, state)
-            evaluation = trainer.bleu(stop)
-            recorder.metrics({"kind": "test", "update": trainer.updates, **evaluation})
+            if rank.is_main:  # the final model is the same on every rank
+                evaluation = trainer.bleu(stop)
+                recorder.metrics({"kind": "test", "update": trainer.updates, **evaluation})
         except Interrupted as err:
             status, error = "interrupted", str(err)
             exit_code = 128 + err.signum
@@ -175,7 +274,7 @@ def _train_and_evaluate(cfg, data, device, recorder, state, base) -> Outcome:
             result.update(status=status, error=f"summarising the run: {type(err).__name__}: {err}")
     result["finished_at"] = _dt.datetime.now().isoformat(timespec="seconds")
     recorder.result(result)
-    return Outcome(status, recorder.dir, result, exit_code)
+    return Outcome(status, recorder.dir, result, exit_code, main=rank.is_main)
 
 
 def _trained_fields(trainer) -> dict:
@@ -234,6 +333,7 @@ def _result_base(cfg, plain, data, device, started_at, resumed) -> dict:
         "stash_bits_mean": None,
         "versions": runs.versions(),
         "device": device,
+        "world_size": int(cfg.train.distributed_world_size),  # data-parallel ranks
         "data": {"dir": str(data.path), **data.manifest},
         "started_at": started_at,
         "resumed": resumed,

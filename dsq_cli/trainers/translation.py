@@ -21,8 +21,10 @@ from dsq_cli.data.prepare import PreparedData
 from dsq_cli.engine import QuantConfig, quantize_model, record_gemms
 from dsq_cli.formats import parse_format
 
+from . import distributed
 from .common import (
     Diverged,
+    Interrupted,
     Progress,
     RunRecorder,
     StopRequest,
@@ -50,9 +52,16 @@ def _model_args(model_cfg) -> list[str]:
     return args
 
 
-def fairseq_config(cfg, data: PreparedData, save_dir: Path, device: str):
+def fairseq_config(
+    cfg,
+    data: PreparedData,
+    save_dir: Path,
+    device: str,
+    rank: distributed.Rank = distributed.SINGLE,
+):
     """fairseq's FairseqConfig for this run, through fairseq's own parser (so every default is
-    fairseq's)."""
+    fairseq's). A distributed rank gets torch's DDP through fairseq's wrapper, its batches from
+    fairseq's sharded iterators and its logging outputs all-reduced by fairseq's Trainer."""
     from fairseq import options
     from omegaconf import open_dict
 
@@ -80,7 +89,10 @@ def fairseq_config(cfg, data: PreparedData, save_dir: Path, device: str):
         "--seed", str(cfg.seed),
         "--save-dir", str(save_dir),
         "--num-workers", "0",
-        "--distributed-world-size", "1",
+        "--distributed-world-size", str(rank.world_size),
+        "--distributed-rank", str(rank.rank),
+        "--ddp-backend", distributed.fairseq_ddp_backend(device),
+        "--device-id", str(rank.local_rank),
         "--skip-invalid-size-inputs-valid-test",
         "--no-progress-bar",
         "--log-format", "simple",
@@ -107,12 +119,20 @@ def quant_config(cfg) -> QuantConfig:
 class TranslationTrainer:
     """One translation run. ``run()`` trains to the budget, then scores BLEU."""
 
-    def __init__(self, cfg, data: PreparedData, recorder: RunRecorder, device: str):
+    def __init__(
+        self,
+        cfg,
+        data: PreparedData,
+        recorder: RunRecorder,
+        device: str,
+        rank: distributed.Rank = distributed.SINGLE,
+    ):
         from fairseq import tasks, utils
         from fairseq.trainer import Trainer
 
         self.cfg, self.data, self.recorder, self.device = cfg, data, recorder, device
-        self.fs_cfg = fairseq_config(cfg, data, recorder.checkpoint_dir, device)
+        self.rank = rank
+        self.fs_cfg = fairseq_config(cfg, data, recorder.checkpoint_dir, device, rank)
         utils.set_torch_seed(int(cfg.seed))
         self.task = tasks.setup_task(self.fs_cfg.task)
         self.model = self.task.build_model(self.fs_cfg.model)
@@ -163,7 +183,8 @@ class TranslationTrainer:
         set_rng_state(state["rng"])
 
     def checkpoint(self) -> None:
-        save_checkpoint(self.recorder.last_checkpoint, self.state_dict())
+        if self.rank.is_main:  # every rank holds the same state
+            save_checkpoint(self.recorder.last_checkpoint, self.state_dict())
 
     # -- loop ---------------------------------------------------------------------------------
     @property
@@ -195,12 +216,25 @@ class TranslationTrainer:
         if self.progress["validations"] == 0 or self.progress.get("validated_at") != self.updates:
             self.validate(step_schedule=True)
         self.checkpoint()
+        # Every rank logs it: data-parallel replicas must end bit for bit identical.
+        log.info("parameter checksum at update %d: %s", self.updates, self.parameter_checksum())
+
+    def parameter_checksum(self) -> str:
+        """A digest of every parameter's bytes (replicas of one run must agree exactly)."""
+        import hashlib
+
+        digest = hashlib.sha256()
+        for name, tensor in sorted(self.trainer.get_model().state_dict().items()):
+            digest.update(name.encode())
+            digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+        return digest.hexdigest()[:16]
 
     def _train_loop(self, stop: StopRequest) -> None:
         from fairseq.data import iterators
 
         train_cfg = self.cfg.train
-        progress_bar = Progress(int(train_cfg.max_updates) or None, self.updates)
+        progress_bar = Progress(int(train_cfg.max_updates) or None, self.updates,
+                                quiet=not self.rank.is_main)  # fmt: skip
         started = time.monotonic()
         wall_before = float(self.progress["wall_seconds"])
         window: list[float] = []
@@ -224,9 +258,7 @@ class TranslationTrainer:
                         self.validate(step_schedule=True)
                         self.checkpoint()
                     progress_bar.update(self.updates, loss, self.quant.current(), self._lr())
-                    if stop.signum is not None:
-                        self.checkpoint()
-                        stop.check()
+                    self._stop_if_requested(stop)
                     if not self._budget_left():
                         break
                 self.trainer.lr_step(self.epoch_itr.epoch, self.progress["last_valid_loss"])
@@ -238,6 +270,16 @@ class TranslationTrainer:
         finally:
             progress_bar.close()
             self.progress["wall_seconds"] = wall_before + time.monotonic() - started
+
+    def _stop_if_requested(self, stop: StopRequest) -> None:
+        """Checkpoint and stop when a signal arrived; in a distributed run, when it arrived at
+        any rank, so that all stop after the same update (one tiny all-reduce per update)."""
+        signum = stop.signum or 0
+        if self.rank.distributed:
+            signum = distributed.max_over_ranks(signum)
+        if signum:
+            self.checkpoint()
+            raise Interrupted(signum)
 
     def _lr(self) -> float:
         return float(self.trainer.get_lr())
@@ -292,7 +334,9 @@ class TranslationTrainer:
             for sample in itr:
                 self.trainer.valid_step(sample)
         stats = agg.get_smoothed_values()
-        valid_loss = float(stats["loss"])
+        # fairseq all-reduces the loss over the ranks' shards of the validation set; rank 0's
+        # value is broadcast anyway, so that the schedule sees the very same float everywhere.
+        valid_loss = distributed.broadcast_from_main(float(stats["loss"]))
         if not math.isfinite(valid_loss):
             raise Diverged(f"validation loss is {valid_loss} at update {self.updates}")
         best = self.progress["best_valid_loss"]
@@ -302,6 +346,9 @@ class TranslationTrainer:
         self.progress["validated_at"] = self.updates
         bits_before = self.quant.current()
         changes = self.quant.step(valid_loss, self.updates) if step_schedule else []
+        # Every rank logs this line (rank R>0 in train.rankR.log): the ranks' schedules agree.
+        log.info("validation at update %d: loss %.6f; stash q1 now %s", self.updates,
+                 valid_loss, self.quant.current()["q1"])  # fmt: skip
         self.recorder.metrics(
             {
                 "kind": "valid",
