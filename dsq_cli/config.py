@@ -155,6 +155,7 @@ def validate(cfg: DictConfig) -> None:
     """Checks that need more than the schema: formats, budgets, paths that must (not) exist."""
     from dsq_cli.engine import QuantConfig
 
+    _check_model_suits_task(cfg)  # before resolving: GLUE tasks read the encoder's model.lr
     try:
         OmegaConf.resolve(cfg)
     except Exception as err:
@@ -165,12 +166,15 @@ def validate(cfg: DictConfig) -> None:
     except ValueError as err:
         raise ConfigError(f"quant: {err}") from None
     train = cfg.train
-    for key in ("max_epochs", "max_updates", "max_tokens", "update_freq", "log_every"):
+    for key in ("max_epochs", "max_updates", "max_tokens", "update_freq", "log_every",
+                "batch_size", "distributed_world_size"):  # fmt: skip
         value = train[key]
         if not isinstance(value, int) or value < 0:
             raise ConfigError(f"train.{key} must be a non-negative integer, got {value!r}")
     if train.max_epochs == 0 and train.max_updates == 0:
         raise ConfigError("set a budget: train.max_epochs or train.max_updates must be positive")
+    if train.batch_size < 1 or train.distributed_world_size < 1:
+        raise ConfigError("train.batch_size and train.distributed_world_size must be at least 1")
     if train.max_tokens < 16:
         raise ConfigError(f"train.max_tokens must be at least 16, got {train.max_tokens}")
     if not float(train.lr) > 0:
@@ -179,13 +183,30 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"train.device must be auto, cpu or cuda, got {train.device!r}")
     subset = cfg.data.subset
     if subset is not None and (not isinstance(subset, int) or subset < 1):
-        raise ConfigError(f"data.subset must be a positive integer (pairs), got {subset!r}")
+        raise ConfigError(f"data.subset must be a positive integer (examples), got {subset!r}")
     if int(cfg.eval.beam) < 1:
         raise ConfigError(f"eval.beam must be at least 1, got {cfg.eval.beam!r}")
     if cfg.task.name == "translation" and not (cfg.data.src and cfg.data.tgt and cfg.data.raw_dir):
         raise ConfigError(
             "task=translation needs data.raw_dir=DIR data.src=SRC data.tgt=TGT "
             "(DIR holding {train,valid,test}.{SRC,TGT}[.gz])"
+        )
+
+
+def _check_model_suits_task(cfg: DictConfig) -> None:
+    from dsq_cli.data.glue import GLUE_TASKS
+
+    task, model = str(cfg.task.name), str(cfg.model.name)
+    encoder = cfg.model.get("family") == "encoder"
+    if task in GLUE_TASKS and not encoder:
+        raise ConfigError(
+            f"model={model} is a translation model; GLUE task {task} needs an encoder: "
+            "model=minilm, roberta_base or roberta_tiny"
+        )
+    if task not in GLUE_TASKS and encoder:
+        raise ConfigError(
+            f"model={model} is a GLUE encoder; task {task} needs a translation model "
+            "(transformer_small, transformer_tiny, transformer_iwslt)"
         )
 
 

@@ -23,7 +23,14 @@ from dsq_cli.presets import TABLE1_ORDER, load_quant_preset
 
 FORMATS = ("markdown", "csv", "latex", "json")
 QUANT_KEYS = ("q0", "q1", "q2", "q3", "stash_scope")
-METRIC_LABELS = {"bleu": "BLEU", "mcc": "MCC", "f1": "F1"}
+METRIC_LABELS = {
+    "bleu": "BLEU",
+    "accuracy": "Acc",
+    "mcc": "MCC",
+    "f1": "F1",
+    "pearson": "Pearson",
+    "spearman": "Spearman",
+}
 # The paper's headline (abstract, IWSLT17): DSQ against 16-bit fixed point at every point. Its
 # body's Table 1 normalizes to fixed32 instead, as this table does (SPEC 4).
 PAPER_REFERENCE = {

@@ -102,24 +102,54 @@ def train(cfg: DictConfig, *, resume: tuple[Path, dict] | None = None) -> Outcom
 
     With ``train.distributed_world_size=N`` this process spawns N workers (one per device) and
     waits; under torchrun it is itself one of them (`distributed`)."""
-    from dsq_cli.data.prepare import prepare
-    from dsq_cli.data.tasks import TASKS
-
-    if str(cfg.task.name) not in TASKS:
-        raise ConfigError(f"task {cfg.task.name} has no trainer yet; translation tasks: {TASKS}")
+    family = task_family(cfg)
     device = resolve_device(str(cfg.train.device))
+    world_size = int(cfg.train.distributed_world_size)
+    if family == "glue" and world_size > 1:
+        raise ConfigError(
+            "GLUE fine-tuning runs in one process; drop train.distributed_world_size "
+            "(data parallelism is for the translation tasks)"
+        )
     launched = distributed.from_environment()
     if launched is not None:
         return _train_launched(cfg, resume, launched, device)
-    world_size = int(cfg.train.distributed_world_size)
     distributed.check_devices(world_size, device)
-    data = prepare(cfg)  # DataError (bad or missing data) before any run directory exists
+    data = prepare_data(cfg)  # DataError (bad or missing data) before any run directory exists
     run_dir, state = _open_run_dir(cfg, resume)
     if world_size > 1:
         codes = distributed.spawn(cfg, run_dir, resumed=resume is not None, device=device)
         return _spawned_outcome(run_dir, codes)
     return train_rank(cfg, run_dir, device=device, resumed=resume is not None, data=data,
                       state=state)  # fmt: skip
+
+
+def task_family(cfg: DictConfig) -> str:
+    """Which trainer a task needs: ``translation`` (fairseq) or ``glue`` (encoder fine-tuning)."""
+    from dsq_cli.data.glue import GLUE_TASKS
+    from dsq_cli.data.tasks import TASKS
+
+    name = str(cfg.task.name)  # config.validate has checked that the model suits the task
+    if name in TASKS:
+        return "translation"
+    if name in GLUE_TASKS:
+        return "glue"
+    raise ConfigError(
+        f"task {name} has no trainer; translation: {sorted(TASKS)}, GLUE: {sorted(GLUE_TASKS)}"
+    )
+
+
+def prepare_data(cfg: DictConfig):
+    """The task's data, checked and ready (DataError, a usage error, when it is not)."""
+    if task_family(cfg) == "glue":
+        from dsq_cli.data.glue import load_glue
+
+        from .encoders import check_available
+
+        check_available(cfg.model)  # the weights are there before any run directory is made
+        return load_glue(cfg)
+    from dsq_cli.data.prepare import prepare
+
+    return prepare(cfg)
 
 
 def _open_run_dir(cfg: DictConfig, resume) -> tuple[Path, dict | None]:
@@ -137,8 +167,6 @@ def _open_run_dir(cfg: DictConfig, resume) -> tuple[Path, dict | None]:
 def _train_launched(cfg, resume, rank: distributed.Rank, device: str) -> Outcome:
     """One process of a torchrun / srun launch: rank 0 prepares the data and makes the run
     directory, then tells the others where it is (or what was wrong)."""
-    from dsq_cli.data.prepare import prepare
-
     configured = int(cfg.train.distributed_world_size)
     if configured not in (1, rank.world_size):
         raise ConfigError(
@@ -151,7 +179,7 @@ def _train_launched(cfg, resume, rank: distributed.Rank, device: str) -> Outcome
         data = state = run_dir = error = None
         if rank.is_main:
             try:
-                data = prepare(cfg)
+                data = prepare_data(cfg)
                 run_dir, state = _open_run_dir(cfg, resume)
             except ValueError as err:  # ConfigError, DataError: one line for every rank
                 error = err
@@ -203,10 +231,8 @@ def train_rank(
 ) -> Outcome:
     """Train in this process, as ``rank`` of the data-parallel group. Rank 0 writes the run
     directory (SPEC 5) and the experiment logger; other ranks only their own log."""
-    from dsq_cli.data.prepare import prepare
-
     if data is None:
-        data = prepare(cfg)  # a spawned worker: the parent prepared it, so this reads the cache
+        data = prepare_data(cfg)  # a spawned worker: the parent prepared it; this reads the cache
     if state is None and resumed:
         state = load_checkpoint(run_dir / "checkpoints" / "checkpoint_last.pt")
     if not rank.is_main:
@@ -233,21 +259,32 @@ def _config_yaml(cfg: DictConfig) -> str:
     return yaml.safe_dump(runs.scrub_secrets(to_plain(cfg)), sort_keys=False)
 
 
-def _train_and_evaluate(cfg, data, device, recorder, state, base, rank) -> Outcome:
+def _trainer_class(cfg):
+    if task_family(cfg) == "glue":
+        from .glue import GlueTrainer
+
+        return GlueTrainer
     from .translation import TranslationTrainer
+
+    return TranslationTrainer
+
+
+def _train_and_evaluate(cfg, data, device, recorder, state, base, rank) -> Outcome:
+    trainer_class = _trainer_class(cfg)
 
     trainer = None
     status, error, evaluation = "completed", None, {}
     exit_code = 0
     with StopRequest() as stop:
         try:
-            trainer = TranslationTrainer(cfg, data, recorder, device, rank)
+            trainer = trainer_class(cfg, data, recorder, device, rank)
             if state is not None:
                 recorder.truncate_after(int(state["num_updates"]))
             trainer.train(stop, state)
             if rank.is_main:  # the final model is the same on every rank
-                evaluation = trainer.bleu(stop)
-                recorder.metrics({"kind": "test", "update": trainer.updates, **evaluation})
+                evaluation = trainer.evaluate(stop)
+                test_record = {k: v for k, v in evaluation.items() if k != "value"}
+                recorder.metrics({"kind": "test", "update": trainer.updates, **test_record})
         except Interrupted as err:
             status, error = "interrupted", str(err)
             exit_code = 128 + err.signum
@@ -262,7 +299,8 @@ def _train_and_evaluate(cfg, data, device, recorder, state, base, rank) -> Outco
             log.exception("training failed")
             status, error, exit_code = "failed", f"{type(err).__name__}: {err}", 1
     result = dict(base)
-    result.update(status=status, value=evaluation.get("bleu"), **evaluation)
+    result.update(status=status, value=None)
+    result.update(evaluation)
     if error:
         result["error"] = error
     if trainer is not None:
@@ -278,12 +316,12 @@ def _train_and_evaluate(cfg, data, device, recorder, state, base, rank) -> Outco
 
 
 def _trained_fields(trainer) -> dict:
-    from .translation import stash_bits_mean
+    from .base import stash_bits_mean
 
     progress = trainer.progress
     return dict(
         updates=trainer.updates,
-        epochs=trainer.epoch_itr.epoch if trainer.epoch_itr else 0,
+        epochs=trainer.epoch,
         valid_loss=progress["last_valid_loss"],
         best_valid_loss=progress["best_valid_loss"],
         wall_seconds=round(progress["wall_seconds"], 3),
@@ -334,7 +372,7 @@ def _result_base(cfg, plain, data, device, started_at, resumed) -> dict:
         "versions": runs.versions(),
         "device": device,
         "world_size": int(cfg.train.distributed_world_size),  # data-parallel ranks
-        "data": {"dir": str(data.path), **data.manifest},
+        "data": {"dir": str(getattr(data, "path", None) or data.source), **data.manifest},
         "started_at": started_at,
         "resumed": resumed,
     }

@@ -11,26 +11,23 @@ sacrebleu on detokenized text.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from pathlib import Path
 
 import torch
 
 from dsq_cli.data.prepare import PreparedData
-from dsq_cli.engine import QuantConfig, quantize_model, record_gemms
-from dsq_cli.formats import parse_format
+from dsq_cli.engine import quantize_model, record_gemms
 
 from . import distributed
+from .base import BaseTrainer, gemm_as_dict
 from .common import (
     Diverged,
-    Interrupted,
     Progress,
     RunRecorder,
     StopRequest,
     finite,
     rng_state,
-    save_checkpoint,
     set_rng_state,
 )
 from .fairseq_compat import nan_detector_disabled
@@ -110,14 +107,8 @@ def fairseq_config(
     return fs_cfg
 
 
-def quant_config(cfg) -> QuantConfig:
-    from omegaconf import OmegaConf
-
-    return QuantConfig.from_dict(OmegaConf.to_container(cfg.quant, resolve=True))
-
-
-class TranslationTrainer:
-    """One translation run. ``run()`` trains to the budget, then scores BLEU."""
+class TranslationTrainer(BaseTrainer):
+    """One translation run: ``train`` to the budget, then ``evaluate`` scores BLEU."""
 
     def __init__(
         self,
@@ -130,30 +121,27 @@ class TranslationTrainer:
         from fairseq import tasks, utils
         from fairseq.trainer import Trainer
 
-        self.cfg, self.data, self.recorder, self.device = cfg, data, recorder, device
-        self.rank = rank
+        super().__init__(cfg, recorder, device, rank)
+        self.data = data
         self.fs_cfg = fairseq_config(cfg, data, recorder.checkpoint_dir, device, rank)
         utils.set_torch_seed(int(cfg.seed))
         self.task = tasks.setup_task(self.fs_cfg.task)
         self.model = self.task.build_model(self.fs_cfg.model)
         self.criterion = self.task.build_criterion(self.fs_cfg.criterion)
-        self.quant = quant_config(cfg)
         quantize_model(self.model, self.quant)
         self.patch_report = self.model.dsq_report
         log.info(self.patch_report.summary())
         for split in ("valid", str(cfg.eval.split)):
             self.task.load_dataset(split, combine=False, epoch=1)
         self.trainer = Trainer(self.fs_cfg, self.task, self.model, self.criterion)
-        # Progress that a checkpoint carries (and a resumed run restores).
-        self.progress = {
-            "best_valid_loss": None,
-            "last_valid_loss": None,
-            "validations": 0,
-            "segments": [],  # [points in force, updates trained with them]
-            "wall_seconds": 0.0,
-            "gemm_shapes": None,  # one training step's GEMMs, for the cost model
-        }
         self.epoch_itr = None
+
+    def trained_model(self):
+        return self.trainer.get_model()
+
+    @property
+    def epoch(self) -> int:
+        return self.epoch_itr.epoch if self.epoch_itr else 1
 
     # -- state --------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -182,10 +170,6 @@ class TranslationTrainer:
         self.epoch_itr.load_state_dict(itr_state)
         set_rng_state(state["rng"])
 
-    def checkpoint(self) -> None:
-        if self.rank.is_main:  # every rank holds the same state
-            save_checkpoint(self.recorder.last_checkpoint, self.state_dict())
-
     # -- loop ---------------------------------------------------------------------------------
     @property
     def updates(self) -> int:
@@ -197,14 +181,6 @@ class TranslationTrainer:
             return False
         return not (max_epochs and self.epoch_itr.next_epoch_idx > max_epochs)
 
-    def _count_update(self) -> None:
-        points = self.quant.current()
-        segments = self.progress["segments"]
-        if segments and segments[-1][0] == points:
-            segments[-1][1] += 1
-        else:
-            segments.append([points, 1])
-
     def train(self, stop: StopRequest, resume_state: dict | None) -> None:
         if resume_state is not None:
             self.load_state_dict(resume_state)
@@ -213,21 +189,7 @@ class TranslationTrainer:
             self.trainer.lr_step(self.epoch_itr.epoch)
         with nan_detector_disabled():
             self._train_loop(stop)
-        if self.progress["validations"] == 0 or self.progress.get("validated_at") != self.updates:
-            self.validate(step_schedule=True)
-        self.checkpoint()
-        # Every rank logs it: data-parallel replicas must end bit for bit identical.
-        log.info("parameter checksum at update %d: %s", self.updates, self.parameter_checksum())
-
-    def parameter_checksum(self) -> str:
-        """A digest of every parameter's bytes (replicas of one run must agree exactly)."""
-        import hashlib
-
-        digest = hashlib.sha256()
-        for name, tensor in sorted(self.trainer.get_model().state_dict().items()):
-            digest.update(name.encode())
-            digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
-        return digest.hexdigest()[:16]
+        self._finish(self.validate)
 
     def _train_loop(self, stop: StopRequest) -> None:
         from fairseq.data import iterators
@@ -271,24 +233,8 @@ class TranslationTrainer:
             progress_bar.close()
             self.progress["wall_seconds"] = wall_before + time.monotonic() - started
 
-    def _stop_if_requested(self, stop: StopRequest) -> None:
-        """Checkpoint and stop when a signal arrived; in a distributed run, when it arrived at
-        any rank, so that all stop after the same update (one tiny all-reduce per update)."""
-        signum = stop.signum or 0
-        if self.rank.distributed:
-            signum = distributed.max_over_ranks(signum)
-        if signum:
-            self.checkpoint()
-            raise Interrupted(signum)
-
     def _lr(self) -> float:
         return float(self.trainer.get_lr())
-
-    def _validation_due(self, end_of_epoch: bool) -> bool:
-        every = int(self.cfg.train.validate_every)
-        if every > 0:
-            return self.updates % every == 0
-        return end_of_epoch
 
     def _train_step(self, samples) -> dict:
         # The first step of a process is recorded: its GEMM shapes price the run (SPEC 4).
@@ -297,7 +243,7 @@ class TranslationTrainer:
             if record:
                 with record_gemms() as recorder:
                     logging_output = self.trainer.train_step(samples)
-                self.progress["gemm_shapes"] = [_gemm_as_dict(g) for g in recorder.gemms]
+                self.progress["gemm_shapes"] = [gemm_as_dict(g) for g in recorder.gemms]
             else:
                 logging_output = self.trainer.train_step(samples)
         except FloatingPointError as err:  # fairseq: NaN/Inf gradients
@@ -337,46 +283,17 @@ class TranslationTrainer:
         # fairseq all-reduces the loss over the ranks' shards of the validation set; rank 0's
         # value is broadcast anyway, so that the schedule sees the very same float everywhere.
         valid_loss = distributed.broadcast_from_main(float(stats["loss"]))
-        if not math.isfinite(valid_loss):
-            raise Diverged(f"validation loss is {valid_loss} at update {self.updates}")
-        best = self.progress["best_valid_loss"]
-        self.progress["best_valid_loss"] = valid_loss if best is None else min(best, valid_loss)
-        self.progress["last_valid_loss"] = valid_loss
-        self.progress["validations"] += 1
-        self.progress["validated_at"] = self.updates
-        bits_before = self.quant.current()
-        changes = self.quant.step(valid_loss, self.updates) if step_schedule else []
-        # Every rank logs this line (rank R>0 in train.rankR.log): the ranks' schedules agree.
-        log.info("validation at update %d: loss %.6f; stash q1 now %s", self.updates,
-                 valid_loss, self.quant.current()["q1"])  # fmt: skip
-        self.recorder.metrics(
-            {
-                "kind": "valid",
-                "update": self.updates,
-                "epoch": self.epoch_itr.epoch if self.epoch_itr else 1,
-                "valid_loss": valid_loss,
-                "valid_nll_loss": _float(stats.get("nll_loss")),
-                "best_valid_loss": self.progress["best_valid_loss"],
-                "bits": bits_before,
-            }
+        self._after_validation(
+            valid_loss, {"valid_nll_loss": _float(stats.get("nll_loss"))}, step_schedule
         )
-        for point, change in changes:
-            log.info("DSQ %s: %s -> %s at update %d", point, change.from_spec, change.to_spec,
-                     self.updates)  # fmt: skip
-            self.recorder.schedule_change(
-                {
-                    "update": self.updates,
-                    "point": point,
-                    "from": change.from_spec,
-                    "to": change.to_spec,
-                    "from_level": change.from_level,
-                    "to_level": change.to_level,
-                    "valid_loss": change.valid_loss,
-                }
-            )
         return valid_loss
 
     # -- evaluation ---------------------------------------------------------------------------
+    def evaluate(self, stop: StopRequest) -> dict:
+        """result.json's evaluation fields: BLEU is the run's ``value``."""
+        scores = self.bleu(stop)
+        return {"value": scores["bleu"], **scores}
+
     def bleu(self, stop: StopRequest) -> dict:
         """Beam search on the eval split, detokenized, scored by sacrebleu against the raw
         references."""
@@ -432,24 +349,3 @@ def _read(path: Path) -> list[str]:
 
 def _float(value):
     return None if value is None else float(value)
-
-
-def _gemm_as_dict(gemm) -> dict:
-    return {
-        "kind": gemm.kind,
-        "batch": gemm.batch,
-        "n": gemm.n,
-        "k": gemm.k,
-        "m": gemm.m,
-        "formats": dict(gemm.formats),
-        "stash_bytes": gemm.stash_bytes,
-    }
-
-
-def stash_bits_mean(segments: list) -> float | None:
-    """Update-weighted mean bits per value of the stash format (q1) over the run."""
-    total = sum(updates for _, updates in segments)
-    if not total:
-        return None
-    bits = sum(parse_format(points["q1"]).bits_per_value * n for points, n in segments)
-    return bits / total

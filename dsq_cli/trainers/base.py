@@ -1,0 +1,164 @@
+"""What the translation and GLUE trainers share: the progress a checkpoint carries, the DSQ
+schedule stepped after each validation, stop requests, and the precision segments that price a
+run (SPEC 4).
+
+A trainer subclass owns its model, data and loop; it calls `_count_update` after every update,
+`_after_validation` with each validation loss, `_stop_if_requested` between updates and
+`_finish` at the end. ``run.py`` reads ``updates``, ``epoch``, ``progress``, ``quant`` and
+``patch_report`` and calls ``train`` and ``evaluate``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+
+from dsq_cli.engine import QuantConfig
+
+from . import distributed
+from .common import Diverged, Interrupted, RunRecorder, StopRequest, save_checkpoint
+
+log = logging.getLogger(__name__)
+
+
+def quant_config(cfg) -> QuantConfig:
+    from omegaconf import OmegaConf
+
+    return QuantConfig.from_dict(OmegaConf.to_container(cfg.quant, resolve=True))
+
+
+class BaseTrainer:
+    def __init__(self, cfg, recorder: RunRecorder, device: str, rank: distributed.Rank):
+        self.cfg, self.recorder, self.device, self.rank = cfg, recorder, device, rank
+        self.quant = quant_config(cfg)
+        # Progress that a checkpoint carries (and a resumed run restores).
+        self.progress = {
+            "best_valid_loss": None,
+            "last_valid_loss": None,
+            "validations": 0,
+            "segments": [],  # [points in force, updates trained with them]
+            "wall_seconds": 0.0,
+            "gemm_shapes": None,  # one training step's GEMMs, for the cost model
+        }
+
+    # -- what subclasses provide ----------------------------------------------------------------
+    updates: int
+    epoch: int
+
+    def state_dict(self) -> dict:
+        raise NotImplementedError
+
+    def trained_model(self):
+        """The model without any data-parallel wrapper."""
+        raise NotImplementedError
+
+    # -- shared ---------------------------------------------------------------------------------
+    def checkpoint(self) -> None:
+        if self.rank.is_main:  # every rank holds the same state
+            save_checkpoint(self.recorder.last_checkpoint, self.state_dict())
+
+    def _count_update(self) -> None:
+        points = self.quant.current()
+        segments = self.progress["segments"]
+        if segments and segments[-1][0] == points:
+            segments[-1][1] += 1
+        else:
+            segments.append([points, 1])
+
+    def _validation_due(self, end_of_epoch: bool) -> bool:
+        every = int(self.cfg.train.validate_every)
+        if every > 0:
+            return self.updates % every == 0
+        return end_of_epoch
+
+    def _stop_if_requested(self, stop: StopRequest) -> None:
+        """Checkpoint and stop when a signal arrived; in a distributed run, when it arrived at
+        any rank, so that all stop after the same update (one tiny all-reduce per update)."""
+        signum = stop.signum or 0
+        if self.rank.distributed:
+            signum = distributed.max_over_ranks(signum)
+        if signum:
+            self.checkpoint()
+            raise Interrupted(signum)
+
+    def _after_validation(self, valid_loss: float, record: dict, step_schedule: bool) -> None:
+        """Book a validation loss: best/last, the DSQ schedule step (SPEC 3: the new formats
+        apply from the next update), the metrics line (``record`` adds the trainer's own
+        fields) and one schedule.jsonl line per precision change."""
+        if not math.isfinite(valid_loss):
+            raise Diverged(f"validation loss is {valid_loss} at update {self.updates}")
+        best = self.progress["best_valid_loss"]
+        self.progress["best_valid_loss"] = valid_loss if best is None else min(best, valid_loss)
+        self.progress["last_valid_loss"] = valid_loss
+        self.progress["validations"] += 1
+        self.progress["validated_at"] = self.updates
+        bits_before = self.quant.current()
+        changes = self.quant.step(valid_loss, self.updates) if step_schedule else []
+        # Every rank logs this line (rank R>0 in train.rankR.log): the ranks' schedules agree.
+        log.info("validation at update %d: loss %.6f; stash q1 now %s", self.updates,
+                 valid_loss, self.quant.current()["q1"])  # fmt: skip
+        self.recorder.metrics(
+            {
+                "kind": "valid",
+                "update": self.updates,
+                "epoch": self.epoch,
+                "valid_loss": valid_loss,
+                **record,
+                "best_valid_loss": self.progress["best_valid_loss"],
+                "bits": bits_before,
+            }
+        )
+        for point, change in changes:
+            log.info("DSQ %s: %s -> %s at update %d", point, change.from_spec, change.to_spec,
+                     self.updates)  # fmt: skip
+            self.recorder.schedule_change(
+                {
+                    "update": self.updates,
+                    "point": point,
+                    "from": change.from_spec,
+                    "to": change.to_spec,
+                    "from_level": change.from_level,
+                    "to_level": change.to_level,
+                    "valid_loss": change.valid_loss,
+                }
+            )
+
+    def _finish(self, validate) -> None:
+        """The end of training: one last validation unless the last update had one, the final
+        checkpoint, and the parameter checksum every rank logs (replicas must agree)."""
+        if self.progress["validations"] == 0 or self.progress.get("validated_at") != self.updates:
+            validate(step_schedule=True)
+        self.checkpoint()
+        log.info("parameter checksum at update %d: %s", self.updates, self.parameter_checksum())
+
+    def parameter_checksum(self) -> str:
+        """A digest of every parameter's bytes (replicas of one run must agree exactly)."""
+        digest = hashlib.sha256()
+        for name, tensor in sorted(self.trained_model().state_dict().items()):
+            digest.update(name.encode())
+            digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+        return digest.hexdigest()[:16]
+
+
+def gemm_as_dict(gemm) -> dict:
+    return {
+        "kind": gemm.kind,
+        "batch": gemm.batch,
+        "n": gemm.n,
+        "k": gemm.k,
+        "m": gemm.m,
+        "formats": dict(gemm.formats),
+        "stash_bytes": gemm.stash_bytes,
+    }
+
+
+def stash_bits_mean(segments: list) -> float | None:
+    """Update-weighted mean bits per value of the stash format (q1) over the run."""
+    from dsq_cli.formats import parse_format
+
+    total = sum(updates for _, updates in segments)
+    if not total:
+        return None
+    bits = sum(parse_format(points["q1"]).bits_per_value * n for points, n in segments)
+    return bits / total

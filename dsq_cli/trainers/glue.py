@@ -1,0 +1,279 @@
+"""GLUE fine-tuning with DSQ: a pretrained encoder (MiniLM, RoBERTa-base) or roberta_tiny from
+scratch, its sentence-classification head, every Linear and both attention products patched by
+the engine, trained with the standard recipe.
+
+The recipe (RoBERTa's GLUE fine-tuning, Liu et al. 2019, Table 10; docs/glue.md):
+* AdamW (decoupled weight decay ``train.weight_decay``, none on biases and LayerNorm weights,
+  betas ``train.adam_betas``, eps 1e-6), peak ``train.lr`` reached linearly over
+  ``train.warmup_updates``, then linear decay to 0 at the end of the budget;
+* ``train.batch_size`` examples per update, each batch padded to its longest example (at most
+  ``model.max_length`` tokens); cross-entropy, or mean squared error for STS-B;
+* dropout seeded from ``seed`` + update number (as fairseq does), and batch order from ``seed`` +
+  epoch, so that a resumed run repeats the uninterrupted one update for update.
+
+Every ``train.validate_every`` updates (0: each epoch) the dev set is scored: its loss steps the
+DSQ schedule (SPEC 3) and its GLUE metrics go to metrics.jsonl. result.json's ``value`` is the
+best dev value over the validations (the usual GLUE dev reporting); the final one is kept too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+
+from dsq_cli.engine import quantize_model, record_gemms
+
+from . import distributed
+from .base import BaseTrainer, gemm_as_dict
+from .common import Diverged, Progress, RunRecorder, StopRequest, rng_state, set_rng_state
+
+log = logging.getLogger(__name__)
+
+# Parameters that get no weight decay, as in RoBERTa/BERT fine-tuning.
+_NO_DECAY = ("bias", "layer_norm", "layernorm", "LayerNorm")
+
+
+class GlueTrainer(BaseTrainer):
+    """One GLUE run: ``train`` to the budget, ``evaluate`` reports the best dev metric."""
+
+    def __init__(self, cfg, data, recorder: RunRecorder, device: str,
+                 rank: distributed.Rank = distributed.SINGLE):  # fmt: skip
+        from .encoders import build_encoder, quantize_exclude
+
+        super().__init__(cfg, recorder, device, rank)
+        self.data, self.task = data, data.task
+        self.regression = self.task.labels is None
+        torch.manual_seed(int(cfg.seed))  # roberta_tiny's initialisation and the new head
+        encoder = build_encoder(cfg.model, num_classes=self.task.num_classes)
+        log.info("model %s: %s", cfg.model.name, encoder.description)
+        self.model = encoder.model.to(device)
+        self.head_name = encoder.head_name
+        # The classification head is quantized like the encoder unless model.quantize_head=false.
+        quantize_model(self.model, self.quant, exclude=quantize_exclude(cfg.model))
+        self.patch_report = self.model.dsq_report
+        log.info(self.patch_report.summary())
+
+        max_length = int(cfg.model.max_length)
+        tokenizer = encoder.tokenizer
+        self.pad_index = int(tokenizer.pad_index)
+        self.train_set = [(tokenizer.encode(e.text_a, e.text_b, max_length), e.label)
+                          for e in data.train]  # fmt: skip
+        self.dev_set = [(tokenizer.encode(e.text_a, e.text_b, max_length), e.label)
+                        for e in data.dev]  # fmt: skip
+        self.batch_size = int(cfg.train.batch_size)
+        self.batches_per_epoch = math.ceil(len(self.train_set) / self.batch_size)
+
+        train = cfg.train
+        self.total_updates = int(train.max_updates) or (
+            int(train.max_epochs) * self.batches_per_epoch
+        )
+        self.optimizer = torch.optim.AdamW(
+            self._parameter_groups(float(train.weight_decay)),
+            lr=float(train.lr),
+            betas=tuple(float(b) for b in train.adam_betas),
+            eps=1e-6,
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        self.updates = 0
+        self.epoch = 1
+        self.position = 0  # batches of this epoch already trained
+        self.progress.update(best_dev=None, last_dev=None)
+
+    def _parameter_groups(self, weight_decay: float) -> list[dict]:
+        decay, no_decay = [], []
+        for name, param in self.model.named_parameters():
+            if param.requires_grad:
+                (no_decay if any(k in name for k in _NO_DECAY) else decay).append(param)
+        return [
+            {"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+
+    def _lr_factor(self, update: int) -> float:
+        """Linear warmup to 1 over train.warmup_updates, then linear decay to 0 at the end."""
+        warmup = int(self.cfg.train.warmup_updates)
+        if update < warmup:
+            return (update + 1) / warmup
+        return max(0.0, (self.total_updates - update) / max(1, self.total_updates - warmup))
+
+    def trained_model(self):
+        return self.model
+
+    # -- state --------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "lr_scheduler": self.scheduler.state_dict(),
+            "num_updates": self.updates,
+            "epoch": self.epoch,
+            "position": self.position,
+            "dsq_schedule": self.quant.state_dict(),
+            "progress": self.progress,
+            "rng": rng_state(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["lr_scheduler"])
+        self.updates = int(state["num_updates"])
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self.quant.load_state_dict(state["dsq_schedule"])
+        self.progress = dict(state["progress"])
+        set_rng_state(state["rng"])
+
+    # -- loop ---------------------------------------------------------------------------------
+    def _budget_left(self) -> bool:
+        max_updates, max_epochs = int(self.cfg.train.max_updates), int(self.cfg.train.max_epochs)
+        if max_updates and self.updates >= max_updates:
+            return False
+        next_epoch = self.epoch + (1 if self.position >= self.batches_per_epoch else 0)
+        return not (max_epochs and next_epoch > max_epochs)
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        generator = torch.Generator().manual_seed(int(self.cfg.seed) * 1_000_003 + epoch)
+        return torch.randperm(len(self.train_set), generator=generator).tolist()
+
+    def train(self, stop: StopRequest, resume_state: dict | None) -> None:
+        if resume_state is not None:
+            self.load_state_dict(resume_state)
+        train_cfg = self.cfg.train
+        progress_bar = Progress(self.total_updates, self.updates, quiet=not self.rank.is_main)
+        started = time.monotonic()
+        wall_before = float(self.progress["wall_seconds"])
+        window: list[float] = []
+        order = self._epoch_order(self.epoch)
+        try:
+            while self._budget_left():
+                if self.position >= self.batches_per_epoch:
+                    self.epoch, self.position = self.epoch + 1, 0
+                    order = self._epoch_order(self.epoch)
+                start = self.position * self.batch_size
+                batch = order[start : start + self.batch_size]
+                self.position += 1
+                loss = self._train_step(batch)
+                self.updates += 1
+                self._count_update()
+                window.append(loss)
+                self.progress["wall_seconds"] = wall_before + time.monotonic() - started
+                end_of_epoch = self.position >= self.batches_per_epoch
+                if self.updates % int(train_cfg.log_every) == 0 or end_of_epoch:
+                    self._log_train(window)
+                    window = []
+                if self._validation_due(end_of_epoch):
+                    self.validate(step_schedule=True)
+                    self.checkpoint()
+                progress_bar.update(self.updates, loss, self.quant.current(), self._lr())
+                self._stop_if_requested(stop)
+        finally:
+            progress_bar.close()
+            self.progress["wall_seconds"] = wall_before + time.monotonic() - started
+        self._finish(self.validate)
+
+    def _lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def _collate(self, examples: list, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Right-padded token ids (B x longest) and the labels of ``indices``."""
+        rows = [examples[i][0] for i in indices]
+        tokens = torch.full((len(rows), max(map(len, rows))), self.pad_index, dtype=torch.long)
+        for row, ids in enumerate(rows):
+            tokens[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        label_dtype = torch.float32 if self.regression else torch.long
+        labels = torch.tensor([examples[i][1] for i in indices], dtype=label_dtype)
+        return tokens.to(self.device), labels.to(self.device)
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean"):
+        if self.regression:
+            return F.mse_loss(logits.squeeze(-1).float(), labels, reduction=reduction)
+        return F.cross_entropy(logits.float(), labels, reduction=reduction)
+
+    def _forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        logits, _ = self.model(tokens, features_only=True, classification_head_name=self.head_name)
+        return logits
+
+    def _train_step(self, batch: list[int]) -> float:
+        self.model.train()
+        torch.manual_seed(int(self.cfg.seed) + self.updates)  # dropout, as fairseq seeds it
+        tokens, labels = self._collate(self.train_set, batch)
+        # The first step of a process is recorded: its GEMM shapes price the run (SPEC 4).
+        record = self.progress["gemm_shapes"] is None
+        with record_gemms() if record else contextlib.nullcontext() as recorder:
+            loss = self._loss(self._forward(tokens), labels)
+            loss_value = float(loss.detach())
+            if not math.isfinite(loss_value):
+                raise Diverged(f"loss is {loss_value} at update {self.updates + 1}")
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+        if record:
+            self.progress["gemm_shapes"] = [gemm_as_dict(g) for g in recorder.gemms]
+        clip = float(self.cfg.train.clip_norm)
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        return loss_value
+
+    def _log_train(self, window: list[float]) -> None:
+        self.recorder.metrics(
+            {
+                "kind": "train",
+                "update": self.updates,
+                "epoch": self.epoch,
+                "loss": sum(window) / len(window),
+                "lr": self._lr(),
+                "bits": self.quant.current(),
+                "wall_seconds": round(self.progress["wall_seconds"], 3),
+            }
+        )
+
+    # -- validation and evaluation --------------------------------------------------------------
+    def dev_scores(self) -> tuple[float, dict]:
+        """The dev loss (per example) and GLUE metrics of the model as it is now."""
+        from dsq_cli.data.glue import compute_metrics
+
+        self.model.eval()
+        total, predictions, labels = 0.0, [], []
+        size = 2 * self.batch_size
+        with torch.no_grad():
+            for start in range(0, len(self.dev_set), size):
+                indices = list(range(start, min(start + size, len(self.dev_set))))
+                tokens, batch_labels = self._collate(self.dev_set, indices)
+                logits = self._forward(tokens)
+                total += float(self._loss(logits, batch_labels, reduction="sum"))
+                if self.regression:
+                    predictions += logits.squeeze(-1).float().cpu().tolist()
+                else:
+                    predictions += logits.argmax(-1).cpu().tolist()
+                labels += batch_labels.cpu().tolist()
+        self.model.train()
+        return total / max(1, len(self.dev_set)), compute_metrics(self.task, predictions, labels)
+
+    def validate(self, step_schedule: bool) -> float:
+        valid_loss, scores = self.dev_scores()
+        record = {f"dev_{name}": value for name, value in scores.items()}
+        self._after_validation(valid_loss, record, step_schedule)
+        self.progress["last_dev"] = {"update": self.updates, **scores}
+        best = self.progress["best_dev"]
+        if best is None or scores["value"] > best["value"]:  # every GLUE metric: higher is better
+            self.progress["best_dev"] = {"update": self.updates, **scores}
+        return valid_loss
+
+    def evaluate(self, stop: StopRequest) -> dict:
+        """result.json's evaluation fields: the best dev scores (``value`` is the task's GLUE
+        metric there), the update they came from, and the final model's dev scores."""
+        best, last = self.progress["best_dev"], self.progress["last_dev"]
+        fields = {name: v for name, v in best.items() if name != "update"}
+        return {
+            **fields,
+            "best_update": best["update"],
+            "final_dev": {name: v for name, v in last.items() if name != "update"},
+            "eval_split": "dev",
+            "eval_examples": len(self.dev_set),
+        }
