@@ -50,8 +50,10 @@ def cfg_for(task, cache, *extra):
 
 def test_every_task_config_has_a_reader():
     from dsq_cli.config import group_choices
+    from dsq_cli.data.glue import GLUE_TASKS
 
-    assert set(group_choices("task")) == set(TASKS)
+    assert set(group_choices("task")) == set(TASKS) | set(GLUE_TASKS)
+    assert not set(TASKS) & set(GLUE_TASKS)
 
 
 def test_demo_corpus_is_deterministic_and_not_copyable():

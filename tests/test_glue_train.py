@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from conftest import SHARED_DATA
+from test_encoders import write_roberta_release
 from test_table import result_json, write_run
 from train_helpers import DSQ, only_run, read_jsonl, wait_for_update
 from typer.testing import CliRunner
@@ -103,6 +104,21 @@ def test_minilm_rte_pairs_and_cola_mcc_run_end_to_end(tmp_path):
     stored = json.loads((only_run(tmp_path / "cola") / "result.json").read_text())
     assert stored["metric"] == "mcc" and stored["value"] == stored["mcc"]
     assert -1 <= stored["value"] <= 1 and stored["eval_examples"] == 1043
+
+
+def test_roberta_base_from_a_release_format_checkpoint_fine_tunes_through_dsq_train(tmp_path):
+    """A random RoBERTa saved as fairseq's roberta.base release stands in for the download."""
+    write_roberta_release(tmp_path / "roberta_base")
+    args = tiny("rte", "RTE", tmp_path / "runs", "model=roberta_base",
+                f"model.checkpoint={tmp_path / 'roberta_base'}", "train.max_updates=2",
+                "train.validate_every=2")  # fmt: skip
+    result = RUNNER.invoke(app, ["train", *args])
+    assert result.exit_code == 0, result.output
+    stored = json.loads((only_run(tmp_path / "runs") / "result.json").read_text())
+    assert stored["status"] == "completed" and stored["model"] == "roberta_base"
+    assert stored["updates"] == 2 and stored["patch"]["attention_products"] == 4
+    log = (only_run(tmp_path / "runs") / "train.log").read_text()
+    assert f"fairseq RoBERTa from {tmp_path / 'roberta_base' / 'model.pt'}" in log
 
 
 def test_head_left_unquantized_when_asked(tmp_path):

@@ -11,6 +11,7 @@ Only the standard library is used (urllib, hashlib, tarfile, zipfile).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -21,7 +22,7 @@ import tempfile
 import urllib.error
 import urllib.request
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import BinaryIO
 
@@ -37,6 +38,29 @@ class DownloadError(RuntimeError):
 
 class ArchiveError(DownloadError):
     """An archive is unsafe (absolute paths, ``..``, links) or of an unknown kind."""
+
+
+@contextlib.contextmanager
+def built_in_place(out_dir: Path, marker: str) -> Iterator[tuple[Path, Path]]:
+    """``(ready, scratch)``: build the finished folder in ``ready`` (``scratch`` is free for
+    unpacking); when the block ends without error, ``ready`` is renamed to ``out_dir`` in one
+    step (SPEC 7: an interrupted preparation leaves the finished result or nothing). A folder
+    that another process renamed into place first, with its ``marker`` file, is kept."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    work_dir = Path(
+        tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.", suffix=".part")
+    )
+    try:
+        ready = work_dir / "ready"
+        ready.mkdir()
+        yield ready, work_dir / "scratch"
+        try:
+            os.rename(ready, out_dir)
+        except OSError:
+            if not (out_dir / marker).is_file():
+                raise
+    finally:
+        shutil.rmtree(work_dir, ignore_errors=True)
 
 
 def sha256_of(path: Path) -> str:

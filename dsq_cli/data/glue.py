@@ -48,8 +48,6 @@ import json
 import logging
 import math
 import os
-import shutil
-import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -60,7 +58,7 @@ from omegaconf import OmegaConf
 
 from dsq_cli.runs import METRICS
 
-from .download import DownloadError, extract, fetch
+from .download import DownloadError, built_in_place, extract, fetch
 from .raw import DataError
 from .sources import Download
 
@@ -431,13 +429,9 @@ def prepare_glue(task: GlueTask | str, cache_dir: Path, *, timeout: float = 60) 
                 f"(sha256 {download.sha256}) at {dest}."
             ) from None
 
-    glue_root.mkdir(parents=True, exist_ok=True)
-    work_dir = Path(tempfile.mkdtemp(dir=glue_root, prefix=f".{task.folder}.", suffix=".part"))
-    try:
-        ready = work_dir / "ready"
-        ready.mkdir()
+    with built_in_place(out_dir, PREPARED) as (ready, scratch):
         try:
-            task.assemble(archives, work_dir / "scratch", ready)
+            task.assemble(archives, scratch, ready)
         except DownloadError as err:  # an unsafe or unreadable archive (ArchiveError)
             raise DataError(str(err)) from None
         record = {
@@ -450,14 +444,6 @@ def prepare_glue(task: GlueTask | str, cache_dir: Path, *, timeout: float = 60) 
             ],
         }
         (ready / PREPARED).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
-        try:
-            os.rename(ready, out_dir)
-        except OSError:
-            if (out_dir / PREPARED).is_file():
-                return out_dir  # another process prepared the same task first
-            raise
-    finally:
-        shutil.rmtree(work_dir, ignore_errors=True)
     log.info("GLUE %s ready in %s", task.folder, out_dir)
     return out_dir
 

@@ -35,15 +35,12 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import os
 import re
-import shutil
-import tempfile
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from .download import ArchiveError, DownloadError, extract, fetch
+from .download import ArchiveError, DownloadError, built_in_place, extract, fetch
 
 log = logging.getLogger("dsq.data")
 
@@ -446,13 +443,9 @@ def prepare_raw(task: str, cache_dir: Path, *, timeout: float = 60) -> Path:
         for download in source.downloads
     }
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    work_dir = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{task}.", suffix=".part"))
-    try:
-        text_dir = work_dir / "text"
-        text_dir.mkdir()
+    with built_in_place(out_dir, MANIFEST) as (text_dir, scratch):
         log.info("converting %s into plain text", task)
-        counts = source.convert(archives, work_dir / "scratch", text_dir)
+        counts = source.convert(archives, scratch, text_dir)
         manifest = {
             "task": source.name,
             "description": source.description,
@@ -464,13 +457,5 @@ def prepare_raw(task: str, cache_dir: Path, *, timeout: float = 60) -> Path:
             ],
         }
         (text_dir / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
-        try:
-            os.rename(text_dir, out_dir)
-        except OSError:
-            if (out_dir / MANIFEST).is_file():
-                return out_dir  # another process finished the same task first
-            raise
-    finally:
-        shutil.rmtree(work_dir, ignore_errors=True)
     log.info("%s ready in %s (%s)", task, out_dir, counts)
     return out_dir

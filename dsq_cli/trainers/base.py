@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import time
 
 from dsq_cli.engine import QuantConfig
 
@@ -65,6 +66,31 @@ class BaseTrainer:
             segments[-1][1] += 1
         else:
             segments.append([points, 1])
+
+    def _start_clock(self) -> None:
+        """Start timing a stretch of training (wall_seconds adds up across resumes)."""
+        self._started = time.monotonic()
+        self._wall_before = float(self.progress["wall_seconds"])
+        self._loss_window: list[float] = []
+
+    def _stop_clock(self) -> None:
+        self.progress["wall_seconds"] = self._wall_before + time.monotonic() - self._started
+
+    def _after_update(self, loss, end_of_epoch, progress_bar, stop, log_train) -> None:
+        """The bookkeeping after every update: its precision segment, a metrics line every
+        ``train.log_every`` updates (``log_train`` gets the losses since the last one), a
+        validation and checkpoint when due, the progress line, and a stop request."""
+        self._count_update()
+        self._loss_window.append(loss)
+        self._stop_clock()
+        if self.updates % int(self.cfg.train.log_every) == 0 or end_of_epoch:
+            log_train(self._loss_window)
+            self._loss_window = []
+        if self._validation_due(end_of_epoch):
+            self.validate(step_schedule=True)
+            self.checkpoint()
+        progress_bar.update(self.updates, loss, self.quant.current(), self._lr())
+        self._stop_if_requested(stop)
 
     def _validation_due(self, end_of_epoch: bool) -> bool:
         every = int(self.cfg.train.validate_every)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import time
 
 import torch
 import torch.nn.functional as F
@@ -143,11 +142,8 @@ class GlueTrainer(BaseTrainer):
     def train(self, stop: StopRequest, resume_state: dict | None) -> None:
         if resume_state is not None:
             self.load_state_dict(resume_state)
-        train_cfg = self.cfg.train
         progress_bar = Progress(self.total_updates, self.updates, quiet=not self.rank.is_main)
-        started = time.monotonic()
-        wall_before = float(self.progress["wall_seconds"])
-        window: list[float] = []
+        self._start_clock()
         order = self._epoch_order(self.epoch)
         try:
             while self._budget_left():
@@ -159,21 +155,11 @@ class GlueTrainer(BaseTrainer):
                 self.position += 1
                 loss = self._train_step(batch)
                 self.updates += 1
-                self._count_update()
-                window.append(loss)
-                self.progress["wall_seconds"] = wall_before + time.monotonic() - started
                 end_of_epoch = self.position >= self.batches_per_epoch
-                if self.updates % int(train_cfg.log_every) == 0 or end_of_epoch:
-                    self._log_train(window)
-                    window = []
-                if self._validation_due(end_of_epoch):
-                    self.validate(step_schedule=True)
-                    self.checkpoint()
-                progress_bar.update(self.updates, loss, self.quant.current(), self._lr())
-                self._stop_if_requested(stop)
+                self._after_update(loss, end_of_epoch, progress_bar, stop, self._log_train)
         finally:
             progress_bar.close()
-            self.progress["wall_seconds"] = wall_before + time.monotonic() - started
+            self._stop_clock()
         self._finish(self.validate)
 
     def _lr(self) -> float:

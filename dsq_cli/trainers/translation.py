@@ -11,7 +11,6 @@ sacrebleu on detokenized text.
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 
 import torch
@@ -197,9 +196,7 @@ class TranslationTrainer(BaseTrainer):
         train_cfg = self.cfg.train
         progress_bar = Progress(int(train_cfg.max_updates) or None, self.updates,
                                 quiet=not self.rank.is_main)  # fmt: skip
-        started = time.monotonic()
-        wall_before = float(self.progress["wall_seconds"])
-        window: list[float] = []
+        self._start_clock()
         try:
             while self._budget_left():
                 epoch_itr = iterators.GroupedIterator(
@@ -208,19 +205,14 @@ class TranslationTrainer(BaseTrainer):
                 self.trainer.begin_epoch(self.epoch_itr.epoch)
                 for samples in epoch_itr:
                     logging_output = self._train_step(samples)
-                    self._count_update()
                     loss = float(logging_output.get("loss", float("nan")))
-                    window.append(loss)
-                    end_of_epoch = not epoch_itr.has_next()
-                    self.progress["wall_seconds"] = wall_before + time.monotonic() - started
-                    if self.updates % int(train_cfg.log_every) == 0 or end_of_epoch:
-                        self._log_train(window, logging_output)
-                        window = []
-                    if self._validation_due(end_of_epoch):
-                        self.validate(step_schedule=True)
-                        self.checkpoint()
-                    progress_bar.update(self.updates, loss, self.quant.current(), self._lr())
-                    self._stop_if_requested(stop)
+                    self._after_update(
+                        loss,
+                        not epoch_itr.has_next(),  # the end of an epoch
+                        progress_bar,
+                        stop,
+                        lambda window, output=logging_output: self._log_train(window, output),
+                    )
                     if not self._budget_left():
                         break
                 self.trainer.lr_step(self.epoch_itr.epoch, self.progress["last_valid_loss"])
@@ -231,7 +223,7 @@ class TranslationTrainer(BaseTrainer):
                 )
         finally:
             progress_bar.close()
-            self.progress["wall_seconds"] = wall_before + time.monotonic() - started
+            self._stop_clock()
 
     def _lr(self) -> float:
         return float(self.trainer.get_lr())
