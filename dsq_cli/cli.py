@@ -267,7 +267,7 @@ def data_cmd(
         typer.echo(f"{task}: {data.source} ({sizes})")
         return
     sizes = ", ".join(f"{k} {v}" for k, v in data.manifest["sizes"].items())
-    typer.echo(f"{task}: {data.path} ({sizes}; vocabulary {data.manifest['vocab_size']})")
+    typer.echo(f"{task}: {data.source} ({sizes}; vocabulary {data.manifest['vocab_size']})")
 
 
 def _roberta_base_data(overrides: list[str]) -> None:

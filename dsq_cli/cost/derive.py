@@ -107,13 +107,16 @@ def _model_dims(model_cfg: Mapping) -> dict[str, int]:
     return dims
 
 
+def as_quant_config(quant: QuantConfig | Mapping | None) -> QuantConfig:
+    """A QuantConfig from a QuantConfig, a preset mapping, or None (fp32 everywhere)."""
+    if quant is None:
+        return QuantConfig()
+    return quant if isinstance(quant, QuantConfig) else QuantConfig.from_dict(quant)
+
+
 def _formats(quant: QuantConfig | Mapping | None) -> tuple[tuple[str, str], ...]:
     """The formats in force at a fresh config: every schedule at its first level."""
-    if quant is None:
-        quant = QuantConfig()
-    elif not isinstance(quant, QuantConfig):
-        quant = QuantConfig.from_dict(quant)
-    return tuple(sorted(quant.current().items()))
+    return tuple(sorted(as_quant_config(quant).current().items()))
 
 
 def derive_gemms(
@@ -126,8 +129,17 @@ def derive_gemms(
     quant: QuantConfig | Mapping | None = None,
     exclude: Iterable[str] = (),
 ) -> list[DerivedGemm]:
-    """``derive_records`` with the module each record comes from; ``exclude`` holds the glob
-    patterns ``quantize_model`` was given (``decoder.output_projection``, ``*.self_attn``)."""
+    """The GEMMs of one training step of a fairseq transformer encoder-decoder, each with the
+    module (site) it comes from.
+
+    ``model_cfg`` holds the keys of conf/model/*.yaml (``MODEL_KEYS``); the batch is
+    ``src_tokens // src_len`` sentences of ``src_len`` source and ``tgt_len`` (default
+    ``src_len``) target tokens; ``vocab`` is the output projection's size (the dictionary's
+    length). Formats are ``quant``'s at its first levels (a ``QuantConfig``, a preset mapping,
+    or None for fp32). ``stash_bytes`` is 0: nothing was packed. Records are in no
+    particular order; compare them as a multiset. ``exclude`` holds the glob patterns
+    ``quantize_model`` was given (``decoder.output_projection``, ``*.self_attn``).
+    """
     dims = _model_dims(model_cfg)
     shape = step_shape(src_tokens, src_len, tgt_len, vocab)
     formats = _formats(quant)
@@ -169,26 +181,6 @@ def derive_gemms(
     return [g for g in gemms if not any(fnmatch.fnmatchcase(g.site, p) for p in exclude)]
 
 
-def derive_records(
-    model_cfg: Mapping,
-    src_tokens: int,
-    src_len: int,
-    tgt_len: int | None = None,
-    vocab: int = DEFAULT_VOCAB,
-    *,
-    quant: QuantConfig | Mapping | None = None,
-    exclude: Iterable[str] = (),
-) -> list[GemmRecord]:
-    """The ``GemmRecord``s of one training step of a fairseq transformer encoder-decoder.
-
-    ``model_cfg`` holds the keys of conf/model/*.yaml (``MODEL_KEYS``); the batch is
-    ``src_tokens // src_len`` sentences of ``src_len`` source and ``tgt_len`` (default
-    ``src_len``) target tokens; ``vocab`` is the output projection's size (the dictionary's
-    length). Formats are ``quant``'s at its first levels (a ``QuantConfig``, a preset mapping,
-    or None for fp32). ``stash_bytes`` is 0: nothing was packed. Records are in no
-    particular order; compare them as a multiset.
-    """
-    gemms = derive_gemms(
-        model_cfg, src_tokens, src_len, tgt_len, vocab, quant=quant, exclude=exclude
-    )
-    return [g.record for g in gemms]
+def derive_records(*args, **kwargs) -> list[GemmRecord]:
+    """The ``GemmRecord``s of ``derive_gemms(*args, **kwargs)``, without their sites."""
+    return [g.record for g in derive_gemms(*args, **kwargs)]

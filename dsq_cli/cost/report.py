@@ -17,7 +17,7 @@ from fractions import Fraction
 from dsq_cli.engine.accounting import GemmRecord
 from dsq_cli.engine.config import QuantConfig
 
-from .derive import DEFAULT_VOCAB, MODEL_KEYS, derive_records, step_shape
+from .derive import DEFAULT_VOCAB, MODEL_KEYS, as_quant_config, derive_records, step_shape
 from .model import DEFAULT_BASELINE, POINTS, CostModel, baseline_points, gemm_costs
 
 # the rows of the table, in the order the three GEMMs of each record kind run
@@ -89,10 +89,6 @@ def _ratios(records, points, baseline_points_, model) -> dict:
     }
 
 
-def _as_quant_config(quant: QuantConfig | Mapping) -> QuantConfig:
-    return quant if isinstance(quant, QuantConfig) else QuantConfig.from_dict(quant)
-
-
 def cost_report(
     model_cfg: Mapping,
     quant: QuantConfig | Mapping,
@@ -114,7 +110,7 @@ def cost_report(
     ``vocab`` came from, for the header."""
     model = CostModel.load(cost_model)  # unknown names list the choices, before any work
     base_points = baseline_points(baseline)
-    quant = _as_quant_config(quant)
+    quant = as_quant_config(quant)
     shape = step_shape(tokens, src_len, tgt_len, vocab)
     first = quant.current()
     last = {p: quant.schedule(p).levels[-1] for p in POINTS}

@@ -39,6 +39,11 @@ class PreparedData:
     manifest: dict
 
     @property
+    def source(self) -> str:
+        """Where the data lives (GlueData has the same field), for result.json and messages."""
+        return str(self.path)
+
+    @property
     def spm_model(self) -> Path:
         return self.path / "spm.model"
 

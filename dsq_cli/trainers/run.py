@@ -105,12 +105,12 @@ def train(cfg: DictConfig, *, resume: tuple[Path, dict] | None = None) -> Outcom
     family = task_family(cfg)
     device = resolve_device(str(cfg.train.device))
     world_size = int(cfg.train.distributed_world_size)
-    if family == "glue" and world_size > 1:
-        raise ConfigError(
-            "GLUE fine-tuning runs in one process; drop train.distributed_world_size "
-            "(data parallelism is for the translation tasks)"
-        )
     launched = distributed.from_environment()
+    if family == "glue" and (world_size > 1 or launched is not None):
+        raise ConfigError(
+            "GLUE fine-tuning runs in one process; drop train.distributed_world_size and "
+            "torchrun (data parallelism is for the translation tasks)"
+        )
     if launched is not None:
         return _train_launched(cfg, resume, launched, device)
     distributed.check_devices(world_size, device)
@@ -201,9 +201,11 @@ def _spawned_outcome(run_dir: Path, codes: dict[int, int | None]) -> Outcome:
     rank 0 was still training leaves it at ``running``: it is then recorded as ``failed``."""
     import json
 
-    result = json.loads((run_dir / "result.json").read_text())
+    result_path = run_dir / "result.json"
+    # rank 0 writes it as soon as its logger is up; one that died before leaves none
+    result = json.loads(result_path.read_text()) if result_path.is_file() else {}
     main_code = codes[0]
-    if result.get("status") == "running" or main_code is None:
+    if result.get("status", "running") == "running" or main_code is None:
         bad = ", ".join(
             f"rank {r} exited with {code if code is not None else 'a signal'}"
             for r, code in codes.items()
@@ -372,7 +374,7 @@ def _result_base(cfg, plain, data, device, started_at, resumed) -> dict:
         "versions": runs.versions(),
         "device": device,
         "world_size": int(cfg.train.distributed_world_size),  # data-parallel ranks
-        "data": {"dir": str(getattr(data, "path", None) or data.source), **data.manifest},
+        "data": {"dir": data.source, **data.manifest},
         "started_at": started_at,
         "resumed": resumed,
     }
