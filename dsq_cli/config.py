@@ -173,8 +173,9 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(f"train.{key} must be a non-negative integer, got {value!r}")
     if train.max_epochs == 0 and train.max_updates == 0:
         raise ConfigError("set a budget: train.max_epochs or train.max_updates must be positive")
-    if train.batch_size < 1 or train.distributed_world_size < 1:
-        raise ConfigError("train.batch_size and train.distributed_world_size must be at least 1")
+    for key in ("batch_size", "distributed_world_size"):
+        if train[key] < 1:
+            raise ConfigError(f"train.{key} must be at least 1, got {train[key]}")
     if train.max_tokens < 16:
         raise ConfigError(f"train.max_tokens must be at least 16, got {train.max_tokens}")
     if not float(train.lr) > 0:
