@@ -171,6 +171,10 @@ def validate(cfg: DictConfig) -> None:
         value = train[key]
         if not isinstance(value, int) or value < 0:
             raise ConfigError(f"train.{key} must be a non-negative integer, got {value!r}")
+    for key in ("warmup_updates", "validate_every"):
+        value = train[key]
+        if value != "auto" and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            raise ConfigError(f"train.{key} must be a non-negative integer or auto, got {value!r}")
     if train.max_epochs == 0 and train.max_updates == 0:
         raise ConfigError("set a budget: train.max_epochs or train.max_updates must be positive")
     for key in ("batch_size", "distributed_world_size"):

@@ -271,8 +271,18 @@ def test_sigterm_checkpoints_and_resume_matches_an_uninterrupted_run(tmp_path, c
     assert interrupted["status"] == "interrupted"
     assert 4 <= interrupted["updates"] < 10
 
+    # a real change of what the run is made of is refused, naming the stored value
+    for change, stored in [("logger=wandb", "logger=none"), ("seed=2", "seed=1"),
+                           ("model.encoder_layers=5", "model.encoder_layers=")]:  # fmt: skip
+        refused = train([f"resume={stopped}", change])
+        assert refused.exit_code == 2, refused.output
+        assert f"the run uses {stored}" in refused.output and "cannot change" in refused.output
+        assert refused.output.count("\n") == 1
+
+    # the command line the run was started with, repeated, is no change
+    same = [a for a in args if not a.startswith("run.root")] + [f"run.dir={stopped}"]
     resumed = subprocess.run(
-        [DSQ, "train", f"resume={stopped}"], capture_output=True, text=True, timeout=600
+        [DSQ, "train", f"resume={stopped}", *same], capture_output=True, text=True, timeout=600
     )
     assert resumed.returncode == 0, resumed.stderr
     a = json.loads((tmp_path / "straight" / "result.json").read_text())

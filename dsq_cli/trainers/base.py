@@ -10,6 +10,7 @@ A trainer subclass owns its model, data and loop; it calls `_count_update` after
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import math
@@ -21,6 +22,61 @@ from . import distributed
 from .common import Diverged, Interrupted, RunRecorder, StopRequest, save_checkpoint
 
 log = logging.getLogger(__name__)
+
+
+# The defaults a run derives from its own length (docs/training.md, "Budgets"): warmup takes this
+# share of the planned updates, capped at the paper's 4,000; validations (the only moments the
+# DSQ schedule can step) come every epoch, and at least this many times in a run.
+WARMUP_SHARE = 0.1
+WARMUP_CAP = 4000
+MIN_VALIDATIONS = 10
+AUTO = "auto"
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    """How a run trains, known before its first update: the total number of updates (from
+    ``train.max_updates`` or ``train.max_epochs`` x updates per epoch, whichever ends first), the
+    warmup and the validation interval, each resolved from ``auto`` against that total."""
+
+    total_updates: int
+    updates_per_epoch: int
+    warmup_updates: int
+    validate_every: int  # 0: at the end of every epoch
+
+    @classmethod
+    def plan(cls, train_cfg, updates_per_epoch: int) -> Budget:
+        updates_per_epoch = max(1, updates_per_epoch)
+        limits = []
+        if train_cfg.max_updates:
+            limits.append(int(train_cfg.max_updates))
+        if train_cfg.max_epochs:
+            limits.append(int(train_cfg.max_epochs) * updates_per_epoch)
+        total = min(limits)
+        warmup = train_cfg.warmup_updates
+        if warmup == AUTO:
+            warmup = min(WARMUP_CAP, max(1, round(WARMUP_SHARE * total)))
+        elif int(warmup) > total:
+            log.warning(
+                "train.warmup_updates=%d is longer than the whole run (%d updates): the learning "
+                "rate never reaches train.lr; set train.warmup_updates=auto (%d%% of the run) or "
+                "a smaller number",
+                int(warmup), total, round(100 * WARMUP_SHARE),
+            )  # fmt: skip
+        every = train_cfg.validate_every
+        if every == AUTO:
+            every = min(updates_per_epoch, max(1, math.ceil(total / MIN_VALIDATIONS)))
+        return cls(total, updates_per_epoch, int(warmup), int(every))
+
+    def describe(self) -> str:
+        every = f"every {self.validate_every} updates" if self.validate_every else "every epoch"
+        return (
+            f"budget: {self.total_updates} updates ({self.updates_per_epoch} per epoch), "
+            f"warmup {self.warmup_updates}, validation {every}"
+        )
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
 
 
 def quant_config(cfg) -> QuantConfig:
@@ -46,6 +102,7 @@ class BaseTrainer:
     # -- what subclasses provide ----------------------------------------------------------------
     updates: int
     epoch: int
+    budget: Budget  # set by the subclass once it knows its updates per epoch (``_plan``)
 
     def state_dict(self) -> dict:
         raise NotImplementedError
@@ -55,6 +112,12 @@ class BaseTrainer:
         raise NotImplementedError
 
     # -- shared ---------------------------------------------------------------------------------
+    def _plan(self, updates_per_epoch: int) -> Budget:
+        self.budget = Budget.plan(self.cfg.train, updates_per_epoch)
+        if self.rank.is_main:
+            log.info(self.budget.describe())
+        return self.budget
+
     def checkpoint(self) -> None:
         if self.rank.is_main:  # every rank holds the same state
             save_checkpoint(self.recorder.last_checkpoint, self.state_dict())
@@ -93,7 +156,7 @@ class BaseTrainer:
         self._stop_if_requested(stop)
 
     def _validation_due(self, end_of_epoch: bool) -> bool:
-        every = int(self.cfg.train.validate_every)
+        every = self.budget.validate_every
         if every > 0:
             return self.updates % every == 0
         return end_of_epoch

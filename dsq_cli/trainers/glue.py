@@ -68,9 +68,7 @@ class GlueTrainer(BaseTrainer):
         self.batches_per_epoch = math.ceil(len(self.train_set) / self.batch_size)
 
         train = cfg.train
-        self.total_updates = int(train.max_updates) or (
-            int(train.max_epochs) * self.batches_per_epoch
-        )
+        self.total_updates = self._plan(self.batches_per_epoch).total_updates
         self.optimizer = torch.optim.AdamW(
             self._parameter_groups(float(train.weight_decay)),
             lr=float(train.lr),
@@ -95,7 +93,7 @@ class GlueTrainer(BaseTrainer):
 
     def _lr_factor(self, update: int) -> float:
         """Linear warmup to 1 over train.warmup_updates, then linear decay to 0 at the end."""
-        warmup = int(self.cfg.train.warmup_updates)
+        warmup = self.budget.warmup_updates
         if update < warmup:
             return (update + 1) / warmup
         return max(0.0, (self.total_updates - update) / max(1, self.total_updates - warmup))

@@ -15,7 +15,7 @@ import signal
 from dataclasses import dataclass
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from dsq_cli import runs
 from dsq_cli.config import GROUPS, ConfigError, to_plain, validate
@@ -80,13 +80,7 @@ def load_resume(run_dir: str, overrides: list[str]) -> tuple[DictConfig, Path, d
         )
     cfg = OmegaConf.load(config_path)
     OmegaConf.set_struct(cfg, True)
-    for override in overrides:
-        key = override.split("=", 1)[0].lstrip("+~")
-        if key in GROUPS or key.startswith("choices"):
-            raise ConfigError(
-                f"resume continues the stored config; {key}= cannot change (start a new run)"
-            )
-    extra = [o for o in overrides if not o.startswith("resume=")]
+    extra = _resume_overrides(cfg, [o for o in overrides if not o.startswith("resume=")])
     try:
         cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(extra))
     except Exception as err:
@@ -95,6 +89,56 @@ def load_resume(run_dir: str, overrides: list[str]) -> tuple[DictConfig, Path, d
     if extra:  # config.yaml stays the fully resolved config the run actually uses
         runs.write_atomic(config_path, _config_yaml(cfg))
     return cfg, path, load_checkpoint(checkpoint)
+
+
+# What a run is made of: its group choices and these keys (the model and data its checkpoint
+# holds, the seed of its batch order and dropout, its directory) cannot change on resume.
+FIXED_ON_RESUME = ("seed", "task", "model", "data", "run", "choices")
+
+
+def _resume_overrides(cfg: DictConfig, overrides: list[str]) -> list[str]:
+    """The overrides to merge into a stored config: those equal to the stored values (the command
+    line the user typed first) are dropped; a real change of something fixed is refused."""
+    kept = []
+    for override in overrides:
+        key, sep, value = override.partition("=")
+        plain_key = key.lstrip("+~")
+        if plain_key in GROUPS:
+            stored = cfg.choices.get(plain_key)
+            if sep and value == stored:
+                continue
+            raise ConfigError(
+                f"resume continues the stored config: the run uses {plain_key}={stored}, so "
+                f"{plain_key}= cannot change (start a new run)"
+            )
+        if plain_key.split(".")[0] in FIXED_ON_RESUME:
+            stored = OmegaConf.select(cfg, plain_key, default="<unset>")
+            if key == plain_key and sep and _same_value(override, plain_key, stored):
+                continue
+            raise ConfigError(
+                f"resume continues the stored config: the run uses {plain_key}={_show(stored)}, "
+                f"so {plain_key} cannot change (start a new run)"
+            )
+        kept.append(override)
+    return kept
+
+
+def _same_value(override: str, key: str, stored) -> bool:
+    try:
+        value = OmegaConf.select(OmegaConf.from_dotlist([override]), key)
+    except Exception:
+        return False
+    if isinstance(stored, DictConfig | ListConfig):
+        stored = OmegaConf.to_container(stored)
+    if isinstance(value, DictConfig | ListConfig):
+        value = OmegaConf.to_container(value)
+    return value == stored or str(value) == str(stored)
+
+
+def _show(value) -> str:
+    if isinstance(value, DictConfig | ListConfig):
+        return str(OmegaConf.to_container(value))
+    return str(value)
 
 
 def train(cfg: DictConfig, *, resume: tuple[Path, dict] | None = None) -> Outcome:
@@ -324,6 +368,7 @@ def _trained_fields(trainer) -> dict:
     return dict(
         updates=trainer.updates,
         epochs=trainer.epoch,
+        budget=trainer.budget.as_dict(),
         valid_loss=progress["last_valid_loss"],
         best_valid_loss=progress["best_valid_loss"],
         wall_seconds=round(progress["wall_seconds"], 3),

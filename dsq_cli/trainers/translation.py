@@ -76,8 +76,7 @@ def fairseq_config(
         "--optimizer", "adam",
         "--adam-betas", f"({train.adam_betas[0]}, {train.adam_betas[1]})",
         "--lr", str(train.lr),
-        "--lr-scheduler", "inverse_sqrt",
-        "--warmup-updates", str(train.warmup_updates),
+        "--lr-scheduler", "inverse_sqrt",  # its warmup is the run's Budget (set by the trainer)
         "--weight-decay", str(train.weight_decay),
         "--clip-norm", str(train.clip_norm),
         "--max-tokens", str(train.max_tokens),
@@ -119,6 +118,7 @@ class TranslationTrainer(BaseTrainer):
     ):
         from fairseq import tasks, utils
         from fairseq.trainer import Trainer
+        from omegaconf import open_dict
 
         super().__init__(cfg, recorder, device, rank)
         self.data = data
@@ -133,14 +133,20 @@ class TranslationTrainer(BaseTrainer):
         for split in ("valid", str(cfg.eval.split)):
             self.task.load_dataset(split, combine=False, epoch=1)
         self.trainer = Trainer(self.fs_cfg, self.task, self.model, self.criterion)
-        self.epoch_itr = None
+        # The first epoch's batches give the updates per epoch, hence the budget; fairseq builds
+        # its lr scheduler lazily, after this, with the planned warmup.
+        self.epoch_itr = self.trainer.get_train_iterator(epoch=1, load_dataset=True)
+        update_freq = int(cfg.train.update_freq)
+        budget = self._plan(-(-len(self.epoch_itr) // update_freq))
+        with open_dict(self.fs_cfg):
+            self.fs_cfg.lr_scheduler.warmup_updates = budget.warmup_updates
 
     def trained_model(self):
         return self.trainer.get_model()
 
     @property
     def epoch(self) -> int:
-        return self.epoch_itr.epoch if self.epoch_itr else 1
+        return self.epoch_itr.epoch
 
     # -- state --------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -183,8 +189,7 @@ class TranslationTrainer(BaseTrainer):
     def train(self, stop: StopRequest, resume_state: dict | None) -> None:
         if resume_state is not None:
             self.load_state_dict(resume_state)
-        else:
-            self.epoch_itr = self.trainer.get_train_iterator(epoch=1, load_dataset=True)
+        else:  # the first epoch's iterator is the one the budget was planned on
             self.trainer.lr_step(self.epoch_itr.epoch)
         with nan_detector_disabled():
             self._train_loop(stop)
@@ -194,7 +199,7 @@ class TranslationTrainer(BaseTrainer):
         from fairseq.data import iterators
 
         train_cfg = self.cfg.train
-        progress_bar = Progress(int(train_cfg.max_updates) or None, self.updates,
+        progress_bar = Progress(self.budget.total_updates, self.updates,
                                 quiet=not self.rank.is_main)  # fmt: skip
         self._start_clock()
         try:
