@@ -159,18 +159,31 @@ def bench_step(
     tokens: int = typer.Option(2048, min=16, help="Source tokens per batch."),
     src_len: int = typer.Option(32, min=2, help="Sentence length."),
     repeats: int = typer.Option(5, min=1, help="Timed steps per preset (median reported)."),
+    scopes: str = typer.Option(
+        "gemm,all",
+        help="Comma-separated stash scopes timed for every preset but fp32: gemm (GEMM inputs "
+        "only, the paper's) and all (every saved activation).",
+    ),
     device: str = typer.Option("cpu", help="cpu or cuda."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ):
-    """Time a training step of a small fairseq transformer per quant preset, side by side."""
+    """Time a training step of a small fairseq transformer per quant preset and stash scope,
+    side by side."""
     from dsq_cli.bench import step
+    from dsq_cli.engine.config import STASH_SCOPES
     from dsq_cli.presets import load_quant_preset
 
     names = [p.strip() for p in presets.split(",") if p.strip()]
     for name in names:
         load_quant_preset(name)  # unknown preset: one line, exit 2, before any work
+    scope_list = tuple(s.strip() for s in scopes.split(",") if s.strip())
+    bad = [s for s in scope_list if s not in STASH_SCOPES]
+    if bad or not scope_list:
+        raise ValueError(f"--scopes: unknown scope(s) {bad}; choose from {list(STASH_SCOPES)}")
     _check_device(device)
-    result = step.run(names, layers, width, tokens, src_len, repeats, device=device)
+    result = step.run(
+        names, layers, width, tokens, src_len, repeats, device=device, scopes=scope_list
+    )
     if as_json:
         json.dump(result, sys.stdout, indent=2)
         sys.stdout.write("\n")

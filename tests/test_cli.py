@@ -141,11 +141,22 @@ def test_bench_step_json_on_a_tiny_transformer():
     )
     assert result.exit_code == 0, result.output
     data = json.loads(result.output[result.output.index("{") :])
-    rows = {r["preset"]: r for r in data["rows"]}
-    assert set(rows) == {"fp32", "stash_bfp"}
-    assert rows["stash_bfp"]["points"]["q1"] == "bfp4"
-    assert all(r["step_ms"] > 0 for r in rows.values())
-    assert rows["stash_bfp"]["activation_mb"] < rows["fp32"]["activation_mb"]
+    rows = {(r["preset"], r["scope"]): r for r in data["rows"]}
+    # fp32 has no stash to scope; every other preset is timed with both scopes
+    assert set(rows) == {("fp32", "gemm"), ("stash_bfp", "gemm"), ("stash_bfp", "all")}
+    assert rows[("stash_bfp", "all")]["points"]["q1"] == "bfp4"
+    assert rows[("stash_bfp", "all")]["points"]["stash_scope"] == "all"
+    assert all(r["step_ms"] > 0 and r["first_step_s"] > 0 for r in rows.values())
+    held = {key: row["activation_mb"] for key, row in rows.items()}
+    # packing every saved activation holds the least
+    assert held[("stash_bfp", "all")] < held[("stash_bfp", "gemm")] < held[("fp32", "gemm")]
+
+
+def test_bench_step_unknown_scope_is_one_line_exit_2():
+    result = runner.invoke(app, ["bench", "step", "--scopes", "gemm,some"])
+    assert result.exit_code == 2
+    assert "--scopes: unknown scope(s) ['some']" in result.output
+    assert result.output.count("\n") == 1
 
 
 def test_bench_step_prints_its_table():
