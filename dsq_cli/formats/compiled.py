@@ -173,6 +173,9 @@ def _pack_codes(codes: torch.Tensor, width: int) -> torch.Tensor:
     Widths 8, 16 and 32 are already the stream (a view, little-endian); the others run the
     compiled byte gather over the compact codes, padded to whole groups first.
     """
+    # a flat slice such as codes[:, :1].reshape(-1) can be a strided view: the byte view needs
+    # unit stride, and a strided stream would hold on to the whole padded buffer of codes
+    codes = codes.contiguous()
     if width in (8, 16, 32) and sys.byteorder == "little":
         return codes.view(torch.uint8)
     count = codes.shape[0]

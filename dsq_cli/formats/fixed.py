@@ -55,7 +55,10 @@ class FixedStatic(Format):
     def _unpack(self, packed, backend=None):
         p = packed.payload
         with torch.no_grad():
-            path = select_path(p["integers"].new_empty(1, dtype=torch.float32), backend)
+            # a probe of the stored tensor's size: an empty one unpacks on the reference, as it
+            # packed there (the fast paths assume at least one element)
+            probe = p["integers"].new_empty(min(packed.numel(), 1), dtype=torch.float32)
+            path = select_path(probe, backend)
             return path.fixed_static_unpack(
                 p["integers"],
                 p.get("nan_mask"),
