@@ -88,6 +88,9 @@ def fairseq_config(
         "--distributed-rank", str(rank.rank),
         "--ddp-backend", distributed.fairseq_ddp_backend(device),
         "--device-id", str(rank.local_rank),
+        # fairseq's default multiple of 8 drops the remainder of a length bucket, which is
+        # always its longest sentences: every epoch and every validation would lose some
+        "--required-batch-size-multiple", "1",
         "--skip-invalid-size-inputs-valid-test",
         "--no-progress-bar",
         "--log-format", "simple",
