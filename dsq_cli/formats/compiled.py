@@ -14,9 +14,11 @@ instead of the reference's float64, and stays exact by construction (tests check
   exact except for an underflow far below the block's max, where rounding yields 0 anyway;
   stochastic rounding adds the one case where that underflow would change the result.
 
-Shapes: rows and blocks per row are dynamic dimensions, so translation batches of any length
-(and stashes blocked along the tokens) reuse the compiled kernels; a new format (m, E, B)
-compiles once. Index arithmetic never divides by a symbolic size (that costs 3x in unpack).
+Shapes: the kernels see blocks as [rows x blocks per row, B], one dynamic dimension, so
+translation batches of any length (and stashes blocked along the tokens) reuse the compiled
+kernels; inputs arrive detached and contiguous, so neither requires_grad nor a view's strides
+make a new variant. A new format (m, E, B) compiles once, plus once for a tensor of one block.
+Index arithmetic never divides by a symbolic size (that costs 3x in unpack).
 """
 
 from __future__ import annotations
@@ -329,13 +331,16 @@ def _rows(x: torch.Tensor, block: int | None, axis: int):
     Returns (blocks, n, moved_shape): n is the row length and moved_shape x's shape with
     ``axis`` last. For block=None: one row, one block holding the whole tensor.
     """
-    x32 = x.to(torch.float32)
+    # Detached and contiguous: a compiled kernel is specialised on requires_grad and on strides,
+    # so activations (which require grad) and views (a slice of a fused projection, a transpose)
+    # would otherwise compile once more each.
+    x32 = x.detach().to(torch.float32)
     if block is None:
         return x32.reshape(1, 1, -1), x32.numel(), (x32.numel(),)
     moved = x32.movedim(axis, -1) if x32.dim() else x32.reshape(1)
     n = moved.shape[-1]
     n_blocks = -(-n // block)
-    rows = moved.reshape(-1, n)
+    rows = moved.reshape(-1, n).contiguous()
     if n_blocks * block != n:
         rows = torch.nn.functional.pad(rows, (0, n_blocks * block - n))
     return rows.reshape(rows.shape[0], n_blocks, block), n, tuple(moved.shape)
@@ -357,10 +362,22 @@ def _noise_rows(x, generator, block, axis):
     return _rows(ref.uniform_noise(x, generator), block, axis)[0]
 
 
-def _dynamic(blocks, block):
-    # fixed<w> (block=None): the one block's length varies with the batch; BFP: the number of
-    # rows and of blocks per row (a stash blocks along the tokens, whose count varies)
-    return ((blocks, 2),) if block is None else ((blocks, 0), (blocks, 1))
+def _run_blocks(fn, blocks, u, *args):
+    """Run a per-block ``fn`` on blocks [R, n_blocks, B] (and noise ``u`` alike) as one dynamic
+    dimension of R * n_blocks blocks; its outputs [R * n_blocks, ...] come back as
+    [R, n_blocks, ...]. One dynamic dimension instead of two: torch.compile specialises a size
+    of 1, so rows of a single block (a layer norm's saved statistics) would compile apart."""
+    flat = blocks.reshape(-1, blocks.shape[-1])
+    u_flat = None if u is None else u.reshape(-1, u.shape[-1])
+    dyn = ((flat, 0),) + (((u_flat, 0),) if u_flat is not None else ())
+    out = _run(fn, flat, u_flat, *args, dynamic_dims=dyn)
+    return _unflatten_blocks(out, blocks.shape[:2])
+
+
+def _unflatten_blocks(out, lead):
+    if isinstance(out, tuple):
+        return tuple(_unflatten_blocks(t, lead) for t in out)
+    return out.reshape(*lead, out.shape[-1])
 
 
 def _run_whole_tensor(fn, blocks, u, man_bits: int, exp_bits: int):
@@ -381,8 +398,7 @@ def bfp_quantize(x, man_bits, exp_bits, block, axis, rounding="nearest", generat
     if block is None:
         values = _run_whole_tensor(_bfp_quantize_fn, blocks, u, man_bits, exp_bits)
         return values.reshape(x.shape).to(x.dtype)
-    dyn = _dynamic(blocks, block) + ((_dynamic(u, block)) if u is not None else ())
-    values = _run(_bfp_quantize_fn, blocks, u, man_bits, exp_bits, dynamic_dims=dyn)
+    values = _run_blocks(_bfp_quantize_fn, blocks, u, man_bits, exp_bits)
     return _restore(values, n, moved_shape, x.shape, axis, x.dtype)
 
 
@@ -393,8 +409,7 @@ def bfp_pack(x, man_bits, exp_bits, block, axis, rounding="nearest", generator=N
         codes, exps = _run_whole_tensor(_bfp_codes_fn, blocks, u, man_bits, exp_bits)
         codes = _join_planes(codes)
         return _pack_codes(codes, man_bits), _pack_codes(exps.reshape(-1), exp_bits)
-    dyn = _dynamic(blocks, block) + ((_dynamic(u, block)) if u is not None else ())
-    codes, exps = _run(_bfp_codes_fn, blocks, u, man_bits, exp_bits, dynamic_dims=dyn)
+    codes, exps = _run_blocks(_bfp_codes_fn, blocks, u, man_bits, exp_bits)
     codes = _join_planes(codes).reshape(blocks.shape[0], -1)
     if codes.shape[1] != n:
         codes = codes[:, :n]  # the padding of each row's partial last block is not stored
@@ -416,15 +431,15 @@ def bfp_unpack(mantissas, exponents, man_bits, exp_bits, block, shape, axis, dty
     codes = _unpack_codes(mantissas, man_bits, numel).reshape(rows, n)
     if n_blocks * block != n:
         codes = torch.nn.functional.pad(codes, (0, n_blocks * block - n))
-    codes = codes.reshape(rows, n_blocks, block)
-    exps = _unpack_codes(exponents, exp_bits, rows * n_blocks).reshape(rows, n_blocks, 1)
-    dyn = ((codes, 0), (codes, 1), (exps, 0), (exps, 1))
+    codes = codes.reshape(rows * n_blocks, block)
+    exps = _unpack_codes(exponents, exp_bits, rows * n_blocks).reshape(rows * n_blocks, 1)
+    dyn = ((codes, 0), (exps, 0))  # one dynamic dimension of blocks, as in _run_blocks
     values = _run(_bfp_decode_fn, codes, exps, man_bits, exp_bits, dynamic_dims=dyn)
-    return _restore(values, n, moved_shape, shape, axis, dtype)
+    return _restore(values.reshape(rows, n_blocks, block), n, moved_shape, shape, axis, dtype)
 
 
 def fixed_static_quantize(x, width, frac_bits, rounding="nearest", generator=None):
-    x32 = x.to(torch.float32).reshape(-1)
+    x32 = x.detach().to(torch.float32).reshape(-1)  # detached: see _rows
     u = ref.uniform_noise(x, generator).reshape(-1) if rounding == "stochastic" else None
     dyn = ((x32, 0),) + (((u, 0),) if u is not None else ())
     out = _run(_fixed_static_quantize_fn, x32, u, width, frac_bits, dynamic_dims=dyn)
@@ -432,7 +447,7 @@ def fixed_static_quantize(x, width, frac_bits, rounding="nearest", generator=Non
 
 
 def fixed_static_pack(x, width, frac_bits, rounding="nearest", generator=None):
-    x32 = x.to(torch.float32).reshape(-1)
+    x32 = x.detach().to(torch.float32).reshape(-1)  # detached: see _rows
     u = ref.uniform_noise(x, generator).reshape(-1) if rounding == "stochastic" else None
     dyn = ((x32, 0),) + (((u, 0),) if u is not None else ())
     codes, all_finite, nonfinite = _run(
