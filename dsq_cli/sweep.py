@@ -217,14 +217,18 @@ def _check_job(job: Job) -> bool:
     return True
 
 
-def _run_job(job: Job, dsq: Sequence[str]) -> Job:
-    """One `dsq train` process; its stdout and stderr go to the job's log."""
+def _run_job(job: Job, dsq: Sequence[str], threads: int | None = None) -> Job:
+    """One `dsq train` process; its stdout and stderr go to the job's log. ``threads``: the
+    intra-op threads it may use (OMP_NUM_THREADS), unless the environment already says."""
+    env = os.environ.copy()
+    if threads is not None:
+        env.setdefault("OMP_NUM_THREADS", str(threads))
     with open(job.log, "w") as log:
         proc = subprocess.run(
             [*dsq, "train", *job.overrides, f"run.dir={job.run_dir}"],
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=os.environ.copy(),
+            env=env,
         )
     status = _status_of(job.run_dir)
     job.status = status if status else "failed"
@@ -267,8 +271,13 @@ def run(overrides: Sequence[str], *, force: bool = False) -> tuple[Path, list[Jo
         from joblib import Parallel, delayed
 
         n_jobs = int(options.get("n_jobs", 2))
+        # The cores are shared out: n jobs that each spin up a thread per core run several
+        # times slower than one after the other (OpenMP threads wait busily for each other).
+        threads = max(1, (os.cpu_count() or 1) // n_jobs)
         # Threads are enough: each job is its own `dsq train` process.
-        Parallel(n_jobs=n_jobs, prefer="threads")(delayed(_run_job)(job, dsq) for job in todo)
+        Parallel(n_jobs=n_jobs, prefer="threads")(
+            delayed(_run_job)(job, dsq, threads) for job in todo
+        )
     else:
         for job in todo:
             _run_job(job, dsq)

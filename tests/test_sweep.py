@@ -133,3 +133,18 @@ def test_slurm_config_errors_name_the_key(option, message):
     result = RUNNER.invoke(app, ["sweep", "task=demo", "launcher=slurm", option, "--dry-run"])
     assert result.exit_code == 2
     assert message in result.output
+
+
+def test_parallel_jobs_share_out_the_cores(tmp_path, monkeypatch):
+    """Each joblib job gets OMP_NUM_THREADS = cores / n_jobs, unless the user set it."""
+    import sys
+
+    # stands in for `python -m dsq_cli.cli`: prints the thread setting it was started with
+    probe = [sys.executable, "-c", "import os; print('threads', os.environ['OMP_NUM_THREADS'])"]
+    job = sweep.Job("probe", [], tmp_path / "probe")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    sweep._run_job(job, probe, threads=3)
+    assert job.log.read_text().strip() == "threads 3"
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")  # the user's own setting wins
+    sweep._run_job(job, probe, threads=3)
+    assert job.log.read_text().strip() == "threads 7"
