@@ -118,6 +118,11 @@ class BaseTrainer:
             log.info(self.budget.describe())
         return self.budget
 
+    def _budget_left(self) -> bool:
+        """Whether the planned updates are not all made yet (the Budget's total is the smaller
+        of train.max_updates and train.max_epochs x updates per epoch)."""
+        return self.updates < self.budget.total_updates
+
     def checkpoint(self) -> None:
         if self.rank.is_main:  # every rank holds the same state
             save_checkpoint(self.recorder.last_checkpoint, self.state_dict())

@@ -68,7 +68,7 @@ class GlueTrainer(BaseTrainer):
         self.batches_per_epoch = math.ceil(len(self.train_set) / self.batch_size)
 
         train = cfg.train
-        self.total_updates = self._plan(self.batches_per_epoch).total_updates
+        self._plan(self.batches_per_epoch)
         self.optimizer = torch.optim.AdamW(
             self._parameter_groups(float(train.weight_decay)),
             lr=float(train.lr),
@@ -96,7 +96,8 @@ class GlueTrainer(BaseTrainer):
         warmup = self.budget.warmup_updates
         if update < warmup:
             return (update + 1) / warmup
-        return max(0.0, (self.total_updates - update) / max(1, self.total_updates - warmup))
+        total = self.budget.total_updates
+        return max(0.0, (total - update) / max(1, total - warmup))
 
     def trained_model(self):
         return self.model
@@ -126,13 +127,6 @@ class GlueTrainer(BaseTrainer):
         set_rng_state(state["rng"])
 
     # -- loop ---------------------------------------------------------------------------------
-    def _budget_left(self) -> bool:
-        max_updates, max_epochs = int(self.cfg.train.max_updates), int(self.cfg.train.max_epochs)
-        if max_updates and self.updates >= max_updates:
-            return False
-        next_epoch = self.epoch + (1 if self.position >= self.batches_per_epoch else 0)
-        return not (max_epochs and next_epoch > max_epochs)
-
     def _epoch_order(self, epoch: int) -> list[int]:
         generator = torch.Generator().manual_seed(int(self.cfg.seed) * 1_000_003 + epoch)
         return torch.randperm(len(self.train_set), generator=generator).tolist()
@@ -140,7 +134,8 @@ class GlueTrainer(BaseTrainer):
     def train(self, stop: StopRequest, resume_state: dict | None) -> None:
         if resume_state is not None:
             self.load_state_dict(resume_state)
-        progress_bar = Progress(self.total_updates, self.updates, quiet=not self.rank.is_main)
+        quiet = not self.rank.is_main
+        progress_bar = Progress(self.budget.total_updates, self.updates, quiet=quiet)
         self._start_clock()
         order = self._epoch_order(self.epoch)
         try:

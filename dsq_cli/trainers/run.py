@@ -128,17 +128,19 @@ def _same_value(override: str, key: str, stored) -> bool:
         value = OmegaConf.select(OmegaConf.from_dotlist([override]), key)
     except Exception:
         return False
-    if isinstance(stored, DictConfig | ListConfig):
-        stored = OmegaConf.to_container(stored)
-    if isinstance(value, DictConfig | ListConfig):
-        value = OmegaConf.to_container(value)
+    value, stored = _plain(value), _plain(stored)
     return value == stored or str(value) == str(stored)
 
 
-def _show(value) -> str:
+def _plain(value):
+    """A config value as plain Python (nodes as lists and dicts)."""
     if isinstance(value, DictConfig | ListConfig):
-        return str(OmegaConf.to_container(value))
-    return str(value)
+        return OmegaConf.to_container(value)
+    return value
+
+
+def _show(value) -> str:
+    return str(_plain(value))
 
 
 def train(cfg: DictConfig, *, resume: tuple[Path, dict] | None = None) -> Outcome:

@@ -183,12 +183,6 @@ class TranslationTrainer(BaseTrainer):
     def updates(self) -> int:
         return self.trainer.get_num_updates()
 
-    def _budget_left(self) -> bool:
-        max_updates, max_epochs = int(self.cfg.train.max_updates), int(self.cfg.train.max_epochs)
-        if max_updates and self.updates >= max_updates:
-            return False
-        return not (max_epochs and self.epoch_itr.next_epoch_idx > max_epochs)
-
     def train(self, stop: StopRequest, resume_state: dict | None) -> None:
         if resume_state is not None:
             self.load_state_dict(resume_state)
