@@ -42,6 +42,8 @@ def train(args):
         ("train.foo=1", "unknown config key 'train.foo'; keys there:"),
         ("quant.q1=bfp99", "invalid format spec 'bfp99'"),
         ("train.max_updates=-3", "train.max_updates must be a non-negative integer"),
+        ("train.warmup_updates=-1", "train.warmup_updates must be a non-negative integer or auto"),
+        ("train.validate_every=soon", "validate_every must be a non-negative integer or auto"),
         ("data.raw_dir=/no/such/dir", "data.raw_dir=/no/such/dir does not exist"),
     ],
 )
