@@ -219,8 +219,8 @@ def train_cmd(
     (continue with resume=RUN_DIR), 1 failed.
     """
     from dsq_cli.config import compose, to_yaml
-    from dsq_cli.trainers.common import quiet_library_warnings
-    from dsq_cli.trainers.run import load_resume, train
+    from dsq_cli.train.common import quiet_library_warnings
+    from dsq_cli.train.run import load_resume, train
 
     quiet_library_warnings()
     overrides = list(overrides or [])
@@ -268,7 +268,7 @@ def data_cmd(
     """Prepare a task once into the cache: translation (download or read raw text,
     sentencepiece, binarize); GLUE (download or read and check the TSV files)."""
     from dsq_cli.config import compose
-    from dsq_cli.trainers.run import prepare_data, task_family
+    from dsq_cli.train.run import prepare_data, task_family
 
     if task == "roberta_base":
         _roberta_base_data(overrides or [])
@@ -288,7 +288,7 @@ def _roberta_base_data(overrides: list[str]) -> None:
     SHA-256 for roberta.base or its GPT-2 BPE files, and dsq downloads only pinned files
     (SPEC 7), so it prints the commands instead of running them."""
     from dsq_cli.config import compose
-    from dsq_cli.trainers.encoders import check_available, roberta_base_download_hint
+    from dsq_cli.train.encoders import check_available, roberta_base_download_hint
 
     cfg = compose(["task=sst2", "model=roberta_base", *overrides])
     folder = cfg.model.checkpoint

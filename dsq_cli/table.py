@@ -656,7 +656,7 @@ def log_to_wandb(
     ``table``): online with a login, offline otherwise (as ``logger.mode=auto``)."""
     import wandb
 
-    from dsq_cli.trainers.loggers import wandb_mode
+    from dsq_cli.train.loggers import wandb_mode
 
     Path(wandb_dir).mkdir(parents=True, exist_ok=True)
     run = wandb.init(

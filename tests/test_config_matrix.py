@@ -28,8 +28,8 @@ from dsq_cli.cli import app
 from dsq_cli.engine import QuantConfig
 from dsq_cli.engine.config import STASH_SCOPES
 from dsq_cli.presets import CONF_DIR, TABLE1_ORDER, load_quant_preset
-from dsq_cli.trainers import common
-from dsq_cli.trainers.common import load_checkpoint
+from dsq_cli.train import common
+from dsq_cli.train.common import load_checkpoint
 
 RUNNER = CliRunner()
 PRESETS = sorted(p.stem for p in (CONF_DIR / "quant").glob("*.yaml"))

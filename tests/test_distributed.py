@@ -16,8 +16,8 @@ import pytest
 from train_helpers import DSQ, only_run, read_jsonl, small, wait_for_update
 
 from dsq_cli.config import ConfigError, compose
-from dsq_cli.trainers import distributed
-from dsq_cli.trainers.run import _spawned_outcome, train
+from dsq_cli.train import distributed
+from dsq_cli.train.run import _spawned_outcome, train
 
 # quant.q1.min_delta=100: no validation counts as an improvement, so the stash rises one level
 # at every validation (patience 1) and the ranks have schedule changes to agree on.

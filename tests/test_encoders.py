@@ -1,4 +1,4 @@
-"""The GLUE encoders of dsq_cli/trainers/encoders.py: MiniLM equals transformers' BertModel on the
+"""The GLUE encoders of dsq_cli/train/encoders.py: MiniLM equals transformers' BertModel on the
 same text, roberta_base loads a checkpoint in the release's format and fine-tunes under DSQ, and
 roberta_tiny's every Linear and attention product is patched."""
 
@@ -17,8 +17,8 @@ from conftest import REPO
 from omegaconf import OmegaConf
 
 from dsq_cli.engine import QuantConfig, quantize_model, record_gemms
-from dsq_cli.trainers import encoders
-from dsq_cli.trainers.encoders import (
+from dsq_cli.train import encoders
+from dsq_cli.train.encoders import (
     ENCODERS,
     EncoderError,
     SentenceTokenizer,

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from dsq_cli import runs
 from dsq_cli.cli import app
-from dsq_cli.trainers.common import load_checkpoint
+from dsq_cli.train.common import load_checkpoint
 
 RUNNER = CliRunner()
 
@@ -204,7 +204,7 @@ def test_checkpoint_loads_with_weights_only(finished_run):
 def test_fairseq_format_checkpoint_loads_without_disabling_safety(tmp_path):
     import argparse
 
-    from dsq_cli.trainers.fairseq_compat import load_fairseq_checkpoint
+    from dsq_cli.train.fairseq_compat import load_fairseq_checkpoint
 
     path = tmp_path / "fairseq.pt"
     torch.save(
@@ -317,7 +317,7 @@ def test_two_runs_started_at_once_get_two_directories(tmp_path):
 
 
 def test_a_failure_after_training_is_recorded_not_left_running(tmp_path, cache_dir, monkeypatch):
-    import dsq_cli.trainers.run as run_module
+    import dsq_cli.train.run as run_module
 
     def broken_cost(progress):
         raise ValueError("dram: expected keys [...]")
