@@ -16,7 +16,7 @@ from dsq_cli.config import compose
 from dsq_cli.data import demo
 from dsq_cli.data.prepare import prepare
 from dsq_cli.data.raw import DataError, read_parallel
-from dsq_cli.data.tasks import TASKS, get_task
+from dsq_cli.data.tasks import MULTI30K_SHA256, TASKS, get_task
 
 MULTI30K = SHARED_DATA / "multi30k"
 
@@ -219,6 +219,25 @@ def test_offline_download_names_the_command_to_run(tmp_path, monkeypatch):
         cfg = cfg_for(task, tmp_path / "cache")
         with pytest.raises(DataError, match=rf"run `dsq data {task} data.cache_dir="):
             get_task(task, cfg).load()
+
+
+def test_a_failed_download_says_where_a_file_placed_by_hand_goes(tmp_path, monkeypatch):
+    import urllib.request
+
+    def offline(request, timeout):
+        raise OSError("no route to host")
+
+    monkeypatch.setattr(urllib.request, "urlopen", offline)
+    cfg = cfg_for("multi30k", tmp_path / "cache")
+    with pytest.raises(DataError) as caught:
+        get_task("multi30k", cfg).load()
+    message = str(caught.value)
+    dest = tmp_path / "cache" / "downloads" / "multi30k" / "train.de.gz"
+    assert message.startswith("Download of https://github.com/multi30k/")
+    assert "no route to host" in message and "run `dsq data multi30k" in message
+    sha256 = MULTI30K_SHA256["train.de.gz"]
+    assert message.endswith(f", or place train.de.gz (sha256 {sha256}) at {dest}")
+    assert "\n" not in message
 
 
 def test_dsq_data_prepares_and_reports(tmp_path):

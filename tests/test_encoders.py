@@ -1,4 +1,4 @@
-"""The GLUE encoders of dsq_cli/train/encoders.py: MiniLM equals transformers' BertModel on the
+"""The GLUE encoders of dsq_cli/models/: MiniLM equals transformers' BertModel on the
 same text, roberta_base loads a checkpoint in the release's format and fine-tunes under DSQ, and
 roberta_tiny's every Linear and attention product is patched."""
 
@@ -17,17 +17,16 @@ from conftest import REPO
 from omegaconf import OmegaConf
 
 from dsq_cli.engine import QuantConfig, quantize_model, record_gemms
-from dsq_cli.train import encoders
-from dsq_cli.train.encoders import (
+from dsq_cli.models import encoders
+from dsq_cli.models.bert_weights import bert_state_to_fairseq, minilm_dictionary
+from dsq_cli.models.encoders import (
     ENCODERS,
     EncoderError,
-    SentenceTokenizer,
-    bert_state_to_fairseq,
     build_encoder,
-    minilm_dictionary,
     quantize_exclude,
     register_encoder,
 )
+from dsq_cli.models.tokenizers import SentenceTokenizer
 
 pytest.importorskip("fairseq")
 
@@ -151,7 +150,7 @@ def test_minilm_equals_transformers_bert_model(minilm):
     model = minilm.model.eval()
     with torch.no_grad():
         features, _ = model(tokens, features_only=True)
-        # token type 0 throughout: sentence-transformers never used type 1 (see encoders.py)
+        # token type 0 throughout: sentence-transformers never used type 1 (see bert_weights.py)
         expected = bert(
             input_ids=hf_tokens,
             attention_mask=attention_mask,

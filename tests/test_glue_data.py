@@ -1,4 +1,4 @@
-"""The GLUE data layer (dsq_cli/data/glue.py): real SST-2/RTE/CoLA files from ../shared/data,
+"""The GLUE data layer (dsq_cli/data/glue/): real SST-2/RTE/CoLA files from ../shared/data,
 synthetic files in the real formats of the other five tasks, malformed rows named by
 file:line, downloads without network (file:// URLs and a failing fetch), and the metrics
 against hand-computed values and against scikit-learn and SciPy (test-only references)."""
@@ -15,20 +15,21 @@ import pytest
 from conftest import SHARED_DATA
 from omegaconf import OmegaConf
 
-from dsq_cli.data import glue
 from dsq_cli.data.download import DownloadError
 from dsq_cli.data.glue import (
     GLUE_TASKS,
     GlueExample,
     GlueTask,
-    compute_metrics,
     get_glue_task,
     load_glue,
     register_glue_task,
 )
+from dsq_cli.data.glue import prepare as glue_prepare
+from dsq_cli.data.glue import tasks as glue_tasks
 from dsq_cli.data.raw import DataError
 from dsq_cli.data.sources import Download
-from dsq_cli.runs import METRICS
+from dsq_cli.run_result import METRICS
+from dsq_cli.train.glue_metrics import average_ranks, compute_metrics
 
 GLUE_DATA = SHARED_DATA / "glue"
 needs_glue = pytest.mark.skipif(
@@ -546,7 +547,7 @@ def sst2_zip(path: Path) -> Path:
 
 
 def test_download_is_verified_unpacked_and_reused(tmp_path, monkeypatch):
-    pin_local(monkeypatch, glue.Sst2, {"SST-2.zip": sst2_zip(tmp_path / "SST-2.zip")})
+    pin_local(monkeypatch, glue_tasks.Sst2, {"SST-2.zip": sst2_zip(tmp_path / "SST-2.zip")})
     cache = tmp_path / "cache"
     data = load_glue(make_cfg("sst2", None, cache_dir=cache))
     assert data.source == str(cache / "glue" / "SST-2")
@@ -564,7 +565,7 @@ def test_download_is_verified_unpacked_and_reused(tmp_path, monkeypatch):
     def no_network(*args, **kwargs):
         raise AssertionError("a prepared task must not be downloaded again")
 
-    monkeypatch.setattr(glue, "fetch", no_network)
+    monkeypatch.setattr(glue_prepare, "fetch", no_network)
     assert load_glue(make_cfg("sst2", None, cache_dir=cache)).train == data.train
 
 
@@ -581,7 +582,9 @@ def test_mrpc_download_is_split_into_train_and_dev_by_the_dev_ids(tmp_path, monk
     dev_ids = tmp_path / "mrpc_dev_ids.tsv"
     dev_ids.write_text("2108705\t2108831\n", encoding="utf-8")
     pin_local(
-        monkeypatch, glue.Mrpc, {"msr_paraphrase_train.txt": source, "mrpc_dev_ids.tsv": dev_ids}
+        monkeypatch,
+        glue_tasks.Mrpc,
+        {"msr_paraphrase_train.txt": source, "mrpc_dev_ids.tsv": dev_ids},
     )
     data = load_glue(make_cfg("mrpc", None, cache_dir=tmp_path / "cache"))
     assert [e.text_a for e in data.train] == [
@@ -597,12 +600,14 @@ def test_offline_download_failure_says_to_pass_raw_dir(tmp_path, monkeypatch):
     def offline(url, sha256, dest, **kwargs):
         raise DownloadError(
             f"Download of {url} failed after 0 bytes: [Errno -3] Temporary failure in name "
-            f"resolution (nothing was kept). Instead, place the file by hand at {dest} "
-            "(sha256 x) or pass data.raw_dir=DIR holding plain parallel text "
-            "{train,valid,test}.{SRC,TGT}."
+            "resolution (nothing was kept).",
+            url=url,
+            dest=dest,
+            expected_sha256=sha256,
+            received_bytes=0,
         )
 
-    monkeypatch.setattr(glue, "fetch", offline)
+    monkeypatch.setattr(glue_prepare, "fetch", offline)
     cache = tmp_path / "cache"
     with pytest.raises(DataError) as caught:
         load_glue(make_cfg("rte", None, cache_dir=cache))
@@ -610,15 +615,15 @@ def test_offline_download_failure_says_to_pass_raw_dir(tmp_path, monkeypatch):
     assert "\n" not in message
     assert message.startswith("Download of https://dl.fbaipublicfiles.com/glue/data/RTE.zip failed")
     assert "pass data.raw_dir=DIR holding the GLUE RTE folder (train.tsv, dev.tsv)" in message
-    assert f"place RTE.zip (sha256 {glue.Rte.downloads[0].sha256})" in message
-    assert "parallel text" not in message  # the translation advice is replaced
+    assert f"place RTE.zip (sha256 {glue_tasks.Rte.downloads[0].sha256})" in message
+    assert "parallel text" not in message  # no translation advice
     assert not (cache / "glue" / "RTE").exists()
 
 
 def test_a_missing_source_fails_the_real_fetch_and_leaves_nothing(tmp_path, monkeypatch):
     missing = tmp_path / "gone" / "SST-2.zip"
     monkeypatch.setattr(
-        glue.Sst2, "downloads", (Download("SST-2.zip", missing.as_uri(), "0" * 64, 10),)
+        glue_tasks.Sst2, "downloads", (Download("SST-2.zip", missing.as_uri(), "0" * 64, 10),)
     )
     cache = tmp_path / "cache"
     with pytest.raises(DataError, match="failed.*pass data.raw_dir=DIR holding the GLUE SST-2"):
@@ -627,27 +632,27 @@ def test_a_missing_source_fails_the_real_fetch_and_leaves_nothing(tmp_path, monk
 
 
 def test_an_interrupted_preparation_leaves_no_folder(tmp_path, monkeypatch):
-    pin_local(monkeypatch, glue.Sst2, {"SST-2.zip": sst2_zip(tmp_path / "SST-2.zip")})
+    pin_local(monkeypatch, glue_tasks.Sst2, {"SST-2.zip": sst2_zip(tmp_path / "SST-2.zip")})
 
-    real_extract = glue.extract
+    real_extract = glue_tasks.extract
 
     def interrupted(*args, **kwargs):
         real_extract(*args, **kwargs)  # the files are unpacked, then Ctrl-C arrives
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(glue, "extract", interrupted)
+    monkeypatch.setattr(glue_tasks, "extract", interrupted)
     cache = tmp_path / "cache"
     with pytest.raises(KeyboardInterrupt):
         load_glue(make_cfg("sst2", None, cache_dir=cache))
     assert tree(cache / "glue") == ["downloads", "downloads/SST-2.zip"]  # verified, kept
     monkeypatch.undo()
-    pin_local(monkeypatch, glue.Sst2, {"SST-2.zip": tmp_path / "SST-2.zip"})
+    pin_local(monkeypatch, glue_tasks.Sst2, {"SST-2.zip": tmp_path / "SST-2.zip"})
     assert len(load_glue(make_cfg("sst2", None, cache_dir=cache)).train) == 2
 
 
 def test_a_zip_without_the_task_folder_is_refused(tmp_path, monkeypatch):
     wrong = make_zip(tmp_path / "SST-2.zip", {"RTE/train.tsv": "x\n", "RTE/other.tsv": "y\n"})
-    pin_local(monkeypatch, glue.Sst2, {"SST-2.zip": wrong})
+    pin_local(monkeypatch, glue_tasks.Sst2, {"SST-2.zip": wrong})
     cache = tmp_path / "cache"
     with pytest.raises(DataError, match="holds no SST-2/train.tsv with dev.tsv; delete it"):
         load_glue(make_cfg("sst2", None, cache_dir=cache))
@@ -689,7 +694,7 @@ def test_metrics_against_hand_computed_values():
 
 
 def test_average_ranks_share_ties():
-    ranks = glue.average_ranks(np.array([3.0, 1.0, 2.0, 2.0, 3.0, 3.0]))
+    ranks = average_ranks(np.array([3.0, 1.0, 2.0, 2.0, 3.0, 3.0]))
     assert ranks.tolist() == [5.0, 1.0, 2.5, 2.5, 5.0, 5.0]
 
 
@@ -740,7 +745,7 @@ def test_metrics_agree_with_scikit_learn_and_scipy():
         stsb = compute_metrics(get_glue_task("stsb"), guessed.tolist(), scores.tolist())
         assert stsb["pearson"] == pytest.approx(stats.pearsonr(guessed, scores)[0], abs=1e-12)
         assert stsb["spearman"] == pytest.approx(stats.spearmanr(guessed, scores)[0], abs=1e-12)
-        assert glue.average_ranks(guessed).tolist() == stats.rankdata(guessed).tolist()
+        assert average_ranks(guessed).tolist() == stats.rankdata(guessed).tolist()
 
 
 def test_metric_inputs_are_checked():
@@ -763,14 +768,14 @@ def test_metric_inputs_are_checked():
 def test_a_task_without_download_or_cache_dir_says_what_to_pass(tmp_path, monkeypatch):
     with pytest.raises(DataError, match="task sst2 needs data.raw_dir or data.cache_dir"):
         load_glue(make_cfg("sst2", None))
-    monkeypatch.setattr(glue.Sst2, "downloads", ())
+    monkeypatch.setattr(glue_tasks.Sst2, "downloads", ())
     with pytest.raises(DataError, match="sst2 has no pinned download. Instead, pass data.raw_dir="):
         load_glue(make_cfg("sst2", None, cache_dir=tmp_path / "cache"))
 
 
 def test_an_unsafe_archive_is_a_data_error_and_leaves_nothing(tmp_path, monkeypatch):
     evil = make_zip(tmp_path / "SST-2.zip", {"../SST-2/train.tsv": "x\n", "SST-2/dev.tsv": "y\n"})
-    pin_local(monkeypatch, glue.Sst2, {"SST-2.zip": evil})
+    pin_local(monkeypatch, glue_tasks.Sst2, {"SST-2.zip": evil})
     cache = tmp_path / "cache"
     with pytest.raises(DataError, match="leaves the target directory"):
         load_glue(make_cfg("sst2", None, cache_dir=cache))
@@ -779,17 +784,17 @@ def test_an_unsafe_archive_is_a_data_error_and_leaves_nothing(tmp_path, monkeypa
 
 
 def test_a_preparation_finished_first_by_another_process_is_used(tmp_path, monkeypatch):
-    pin_local(monkeypatch, glue.Sst2, {"SST-2.zip": sst2_zip(tmp_path / "SST-2.zip")})
+    pin_local(monkeypatch, glue_tasks.Sst2, {"SST-2.zip": sst2_zip(tmp_path / "SST-2.zip")})
     cache = tmp_path / "cache"
     other = cache / "glue" / "SST-2"
-    real_assemble = glue.Sst2.assemble
+    real_assemble = glue_tasks.Sst2.assemble
 
     def racing(self, archives, scratch, out_dir):
         real_assemble(self, archives, scratch, out_dir)
         sst2_folder(other)  # the other process renames its complete folder into place first
-        (other / glue.PREPARED).write_text("{}\n", encoding="utf-8")
+        (other / glue_prepare.PREPARED).write_text("{}\n", encoding="utf-8")
 
-    monkeypatch.setattr(glue.Sst2, "assemble", racing)
+    monkeypatch.setattr(glue_tasks.Sst2, "assemble", racing)
     data = load_glue(make_cfg("sst2", None, cache_dir=cache))
     assert data.source == str(other) and len(data.train) == 3  # the other process's files
     assert not [name for name in tree(cache / "glue") if ".part" in name]
@@ -808,8 +813,10 @@ MRPC_BROKEN = [
 @pytest.mark.parametrize("id_lines, source_lines, where, says", MRPC_BROKEN)
 def test_broken_mrpc_sources_are_named(tmp_path, id_lines, source_lines, where, says):
     files = {
-        glue.MRPC_DEV_IDS: write_tsv(tmp_path / "ids", ["", *id_lines]),  # a blank line is fine
-        glue.MRPC_TRAIN_TXT: write_tsv(tmp_path / "source", [*source_lines, ""]),
+        glue_tasks.MRPC_DEV_IDS: write_tsv(
+            tmp_path / "ids", ["", *id_lines]
+        ),  # a blank line is fine
+        glue_tasks.MRPC_TRAIN_TXT: write_tsv(tmp_path / "source", [*source_lines, ""]),
     }
     out = tmp_path / "out"
     out.mkdir()

@@ -2,11 +2,13 @@
 
 ``fetch`` streams a URL to a temporary name next to its destination, hashing while it writes,
 and moves the file into place only when its SHA-256 matches the pinned value; a mismatch or a
-broken transfer leaves no file behind and raises ``DownloadError`` naming the URL and the
-checksums. ``extract`` unpacks a .tgz/.tar.gz/.tar/.zip into a temporary directory, refusing
-members that would land outside it, and renames the result into place in one step.
+broken transfer leaves no file behind and raises ``DownloadError``, whose fields (URL,
+destination, checksums, sizes) let each caller say what to do instead. ``extract`` unpacks a
+.tgz/.tar.gz/.tar/.zip into a temporary directory, refusing members that would land outside
+it, and renames the result into place in one step.
 
-Only the standard library is used (urllib, hashlib, tarfile, zipfile).
+Only the standard library is used (urllib, hashlib, tarfile, zipfile), and dsq_cli.atomic_files
+for the final rename.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import BinaryIO
 
+from dsq_cli.atomic_files import atomic_path
+
 log = logging.getLogger("dsq.data")
 
 CHUNK_BYTES = 1 << 20
@@ -33,7 +37,61 @@ USER_AGENT = "dsq (urllib; verified download)"
 
 
 class DownloadError(RuntimeError):
-    """A file could not be obtained and verified; the message is one line saying what to do."""
+    """A file that could not be obtained and verified.
+
+    ``str()`` is one line saying what failed, with no advice: what to do instead depends on who
+    wanted the file (a translation task, a GLUE task), and the fields let that caller say it.
+    ``dest`` with ``expected_sha256`` is where a copy placed by hand is picked up.
+    """
+
+    def __init__(
+        self,
+        reason: str,
+        *,
+        url: str | None = None,
+        dest: Path | None = None,
+        expected_sha256: str | None = None,
+        actual_sha256: str | None = None,
+        expected_size: int | None = None,
+        received_bytes: int | None = None,
+        existing_sha256: str | None = None,
+        mirrors_failed: int = 0,
+    ) -> None:
+        self.reason = _one_line(reason)  # what failed, one sentence
+        self.url = url
+        self.dest = dest  # where the verified file was to go
+        self.expected_sha256 = expected_sha256  # the pinned checksum
+        self.actual_sha256 = actual_sha256  # what arrived, on a mismatch
+        self.expected_size = expected_size  # the pinned size in bytes, when published
+        self.received_bytes = received_bytes  # bytes read before the failure
+        self.existing_sha256 = existing_sha256  # a wrong file at dest, left unchanged
+        self.mirrors_failed = mirrors_failed  # further URLs tried, all failed
+        super().__init__(str(self))
+
+    def __str__(self) -> str:
+        notes = [self.reason]
+        if self.existing_sha256 is not None:
+            notes.append(
+                f"The existing {self.dest} has sha256 {self.existing_sha256} and was left "
+                "unchanged."
+            )
+        if self.mirrors_failed:
+            notes.append(f"{self.mirrors_failed} mirror(s) failed as well.")
+        return " ".join(notes)
+
+    def with_fields(self, **changes) -> DownloadError:
+        """A copy with some fields replaced (the same class: an ``ArchiveError`` stays one)."""
+        fields = {
+            "url": self.url,
+            "dest": self.dest,
+            "expected_sha256": self.expected_sha256,
+            "actual_sha256": self.actual_sha256,
+            "expected_size": self.expected_size,
+            "received_bytes": self.received_bytes,
+            "existing_sha256": self.existing_sha256,
+            "mirrors_failed": self.mirrors_failed,
+        }
+        return type(self)(changes.pop("reason", self.reason), **{**fields, **changes})
 
 
 class ArchiveError(DownloadError):
@@ -72,14 +130,6 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _what_to_do(dest: Path, sha256: str | None) -> str:
-    by_hand = f"place the file by hand at {dest} (sha256 {sha256}) or " if sha256 else ""
-    return (
-        f"Instead, {by_hand}pass data.raw_dir=DIR holding plain parallel text "
-        "{train,valid,test}.{SRC,TGT}."
-    )
-
-
 def _one_line(text: str) -> str:
     # Error messages must stay on one line even when they quote a server's reason phrase.
     return " ".join(text.split())
@@ -91,17 +141,18 @@ def fetch(
     """Download ``url`` to ``dest`` unless ``dest`` already holds the file with ``sha256``.
 
     ``size`` (bytes), when known, rejects a wrong Content-Length before any data is read.
-    Raises ``DownloadError`` on a missing checksum, a network or HTTP error, or a mismatch;
-    in every failure no partial file is left in ``dest``'s directory.
+    Raises ``DownloadError`` (``url``, ``dest`` and ``expected_sha256`` always set) on a missing
+    checksum, a network or HTTP error, or a mismatch; in every failure no partial file is left
+    in ``dest``'s directory.
     """
     dest = Path(dest)
     if not sha256:
         # Never download unverified data: without a pinned checksum there is nothing to check.
         raise DownloadError(
-            f"No pinned SHA-256 for {url}, so it is not downloaded. {_what_to_do(dest, None)}"
+            f"No pinned SHA-256 for {url}, so it is not downloaded.", url=url, dest=dest
         )
     expected = sha256.lower()
-    stale_note = ""
+    existing: str | None = None  # the sha256 of a wrong file already at dest
     if dest.is_file():
         actual = sha256_of(dest)
         if actual == expected:
@@ -112,39 +163,30 @@ def fetch(
         log.warning(
             "%s has sha256 %s, not the pinned %s; downloading again", dest, actual, expected
         )
-        stale_note = f" (the existing {dest} has sha256 {actual} and was left unchanged)"
+        existing = actual
 
-    advice = _what_to_do(dest, expected)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part")
-    tmp_path = Path(tmp_name)
     try:
-        with os.fdopen(fd, "wb") as tmp_file:
-            actual, n_bytes = _stream(url, tmp_file, timeout=timeout, size=size, advice=advice)
-            tmp_file.flush()
-            os.fsync(tmp_file.fileno())
-        if actual != expected:
-            raise DownloadError(
-                f"Checksum mismatch for {url}: expected sha256 {expected}, got {actual} "
-                f"({n_bytes} bytes){stale_note}. {advice}"
-            )
-        os.replace(tmp_path, dest)
+        # On any failure, Ctrl-C included, atomic_path removes the partial file.
+        with atomic_path(dest) as tmp_path, open(tmp_path, "wb") as tmp_file:
+            actual, n_bytes = _stream(url, tmp_file, timeout=timeout, size=size)
+            if actual != expected:
+                raise DownloadError(
+                    f"Checksum mismatch for {url}: expected sha256 {expected}, got {actual} "
+                    f"({n_bytes} bytes).",
+                    url=url,
+                    actual_sha256=actual,
+                    received_bytes=n_bytes,
+                )
     except DownloadError as err:
-        tmp_path.unlink(missing_ok=True)
-        if stale_note and stale_note not in str(err):
-            raise DownloadError(f"{err}{stale_note}") from err
-        raise
-    except BaseException:
-        # KeyboardInterrupt and unexpected errors too: never leave a partial file behind.
-        tmp_path.unlink(missing_ok=True)
-        raise
+        raise err.with_fields(
+            dest=dest, expected_sha256=expected, expected_size=size, existing_sha256=existing
+        ) from err
     log.info("downloaded %s -> %s (%d bytes, sha256 verified)", url, dest, n_bytes)
     return dest
 
 
-def _stream(
-    url: str, out: BinaryIO, *, timeout: float, size: int | None, advice: str
-) -> tuple[str, int]:
+def _stream(url: str, out: BinaryIO, *, timeout: float, size: int | None) -> tuple[str, int]:
     """Copy ``url`` into ``out``; return (hex sha256, byte count). Network errors become
     ``DownloadError``."""
     digest = hashlib.sha256()
@@ -158,7 +200,9 @@ def _stream(
                 if int(announced) != size:
                     raise DownloadError(
                         f"Download of {url} failed: the server announces {announced} bytes, "
-                        f"the pinned file has {size}. {advice}"
+                        f"the pinned file has {size}.",
+                        url=url,
+                        received_bytes=0,
                     )
             for chunk in iter(lambda: response.read(CHUNK_BYTES), b""):
                 out.write(chunk)
@@ -168,20 +212,19 @@ def _stream(
         raise
     except urllib.error.HTTPError as err:
         raise DownloadError(
-            _one_line(
-                f"Download of {url} failed: HTTP {err.code} {err.reason} after {n_bytes} bytes "
-                f"(nothing was kept). {advice}"
-            )
+            f"Download of {url} failed: HTTP {err.code} {err.reason} after {n_bytes} bytes "
+            "(nothing was kept).",
+            url=url,
+            received_bytes=n_bytes,
         ) from err
     except (urllib.error.URLError, OSError, ValueError) as err:
         # URLError: DNS, refused, missing file:// path; OSError: reset or timeout mid-stream;
         # ValueError: a malformed URL.
         reason = getattr(err, "reason", None) or err
         raise DownloadError(
-            _one_line(
-                f"Download of {url} failed after {n_bytes} bytes: {reason} "
-                f"(nothing was kept). {advice}"
-            )
+            f"Download of {url} failed after {n_bytes} bytes: {reason} (nothing was kept).",
+            url=url,
+            received_bytes=n_bytes,
         ) from err
     return digest.hexdigest(), n_bytes
 
@@ -290,7 +333,7 @@ def extract(archive: Path, into: Path, *, keep: Callable[[str], bool] | None = N
     except (tarfile.TarError, zipfile.BadZipFile, EOFError) as err:
         shutil.rmtree(tmp_root, ignore_errors=True)
         raise ArchiveError(
-            _one_line(f"Cannot unpack {archive}: {err}. Delete it so that it is downloaded again.")
+            f"Cannot unpack {archive}: {err}. Delete it so that it is downloaded again."
         ) from err
     except BaseException:
         shutil.rmtree(tmp_root, ignore_errors=True)

@@ -16,12 +16,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from .download import built_in_place
 from .raw import SPLITS, ParallelSplit, write_lines
 from .tasks import get_task
 
@@ -77,21 +75,11 @@ def prepare(cfg, *, quiet: bool = False) -> PreparedData:
         train = splits["train"]
         n = int(cfg.data.subset)
         splits["train"] = ParallelSplit(train.src[:n], train.tgt[:n], train.dropped_blank)
-    root.mkdir(parents=True, exist_ok=True)
-    building = Path(tempfile.mkdtemp(prefix=f".{final.name}.building-", dir=root))
-    try:
+    # the rename into place is the commit point; a copy that lost the race is dropped
+    with built_in_place(final, manifest_path.name) as (building, _scratch):
         manifest = _build(building, splits, task.src, task.tgt, cfg)
         manifest.update(task=task.name, key=key, subset=cfg.data.subset)
         (building / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-        try:
-            os.rename(building, final)  # the commit point
-        except OSError:
-            if not manifest_path.is_file():  # not a lost race: a real error
-                raise
-            shutil.rmtree(building, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(building, ignore_errors=True)
-        raise
     if not quiet:
         log.info("prepared %s in %s", task.name, final)
     return PreparedData(final, task.src, task.tgt, json.loads(manifest_path.read_text()))

@@ -410,9 +410,7 @@ def _fetch_any(download: Download, dest: Path, timeout: float) -> Path:
     if len(failures) == 1:
         raise failures[0]
     # One line: the first URL's failure stands for all; the mirrors are counted, not repeated.
-    raise DownloadError(
-        f"{failures[0]} ({len(failures) - 1} mirror(s) failed as well)"
-    ) from failures[-1]
+    raise failures[0].with_fields(mirrors_failed=len(failures) - 1) from failures[-1]
 
 
 def raw_dir_of(task: str, cache_dir: Path) -> Path:

@@ -9,8 +9,12 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .raw import SPLITS, DataError, ParallelSplit, find_file, read_parallel
+
+if TYPE_CHECKING:
+    from .download import DownloadError
 
 TASKS: dict[str, type[TranslationTask]] = {}
 
@@ -112,13 +116,6 @@ class Demo(TranslationTask):
         return {split: ParallelSplit(*demo.generate(split, int(sizes[split]))) for split in SPLITS}
 
 
-def _without_advice(err: Exception) -> str:
-    """The download error's reason; the advice that follows it is the task's own (offline_hint)."""
-    reason, _, mirrors = str(err).partition(" Instead, ")
-    mirrors = mirrors[mirrors.rfind(" (") :] if mirrors.endswith("as well)") else ""
-    return f"{reason.rstrip()}{mirrors} "
-
-
 class Downloaded(TranslationTask):
     """A task whose official text is downloaded (SPEC 7: pinned SHA-256) when no raw_dir is
     given."""
@@ -136,6 +133,14 @@ class Downloaded(TranslationTask):
                 f"{stem}.{{{self.src},{self.tgt}}}[.gz]" for stem in self.split_stems.values()
             )
         )
+
+    def download_failed(self, err: DownloadError) -> DataError:
+        """The usage error for a failed download: what failed, then this task's ways around it
+        (a verified file placed by hand is used as if downloaded)."""
+        by_hand = ""
+        if err.dest is not None and err.expected_sha256:
+            by_hand = f", or place {err.dest.name} (sha256 {err.expected_sha256}) at {err.dest}"
+        return DataError(f"{err} {self.offline_hint()}{by_hand}")
 
 
 # Multi30k task 1 raw text, byte for byte as in github.com/multi30k/dataset (data/task1/raw).
@@ -162,7 +167,7 @@ class Multi30k(Downloaded):
             try:
                 fetch(MULTI30K_URL.format(name=name), sha256, directory / name)
             except DownloadError as err:
-                raise DataError(_without_advice(err) + self.offline_hint()) from None
+                raise self.download_failed(err) from None
         return directory
 
 
@@ -176,7 +181,7 @@ class _Official(Downloaded):
         try:
             return Path(prepare_raw(self.name, Path(str(self.cfg.data.cache_dir)).expanduser()))
         except DownloadError as err:
-            raise DataError(_without_advice(err) + self.offline_hint()) from None
+            raise self.download_failed(err) from None
 
 
 @register_task("iwslt17")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable
 from typing import ClassVar
 
 import torch
@@ -92,10 +91,6 @@ class PackedTensor:
         """Bytes held by the payload (the header is a few Python ints)."""
         return sum(t.numel() * t.element_size() for t in self.payload.values())
 
-    @property
-    def device(self) -> torch.device:
-        return next(iter(self.payload.values())).device
-
     def numel(self) -> int:
         n = 1
         for s in self.shape:
@@ -173,6 +168,3 @@ def check_input(x: object, axis: int, rounding: str, generator: object) -> int:
             f"(valid: {-ndim}..{ndim - 1})"
         )
     return axis % ndim
-
-
-Unpacker = Callable[[PackedTensor], torch.Tensor]

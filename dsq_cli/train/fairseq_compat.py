@@ -3,15 +3,16 @@
 * ``convert_namespace_to_omegaconf`` uses ``hydra.experimental`` and Hydra 1.0-style configs,
   an error once Hydra's version base is 1.2 or later (dsq's own composition sets 1.3):
   `namespace_to_config` runs it under base 1.1, for the duration of the call only.
-* fairseq's own checkpoints pickle ``argparse.Namespace`` and other objects that torch's default
-  ``weights_only=True`` refuses: `load_fairseq_checkpoint` allows exactly those types, for a file
-  the user named (SPEC 7), instead of turning safety off.
+* fairseq's NanDetector fails under torch 2.6+: `nan_detector_disabled` swaps in a neutral one
+  while training.
+* fairseq 0.12 warns at every update about torch APIs it uses: `quiet_library_warnings`.
+
+Loading fairseq's own checkpoint format lives with the models (dsq_cli.models.fairseq_checkpoint).
 """
 
 from __future__ import annotations
 
 import contextlib
-from pathlib import Path
 
 
 @contextlib.contextmanager
@@ -45,21 +46,6 @@ def namespace_to_config(args):
         return convert_namespace_to_omegaconf(args)
 
 
-def load_fairseq_checkpoint(path: str | Path) -> dict:
-    """A checkpoint in fairseq's own format (e.g. a released RoBERTa), from a path the user gave.
-
-    torch's safe loader is kept on; only the plain container types fairseq pickles are allowed.
-    """
-    import argparse
-    import collections
-
-    import torch
-
-    allowed = [argparse.Namespace, collections.OrderedDict, collections.defaultdict, dict, list]
-    with torch.serialization.safe_globals(allowed):
-        return torch.load(Path(path), map_location="cpu", weights_only=True)
-
-
 class _NoNanDetector:
     """Stands in for fairseq's NanDetector, whose forward hooks fail under torch 2.6+ (a
     ``StopIteration`` from torch's hook plumbing), turning a NaN into an unrelated crash."""
@@ -87,3 +73,13 @@ def nan_detector_disabled():
         yield
     finally:
         fairseq.trainer.NanDetector = saved
+
+
+def quiet_library_warnings() -> None:
+    """fairseq 0.12 on torch 2.x warns at every update about APIs it uses (autocast, jit,
+    pin_memory without a GPU); they say nothing about the run and drown the progress line."""
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"fairseq\.")
+    warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"torch\.jit")
+    warnings.filterwarnings("ignore", message=r".*'pin_memory' argument is set as true.*")

