@@ -2,7 +2,9 @@
 
 Composition runs in struct mode, so an unknown key or group option fails before any work starts;
 the failure is turned into one line that names the key and the choices (`ConfigError`, a
-``ValueError``, which the CLI reports with exit code 2).
+``ValueError``, which the CLI reports with exit code 2). The composed config is then merged into
+the typed schema (`dsq_cli.run_config.RunConfig`) and checked by `typed`, which turns any config
+(a composed one, or a run's stored config.yaml) into the typed, resolved, checked one.
 """
 
 from __future__ import annotations
@@ -13,8 +15,16 @@ import threading
 from collections.abc import Sequence
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import (
+    ConfigAttributeError,
+    ConfigKeyError,
+    InterpolationResolutionError,
+    OmegaConfBaseException,
+    ValidationError,
+)
 
 from dsq_cli.presets import CONF_DIR
+from dsq_cli.run_config import MODEL_FAMILIES, TASK_FAMILIES, RunConfig, expects
 
 GROUPS = ("task", "model", "quant", "logger")
 
@@ -112,8 +122,12 @@ def _compose_locked(overrides: list[str]) -> DictConfig:
     with _unlocked(cfg):
         cfg.pop("hydra", None)
         cfg.choices = choices
-    validate(cfg)
-    return cfg
+    if "family" not in cfg.task:
+        raise ConfigError(
+            f"conf/task/{choices['task']}.yaml sets no task.family; add `family: translation` "
+            "or `family: glue` to its task: block"
+        )
+    return typed(cfg)
 
 
 @contextlib.contextmanager
@@ -151,29 +165,92 @@ class _unlocked:
         OmegaConf.set_struct(self.cfg, True)
 
 
-def validate(cfg: DictConfig) -> None:
-    """Checks that need more than the schema: formats, budgets, paths that must (not) exist."""
-    from dsq_cli.engine import QuantConfig
+def typed(cfg: DictConfig) -> DictConfig:
+    """``cfg`` as the typed, resolved and checked run config: a new config in struct mode.
 
-    _check_model_suits_task(cfg)  # before resolving: GLUE tasks read the encoder's model.lr
+    ``cfg`` is a composed config or a run directory's stored config.yaml (``OmegaConf.load``,
+    overrides merged on top). It is merged into the schema (`dsq_cli.run_config.RunConfig`), so
+    every value has its declared type (``train.max_updates`` an ``int``, ``train.lr`` a
+    ``float``) and a wrong type or an unknown key is a `ConfigError`; then the checks that need
+    more than a type (`validate`'s) run and interpolations are resolved. ``cfg`` is not changed.
+    """
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(RunConfig), cfg)
+    except OmegaConfBaseException as err:
+        raise ConfigError(_schema_error(err)) from None
+    OmegaConf.set_struct(merged, True)  # the open parts too (model, quant, choices)
+    missing = sorted(_missing_keys(merged))
+    if missing:
+        raise ConfigError(
+            f"the config sets no value for {', '.join(missing)} "
+            "(conf/config.yaml and the group files set every key)"
+        )
+    _check(merged)
+    return merged
+
+
+def _missing_keys(cfg: DictConfig, prefix: str = "") -> list[str]:
+    """The keys left ``???`` (OmegaConf.missing_keys resolves interpolations; this does not)."""
+    missing = []
+    for key in cfg.keys():
+        node = cfg._get_node(key)
+        if OmegaConf.is_missing(cfg, key):
+            missing.append(f"{prefix}{key}")
+        elif isinstance(node, DictConfig) and not node._is_none() and not node._is_interpolation():
+            missing += _missing_keys(node, f"{prefix}{key}.")
+    return missing
+
+
+def _schema_error(err: OmegaConfBaseException) -> str:
+    """One line for a value the schema refuses: the key, the bad value, what it must be."""
+    key = str(err.full_key or err.key or "")
+    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    if not key:
+        return f"bad config: {text}"
+    if isinstance(err, ConfigKeyError | ConfigAttributeError) and expects(key) is None:
+        return _describe_unknown_key(OmegaConf.structured(RunConfig), key)
+    want = expects(key)
+    if want is None:
+        return f"{key}: {text}"
+    value = err.value
+    if isinstance(value, DictConfig | ListConfig):
+        value = OmegaConf.to_container(value)
+    node = err.child_node
+    if isinstance(err, InterpolationResolutionError) and node is not None:
+        key = f"{key} (= {node._value()})"  # the value came from elsewhere: say from where
+    return f"{key} must be {want}, got {value!r}"
+
+
+def _resolve(cfg: DictConfig) -> None:
     try:
         OmegaConf.resolve(cfg)
+    except ValidationError as err:  # an interpolation whose value has the wrong type
+        raise ConfigError(_schema_error(err)) from None
     except Exception as err:
         raise ConfigError(f"config does not resolve: {str(err).splitlines()[0]}") from None
-    quant = OmegaConf.to_container(cfg.quant)
+
+
+def _check(cfg: DictConfig) -> None:
+    """What the schema's types cannot say: choices, ranges, budgets, a model that suits the task,
+    a task family that names a registered task, the quant config. Resolves ``cfg`` in place."""
+    from dsq_cli.engine import QuantConfig
+
+    _check_task_family(cfg)
+    _check_model_suits_task(cfg)  # before resolving: GLUE tasks read the encoder's model.lr
+    _resolve(cfg)
+    _check_task_metric(cfg)
     try:
-        QuantConfig.from_dict(quant)
+        QuantConfig.from_dict(OmegaConf.to_container(cfg.quant))
     except ValueError as err:
         raise ConfigError(f"quant: {err}") from None
     train = cfg.train
     for key in ("max_epochs", "max_updates", "max_tokens", "update_freq", "log_every",
                 "batch_size", "distributed_world_size"):  # fmt: skip
-        value = train[key]
-        if not isinstance(value, int) or value < 0:
-            raise ConfigError(f"train.{key} must be a non-negative integer, got {value!r}")
+        if train[key] < 0:
+            raise ConfigError(f"train.{key} must be a non-negative integer, got {train[key]!r}")
     for key in ("warmup_updates", "validate_every"):
         value = train[key]
-        if value != "auto" and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+        if value != "auto" and (isinstance(value, str) or value < 0):
             raise ConfigError(f"train.{key} must be a non-negative integer or auto, got {value!r}")
     if train.max_epochs == 0 and train.max_updates == 0:
         raise ConfigError("set a budget: train.max_epochs or train.max_updates must be positive")
@@ -182,14 +259,14 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(f"train.{key} must be at least 1, got {train[key]}")
     if train.max_tokens < 16:
         raise ConfigError(f"train.max_tokens must be at least 16, got {train.max_tokens}")
-    if not float(train.lr) > 0:
+    if not train.lr > 0:
         raise ConfigError(f"train.lr must be positive, got {train.lr!r}")
     if train.device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"train.device must be auto, cpu or cuda, got {train.device!r}")
     subset = cfg.data.subset
-    if subset is not None and (not isinstance(subset, int) or subset < 1):
+    if subset is not None and subset < 1:
         raise ConfigError(f"data.subset must be a positive integer (examples), got {subset!r}")
-    if int(cfg.eval.beam) < 1:
+    if cfg.eval.beam < 1:
         raise ConfigError(f"eval.beam must be at least 1, got {cfg.eval.beam!r}")
     if cfg.task.name == "translation" and not (cfg.data.src and cfg.data.tgt and cfg.data.raw_dir):
         raise ConfigError(
@@ -198,17 +275,75 @@ def validate(cfg: DictConfig) -> None:
         )
 
 
-def _check_model_suits_task(cfg: DictConfig) -> None:
-    from dsq_cli.data.glue import GLUE_TASKS
+def _task_file(cfg: DictConfig) -> str:
+    return f"conf/task/{cfg.choices.get('task') or cfg.task.name}.yaml"
 
-    task, model = str(cfg.task.name), str(cfg.model.name)
-    encoder = cfg.model.get("family") == "encoder"
-    if task in GLUE_TASKS and not encoder:
+
+def _check_task_family(cfg: DictConfig) -> None:
+    """task.family names the registry the task's name is in: GLUE tasks or translation tasks."""
+    from dsq_cli.data.glue import get_glue_task
+    from dsq_cli.data.tasks import TASKS
+
+    name, family = cfg.task.name, cfg.task.family
+    if family not in TASK_FAMILIES:
+        raise ConfigError(
+            f"task.family must be {' or '.join(TASK_FAMILIES)}, got {family!r} ({_task_file(cfg)})"
+        )
+    try:
+        get_glue_task(name)
+        is_glue = True
+    except ValueError as err:
+        is_glue, unknown_glue = False, str(err)
+    if family == "glue" and not is_glue:
+        hint = "; it is a translation task (family: translation)" if name in TASKS else ""
+        raise ConfigError(f"task.family is glue but {unknown_glue}{hint}")
+    if family == "translation" and name not in TASKS:
+        hint = "; it is a GLUE task (family: glue)" if is_glue else ""
+        raise ConfigError(
+            f"task.family is translation but unknown translation task {name!r}; choose one of "
+            f"{', '.join(sorted(TASKS))}{hint}"
+        )
+
+
+def _check_task_metric(cfg: DictConfig) -> None:
+    """task.metric (result.json's ``value``) is what the task's trainer reports first."""
+    name, metric = cfg.task.name, cfg.task.metric
+    if cfg.task.family == "glue":
+        from dsq_cli.data.glue import get_glue_task
+
+        reported = get_glue_task(name).metric
+        if metric != reported:
+            raise ConfigError(
+                f"task {name}: {_task_file(cfg)} says task.metric: {metric} but the GLUE task "
+                f"reports {reported} first (metrics[0] of its class in dsq_cli/data/glue); "
+                "make the two agree"
+            )
+    elif metric != "bleu":
+        raise ConfigError(
+            f"task {name}: task.metric must be bleu for a translation task (its trainer scores "
+            f"BLEU), got {metric!r} ({_task_file(cfg)})"
+        )
+
+
+def _check_model_suits_task(cfg: DictConfig) -> None:
+    task, model = cfg.task.name, cfg.model.get("name")
+    if not isinstance(model, str) or not model:
+        raise ConfigError(
+            f"model.name must be a string (the model's builder, conf/model/), got {model!r}"
+        )
+    family = cfg.model.get("family", "translation")
+    if family not in MODEL_FAMILIES:
+        raise ConfigError(
+            f"model.family must be {' or '.join(MODEL_FAMILIES)} (absent: translation), "
+            f"got {family!r}"
+        )
+    encoder = family == "encoder"
+    if cfg.task.family == "glue" and not encoder:
         raise ConfigError(
             f"model={model} is a translation model; GLUE task {task} needs an encoder: "
             "model=minilm, roberta_base or roberta_tiny"
         )
-    if task not in GLUE_TASKS and encoder:
+    if cfg.task.family == "translation" and encoder:
         raise ConfigError(
             f"model={model} is a GLUE encoder; task {task} needs a translation model "
             "(transformer_small, transformer_tiny, transformer_iwslt)"
