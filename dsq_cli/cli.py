@@ -219,8 +219,7 @@ def train_cmd(
     (continue with resume=RUN_DIR), 1 failed.
     """
     from dsq_cli.config import compose, to_yaml
-    from dsq_cli.train.common import quiet_library_warnings
-    from dsq_cli.train.run import load_resume, train
+    from dsq_cli.train import load_resume, quiet_library_warnings, train
 
     quiet_library_warnings()
     overrides = list(overrides or [])
@@ -237,21 +236,22 @@ def train_cmd(
     if not outcome.main:  # a rank other than 0 under torchrun: rank 0 reports
         raise typer.Exit(outcome.exit_code)
     result = outcome.result
+    evaluation = result.evaluation
     typer.echo(f"run: {outcome.run_dir}")
-    if outcome.status == "completed" and "bleu" in result:
+    if outcome.status == "completed" and cfg.task.family == "translation":
         typer.echo(
-            f"completed: {result['updates']} updates, valid loss {result['valid_loss']:.3f}, "
-            f"{result['eval_split']} BLEU {result['bleu']:.2f} "
-            f"(copying the source scores {result['copy_source_bleu']:.2f})"
+            f"completed: {result.updates} updates, valid loss {result.valid_loss:.3f}, "
+            f"{evaluation['eval_split']} BLEU {result.value:.2f} "
+            f"(copying the source scores {evaluation['copy_source_bleu']:.2f})"
         )
     elif outcome.status == "completed":  # GLUE: the best dev value over the validations
         typer.echo(
-            f"completed: {result['updates']} updates, dev loss {result['valid_loss']:.3f}, "
-            f"best dev {result['metric']} {result['value']:.4f} (update {result['best_update']}; "
-            f"final {result['final_dev']['value']:.4f})"
+            f"completed: {result.updates} updates, dev loss {result.valid_loss:.3f}, "
+            f"best dev {result.metric} {result.value:.4f} (update {evaluation['best_update']}; "
+            f"final {evaluation['final_dev']['value']:.4f})"
         )
     else:
-        typer.echo(f"{outcome.status}: {result.get('error', '')}", err=True)
+        typer.echo(f"{outcome.status}: {result.error or ''}", err=True)
         if outcome.status == "interrupted":
             typer.echo(f"continue with: dsq train resume={outcome.run_dir}", err=True)
     raise typer.Exit(outcome.exit_code)
@@ -268,14 +268,14 @@ def data_cmd(
     """Prepare a task once into the cache: translation (download or read raw text,
     sentencepiece, binarize); GLUE (download or read and check the TSV files)."""
     from dsq_cli.config import compose
-    from dsq_cli.train.run import prepare_data, task_family
+    from dsq_cli.train import prepare_data
 
     if task == "roberta_base":
         _roberta_base_data(overrides or [])
         return
     cfg = compose([f"task={task}", *(overrides or [])])
     data = prepare_data(cfg)
-    if task_family(cfg) == "glue":
+    if cfg.task.family == "glue":
         sizes = ", ".join(f"{k} {v}" for k, v in data.manifest["sizes"].items())
         typer.echo(f"{task}: {data.source} ({sizes})")
         return
@@ -288,7 +288,7 @@ def _roberta_base_data(overrides: list[str]) -> None:
     SHA-256 for roberta.base or its GPT-2 BPE files, and dsq downloads only pinned files
     (SPEC 7), so it prints the commands instead of running them."""
     from dsq_cli.config import compose
-    from dsq_cli.train.encoders import check_available, roberta_base_download_hint
+    from dsq_cli.models.encoders import check_available, roberta_base_download_hint
 
     cfg = compose(["task=sst2", "model=roberta_base", *overrides])
     folder = cfg.model.checkpoint
@@ -324,7 +324,8 @@ def table_cmd(
     Runs that diverged, were interrupted or are running show as such; an unreadable result.json
     is named on stderr and skipped. No runs found: exit 2.
     """
-    from dsq_cli import runs, table
+    from dsq_cli import table
+    from dsq_cli.atomic_files import write_atomic
 
     if fmt not in table.FORMATS:
         raise ValueError(f"--format must be one of {', '.join(table.FORMATS)}, got {fmt!r}")
@@ -337,7 +338,7 @@ def table_cmd(
     if out is None:
         typer.echo(text, nl=False)
     else:
-        runs.write_atomic(out, text)
+        write_atomic(out, text)
         typer.echo(f"table: {out}")
     if plot is not None:
         from dsq_cli.plots import plot_frontier

@@ -12,7 +12,9 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
+from dsq_cli.atomic_files import atomic_path
 from dsq_cli.engine.config import POINTS
+from dsq_cli.run_result import RunResult
 from dsq_cli.table import METRIC_LABELS, PAPER_REFERENCE, Table
 
 POINT_ROLES = {
@@ -47,9 +49,8 @@ def _save(fig, out: str | os.PathLike) -> Path:
     if out.suffix.lower() != ".png":
         raise ValueError(f"plots are PNG files; {str(out)!r} does not end in .png")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp.png")
-    fig.savefig(tmp, dpi=DPI, format="png")
-    os.replace(tmp, out)  # a reader never sees half a PNG
+    with atomic_path(out) as tmp:  # a reader never sees half a PNG
+        fig.savefig(tmp, dpi=DPI, format="png")
     return out
 
 
@@ -182,25 +183,23 @@ def plot_run(run_dir: str | os.PathLike, out: str | os.PathLike | None = None) -
     return _save(fig, out if out is not None else run_dir / "plot.png")
 
 
-def _read_result(run_dir: Path) -> dict:
+def _read_result(run_dir: Path) -> RunResult | None:
     try:
-        result = json.loads((run_dir / "result.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    return result if isinstance(result, dict) else {}
+        return RunResult.read(run_dir)
+    except ValueError:  # the plot needs only metrics.jsonl; the title does without
+        return None
 
 
-def _run_title(run_dir: Path, result: Mapping) -> str:
+def _run_title(run_dir: Path, result: RunResult | None) -> str:
     title = run_dir.name
-    quant = result.get("quant") if isinstance(result.get("quant"), Mapping) else {}
-    parts = [str(result[k]) for k in ("task", "model") if result.get(k)]
-    if quant.get("preset"):
-        parts.append(f"quant {quant['preset']}{'*' if quant.get('modified') else ''}")
-    status = result.get("status")
-    if status == "completed" and isinstance(result.get("value"), (int, float)):
-        parts.append(f"{result.get('metric', 'metric')} {result['value']:.2f}")
-    elif status:
-        parts.append(str(status))
+    if result is None:
+        return title
+    parts = [str(p) for p in (result.task, result.model) if p]
+    parts.append(f"quant {result.preset}{'*' if result.quant.get('modified') else ''}")
+    if result.completed:
+        parts.append(f"{result.metric} {result.value:.2f}")
+    else:
+        parts.append(result.status)
     return f"{title}\n{', '.join(parts)}" if parts else title
 
 

@@ -2,8 +2,8 @@
 
 A run directory is created new, never reused, and holds ``config.yaml``, ``metrics.jsonl``,
 ``schedule.jsonl``, ``result.json``, checkpoints and the log. ``dsq table`` reads only these
-files. Whole-file writes are atomic (a temporary file in the same directory, then ``os.replace``),
-so a reader never sees half a ``result.json``; nothing written here may carry a secret (SPEC 7).
+files. Whole-file writes are atomic (``write_atomic``, from dsq_cli.atomic_files), so a reader
+never sees half a ``result.json``; nothing written here may carry a secret (SPEC 7).
 Besides SPEC 5's final statuses, ``running`` marks a result.json written when a run starts, so
 that ``dsq table`` shows unfinished runs as such.
 """
@@ -16,25 +16,11 @@ import os
 import platform
 import re
 import subprocess
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
-STATUSES = ("completed", "interrupted", "diverged", "failed", "running")
-METRICS = ("bleu", "accuracy", "mcc", "f1", "pearson", "spearman")
-RESULT_KEYS = (
-    "status",
-    "task",
-    "quant",
-    "metric",
-    "value",
-    "valid_loss",
-    "updates",
-    "wall_seconds",
-    "cost",
-    "stash_bits_mean",
-    "versions",
-)
+from dsq_cli.atomic_files import write_atomic
+
 # A name that says it holds a secret: one of these words as a whole `_`/`-`/`.`-separated part
 # (WANDB_API_KEY, hf_token, aws_secret_access_key), but not max_tokens or sort_keys.
 _SECRET_NAME = re.compile(
@@ -72,21 +58,6 @@ def exact_run_dir(path: str | os.PathLike) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.mkdir()
     return path
-
-
-def write_atomic(path: str | os.PathLike, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file in the same directory."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def write_json(path: str | os.PathLike, obj) -> None:
@@ -145,29 +116,3 @@ def versions(project_dir: str | os.PathLike | None = None) -> dict[str, str | No
     except (OSError, subprocess.SubprocessError):
         out["dsq_commit"] = None
     return out
-
-
-def validate_result(result: Mapping) -> list[str]:
-    """Problems with a result.json (empty when it follows SPEC 5)."""
-    problems = [f"missing key {k!r}" for k in RESULT_KEYS if k not in result]
-    status = result.get("status")
-    if status is not None and status not in STATUSES:
-        problems.append(f"status {status!r} is not one of {STATUSES}")
-    metric = result.get("metric")
-    if metric is not None and metric not in METRICS:
-        problems.append(f"metric {metric!r} is not one of {METRICS}")
-    quant = result.get("quant")
-    if isinstance(quant, Mapping):
-        for key in ("preset", "q0", "q1", "q2", "q3"):
-            if key not in quant:
-                problems.append(f"quant lacks {key!r}")
-    elif quant is not None:
-        problems.append("quant must be a mapping with the preset name and the four points")
-    cost = result.get("cost")
-    if isinstance(cost, Mapping):
-        for key in ("arith_ratio", "dram_ratio", "baseline"):
-            if key not in cost:
-                problems.append(f"cost lacks {key!r}")
-    elif cost is not None:
-        problems.append("cost must be a mapping with arith_ratio, dram_ratio and baseline")
-    return problems

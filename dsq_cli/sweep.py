@@ -17,13 +17,14 @@ from __future__ import annotations
 import dataclasses
 import datetime as _dt
 import itertools
-import json
 import os
 import re
 import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+
+from dsq_cli.run_result import RunResult
 
 LAUNCHERS = ("local", "joblib", "slurm")
 
@@ -196,13 +197,6 @@ def plan(overrides: Sequence[str]) -> tuple[Path, str, dict, list[Job]]:
     return root, launcher, options, jobs
 
 
-def _status_of(run_dir: Path) -> str | None:
-    try:
-        return json.loads((run_dir / "result.json").read_text()).get("status")
-    except (OSError, ValueError):
-        return None
-
-
 def _check_job(job: Job) -> bool:
     """Compose the job's config here, in this process: an invalid override fails this job only,
     before anything is launched."""
@@ -230,7 +224,7 @@ def _run_job(job: Job, dsq: Sequence[str], threads: int | None = None) -> Job:
             stderr=subprocess.STDOUT,
             env=env,
         )
-    status = _status_of(job.run_dir)
+    status = RunResult.status_of(job.run_dir)
     job.status = status if status else "failed"
     if proc.returncode != 0:
         job.detail = f"exit {proc.returncode}"
@@ -248,7 +242,7 @@ def run(overrides: Sequence[str], *, force: bool = False) -> tuple[Path, list[Jo
     root.mkdir(parents=True, exist_ok=True)
     todo = []
     for job in jobs:
-        status = _status_of(job.run_dir) if job.run_dir.exists() else None
+        status = RunResult.status_of(job.run_dir) if job.run_dir.exists() else None
         if status == "completed" and not force:
             job.status, job.detail = "skipped", "completed earlier"
             continue

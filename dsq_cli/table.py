@@ -11,15 +11,14 @@ from __future__ import annotations
 import csv
 import io
 import json
-import math
 import os
 import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dsq_cli import runs
 from dsq_cli.presets import TABLE1_ORDER, load_quant_preset
+from dsq_cli.run_result import RunResult
 
 FORMATS = ("markdown", "csv", "latex", "json")
 QUANT_KEYS = ("q0", "q1", "q2", "q3", "stash_scope")
@@ -68,7 +67,7 @@ class Run:
     """One readable result.json and the row and column it belongs to."""
 
     path: Path  # the result.json
-    result: dict
+    result: RunResult
     row: str
     task: str
     model: str | None
@@ -76,7 +75,7 @@ class Run:
 
     @property
     def status(self) -> str:
-        return self.result["status"]
+        return self.result.status
 
 
 @dataclass
@@ -102,7 +101,7 @@ class Cell:
 
     @property
     def metric_values(self) -> list[float]:
-        return [r.result["value"] for r in self.completed]
+        return [r.result.value for r in self.completed]
 
     @property
     def metric_mean(self) -> float | None:
@@ -116,11 +115,11 @@ class Cell:
     def cost_mean(self, key: str) -> float | None:
         """Cost ratios are equal across seeds of a static preset; a scheduled preset's differ
         with the schedule each seed followed, so the cell holds their mean."""
-        return self._mean([r.result["cost"][key] for r in self.completed])
+        return self._mean([r.result.cost[key] for r in self.completed])
 
     @property
     def stash_bits_mean(self) -> float | None:
-        return self._mean([r.result["stash_bits_mean"] for r in self.completed])
+        return self._mean([r.result.stash_bits_mean for r in self.completed])
 
     @property
     def note(self) -> str:
@@ -212,28 +211,6 @@ def find_result_files(paths: Iterable[str | os.PathLike]) -> list[Path]:
     return sorted(found)
 
 
-def _problems(result) -> list[str]:
-    if not isinstance(result, Mapping):
-        return ["not a JSON object"]
-    problems = runs.validate_result(result)
-    if problems:
-        return problems
-    if result["status"] == "completed":
-        # A completed run must carry the numbers it is shown with.
-        if not _is_number(result["value"]):
-            problems.append(f"completed but value is {result['value']!r}")
-        for key in ("arith_ratio", "dram_ratio"):
-            if not _is_number(result["cost"][key]):
-                problems.append(f"completed but cost.{key} is {result['cost'][key]!r}")
-        if not _is_number(result["stash_bits_mean"]):
-            problems.append(f"completed but stash_bits_mean is {result['stash_bits_mean']!r}")
-    return problems
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def read_runs(paths: Iterable[str | os.PathLike]) -> tuple[list[Run], list[str]]:
     """The readable runs under ``paths`` and a warning for each result.json skipped."""
     warnings: list[str] = []
@@ -241,23 +218,18 @@ def read_runs(paths: Iterable[str | os.PathLike]) -> tuple[list[Run], list[str]]
     files = find_result_files(paths)
     for path in files:
         try:
-            result = json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-            warnings.append(f"skipped {path}: unreadable ({err})")
+            result = RunResult.read(path)
+        except ValueError as err:
+            warnings.append(f"skipped {path}: {err}")
             continue
-        problems = _problems(result)
-        if problems:
-            warnings.append(f"skipped {path}: {'; '.join(problems)}")
-            continue
-        quant = result["quant"]
         found.append(
             Run(
                 path=path,
                 result=result,
-                row=row_name(quant),
-                task=str(result["task"]),
-                model=None if result.get("model") is None else str(result["model"]),
-                metric=str(result["metric"]),
+                row=row_name(result.quant),
+                task=result.task,
+                model=result.model,
+                metric=result.metric,
             )
         )
     if not found:
@@ -339,10 +311,10 @@ def build_table(found: list[Run], warnings: list[str] | None = None) -> Table:
             label = f"{run.task} ({', '.join(extra)})" if extra else run.task
             columns[key] = Column(key, label)
         cells.setdefault((run.row, columns[key].label), Cell()).runs.append(run)
-        row_quant.setdefault(run.row, dict(run.result["quant"]))
+        row_quant.setdefault(run.row, dict(run.result.quant))
     for cell in cells.values():
-        cell.runs.sort(key=lambda r: (r.result.get("seed") is None, r.result.get("seed"), r.path))
-    baselines = sorted({str(r.result["cost"]["baseline"]) for r in found})
+        cell.runs.sort(key=lambda r: (r.result.seed is None, r.result.seed, r.path))
+    baselines = sorted({str(r.result.cost["baseline"]) for r in found})
     warnings = list(warnings or [])
     if len(baselines) > 1:
         warnings.append(
@@ -527,7 +499,7 @@ def _cell_record(row: str, column: Column, cell: Cell, quant: Mapping) -> dict:
         "arith_reduction": 1 / arith if arith else None,
         "dram_reduction": 1 / dram if dram else None,
         "stash_bits_mean": cell.stash_bits_mean,
-        "baseline": "/".join(sorted({str(r.result["cost"]["baseline"]) for r in cell.runs})),
+        "baseline": "/".join(sorted({str(r.result.cost["baseline"]) for r in cell.runs})),
         "status": "completed" if completed else cell.note,
         "note": cell.note if completed else "",
     }
@@ -597,13 +569,13 @@ def as_json(table: Table) -> dict:
         record["runs"] = [
             {
                 "result": str(run.path),
-                "seed": run.result.get("seed"),
+                "seed": run.result.seed,
                 "status": run.status,
-                "value": run.result["value"],
-                "arith_ratio": run.result["cost"]["arith_ratio"],
-                "dram_ratio": run.result["cost"]["dram_ratio"],
-                "stash_bits_mean": run.result["stash_bits_mean"],
-                "updates": run.result["updates"],
+                "value": run.result.value,
+                "arith_ratio": run.result.cost["arith_ratio"],
+                "dram_ratio": run.result.cost["dram_ratio"],
+                "stash_bits_mean": run.result.stash_bits_mean,
+                "updates": run.result.updates,
             }
             for run in cell.runs
         ]
@@ -656,7 +628,7 @@ def log_to_wandb(
     ``table``): online with a login, offline otherwise (as ``logger.mode=auto``)."""
     import wandb
 
-    from dsq_cli.train.loggers import wandb_mode
+    from dsq_cli.loggers import wandb_mode
 
     Path(wandb_dir).mkdir(parents=True, exist_ok=True)
     run = wandb.init(

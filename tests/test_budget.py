@@ -11,7 +11,7 @@ import pytest
 from omegaconf import OmegaConf
 from train_helpers import DSQ, only_run, read_jsonl, small
 
-from dsq_cli.train.base import Budget
+from dsq_cli.train.budget import Budget
 
 
 def plan(updates_per_epoch, **train):

@@ -23,13 +23,13 @@ import torch
 from train_helpers import read_jsonl
 from typer.testing import CliRunner
 
-from dsq_cli import runs
 from dsq_cli.cli import app
 from dsq_cli.engine import QuantConfig
 from dsq_cli.engine.config import STASH_SCOPES
 from dsq_cli.presets import CONF_DIR, TABLE1_ORDER, load_quant_preset
-from dsq_cli.train import common
-from dsq_cli.train.common import load_checkpoint
+from dsq_cli.run_result import RunResult
+from dsq_cli.train import recorder, stop
+from dsq_cli.train.recorder import load_checkpoint
 
 RUNNER = CliRunner()
 PRESETS = sorted(p.stem for p in (CONF_DIR / "quant").glob("*.yaml"))
@@ -113,7 +113,7 @@ def sigterm_after_update_1(monkeypatch):
     """While armed, the train line of update 1 sends this process a real SIGTERM: the run's own
     handler turns it into a checkpoint and exit 143, as for a user's `kill`."""
     armed = {"on": True}
-    metrics = common.RunRecorder.metrics
+    metrics = recorder.RunRecorder.metrics
 
     def metrics_then_stop(self, record):
         metrics(self, record)
@@ -121,10 +121,10 @@ def sigterm_after_update_1(monkeypatch):
             handler = signal.getsignal(signal.SIGTERM)
             # without the run's handler a SIGTERM would end pytest itself
             assert threading.current_thread() is threading.main_thread()
-            assert isinstance(getattr(handler, "__self__", None), common.StopRequest), handler
+            assert isinstance(getattr(handler, "__self__", None), stop.StopRequest), handler
             os.kill(os.getpid(), signal.SIGTERM)
 
-    monkeypatch.setattr(common.RunRecorder, "metrics", metrics_then_stop)
+    monkeypatch.setattr(recorder.RunRecorder, "metrics", metrics_then_stop)
     return armed
 
 
@@ -169,7 +169,7 @@ def test_cell_trains_resumes_and_is_priced(family, preset, scope, shared, tmp_pa
     resumed = invoke("train", f"resume={run_dir}")
     assert resumed.exit_code == 0, resumed.output
     res = json.loads((run_dir / "result.json").read_text())
-    assert runs.validate_result(res) == []
+    assert RunResult.problems(res) == []
     assert res["status"] == "completed" and res["resumed"] is True and res["updates"] == 2
     assert res["quant"]["preset"] == preset and res["quant"]["stash_scope"] == scope
     assert res["quant"]["modified"] is (scope != load_quant_preset(preset)["stash_scope"])

@@ -16,8 +16,9 @@ import pytest
 from train_helpers import DSQ, only_run, read_jsonl, small, wait_for_update
 
 from dsq_cli.config import ConfigError, compose
-from dsq_cli.train import distributed
-from dsq_cli.train.run import _spawned_outcome, train
+from dsq_cli.run_result import RunResult
+from dsq_cli.train import launch, ranks
+from dsq_cli.train.entry import check_devices, spawned_outcome, train
 
 # quant.q1.min_delta=100: no validation counts as an improvement, so the stash rises one level
 # at every validation (patience 1) and the ranks have schedule changes to agree on.
@@ -103,7 +104,7 @@ def test_torchrun_processes_share_one_run_directory(tmp_path, cache_dir):
     args = [a for a in small(cache_dir, root, "train.max_updates=2", *TWO_RANKS)
             if not a.startswith("train.distributed_world_size")]  # fmt: skip
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                "--master-port", str(distributed._free_port())]  # fmt: skip
+                "--master-port", str(launch._free_port())]  # fmt: skip
     done = subprocess.run([*torchrun, "-m", "dsq_cli.cli", "train", *args],
                           capture_output=True, text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -122,14 +123,14 @@ def test_torchrun_processes_share_one_run_directory(tmp_path, cache_dir):
 def test_rank_from_torchrun_environment(monkeypatch):
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(key, raising=False)
-    assert distributed.from_environment() is None
+    assert ranks.from_environment() is None
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("RANK", "0")
-    assert distributed.from_environment() is None  # a one-process torchrun is a plain run
+    assert ranks.from_environment() is None  # a one-process torchrun is a plain run
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("LOCAL_RANK", "1")
-    assert distributed.from_environment() == distributed.Rank(3, 4, 1)
+    assert ranks.from_environment() == ranks.Rank(3, 4, 1)
 
 
 def test_launcher_and_config_must_agree_on_the_world_size(monkeypatch, tmp_path):
@@ -142,29 +143,30 @@ def test_launcher_and_config_must_agree_on_the_world_size(monkeypatch, tmp_path)
 
 
 def test_more_ranks_than_gpus_is_a_usage_error():
-    distributed.check_devices(8, "cpu")  # CPU ranks share the cores
+    check_devices(8, "cpu")  # CPU ranks share the cores
     with pytest.raises(ConfigError, match="CUDA devices; lower it"):
-        distributed.check_devices(10**6, "cuda")
+        check_devices(10**6, "cuda")
 
 
 def test_a_failed_rank_does_not_leave_the_others_hanging(monkeypatch):
     """A rank that fails while another waits in a collective: the waiting one is stopped after
     the grace period instead of blocking for gloo's 30-minute timeout."""
-    monkeypatch.setattr(distributed, "_GRACE_SECONDS", 0.5)
+    monkeypatch.setattr(launch, "GRACE_SECONDS", 0.5)
     context = multiprocessing.get_context("fork")
     workers = [context.Process(target=time.sleep, args=(60,)),
                context.Process(target=sys.exit, args=(1,))]  # fmt: skip
     for worker in workers:
         worker.start()
     started = time.monotonic()
-    codes = distributed._wait(workers)
+    codes = launch._wait(workers)
     assert time.monotonic() - started < 30
     assert codes == {0: None, 1: 1}
 
 
 def test_a_run_whose_rank_0_was_killed_is_recorded_as_failed(tmp_path):
-    (tmp_path / "result.json").write_text(json.dumps({"status": "running", "task": "demo"}))
-    outcome = _spawned_outcome(tmp_path, {0: None, 1: 1})
+    started = RunResult(status="running", task="demo", quant={"preset": "fp32"}, metric="bleu")
+    started.write(tmp_path)
+    outcome = spawned_outcome(tmp_path, {0: None, 1: 1}, started)
     assert outcome.status == "failed" and outcome.exit_code == 1
     stored = json.loads((tmp_path / "result.json").read_text())
     assert stored["status"] == "failed"

@@ -17,8 +17,8 @@ from test_table import result_json, write_run
 from train_helpers import DSQ, only_run, read_jsonl, wait_for_update
 from typer.testing import CliRunner
 
-from dsq_cli import runs
 from dsq_cli.cli import app
+from dsq_cli.run_result import RunResult
 
 GLUE = SHARED_DATA / "glue"
 pytestmark = pytest.mark.skipif(
@@ -59,7 +59,7 @@ def test_sst2_run_writes_spec5_files_with_the_glue_metric(sst2_run):
     assert result.exit_code == 0, result.output
     assert "best dev accuracy" in result.output
     stored = json.loads((run_dir / "result.json").read_text())
-    assert runs.validate_result(stored) == []
+    assert RunResult.problems(stored) == []
     assert stored["status"] == "completed" and stored["task"] == "sst2"
     assert stored["model"] == "roberta_tiny" and stored["metric"] == "accuracy"
     assert stored["updates"] == 8 and stored["eval_split"] == "dev"

@@ -8,6 +8,7 @@ import os
 import pytest
 
 from dsq_cli import runs
+from dsq_cli.run_result import RunResult
 
 
 def test_new_run_dirs_are_unique_and_never_reused(tmp_path):
@@ -76,10 +77,10 @@ def test_versions_and_result_validation():
         "cost": {"arith_ratio": 0.05, "dram_ratio": 0.3, "baseline": "fixed32"},
         "versions": v,
     }
-    assert runs.validate_result(result) == []
+    assert RunResult.problems(result) == []
     bad = dict(result, status="done", metric="ppl")
     del bad["cost"]
-    problems = runs.validate_result(bad)
+    problems = RunResult.problems(bad)
     assert any("status" in p for p in problems) and any("metric" in p for p in problems)
     assert "missing key 'cost'" in problems
 

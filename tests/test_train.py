@@ -17,7 +17,8 @@ from typer.testing import CliRunner
 
 from dsq_cli import runs
 from dsq_cli.cli import app
-from dsq_cli.train.common import load_checkpoint
+from dsq_cli.run_result import RunResult
+from dsq_cli.train.recorder import load_checkpoint
 
 RUNNER = CliRunner()
 
@@ -127,7 +128,7 @@ def test_short_run_completes_with_every_result_field(finished_run):
     assert result.exit_code == 0, result.output
     assert f"run: {run_dir}" in result.output
     res = json.loads((run_dir / "result.json").read_text())
-    assert runs.validate_result(res) == []
+    assert RunResult.problems(res) == []
     assert res["status"] == "completed"
     assert res["task"] == "demo" and res["metric"] == "bleu"
     assert res["quant"]["preset"] == "dsq" and res["quant"]["modified"] is True
@@ -204,7 +205,7 @@ def test_checkpoint_loads_with_weights_only(finished_run):
 def test_fairseq_format_checkpoint_loads_without_disabling_safety(tmp_path):
     import argparse
 
-    from dsq_cli.train.fairseq_compat import load_fairseq_checkpoint
+    from dsq_cli.models.fairseq_checkpoint import load_fairseq_checkpoint
 
     path = tmp_path / "fairseq.pt"
     torch.save(
@@ -317,12 +318,12 @@ def test_two_runs_started_at_once_get_two_directories(tmp_path):
 
 
 def test_a_failure_after_training_is_recorded_not_left_running(tmp_path, cache_dir, monkeypatch):
-    import dsq_cli.train.run as run_module
+    from dsq_cli.train import rank_run
 
-    def broken_cost(progress):
+    def broken_cost(gemm_shapes, segments):
         raise ValueError("dram: expected keys [...]")
 
-    monkeypatch.setattr(run_module, "_run_cost", broken_cost)
+    monkeypatch.setattr(rank_run, "run_cost", broken_cost)
     root = tmp_path / "runs"
     result = train(small(cache_dir, root, "train.max_updates=2", "train.validate_every=2"))
     assert result.exit_code == 1, result.output

@@ -32,6 +32,30 @@ class GemmRecord:
         """Multiply-accumulates of the forward GEMM (each backward GEMM has as many)."""
         return self.batch * self.n * self.k * self.m
 
+    def to_dict(self) -> dict:
+        """The record as plain JSON values (a checkpoint's progress carries one step's GEMMs)."""
+        return {
+            "kind": self.kind,
+            "batch": self.batch,
+            "n": self.n,
+            "k": self.k,
+            "m": self.m,
+            "formats": dict(self.formats),
+            "stash_bytes": self.stash_bytes,
+        }
+
+    @classmethod
+    def from_dict(cls, record: dict) -> GemmRecord:
+        return cls(
+            record["kind"],
+            record["batch"],
+            record["n"],
+            record["k"],
+            record["m"],
+            tuple(sorted(record["formats"].items())),
+            record["stash_bytes"],
+        )
+
 
 @dataclasses.dataclass
 class GemmRecorder:

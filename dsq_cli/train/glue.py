@@ -18,18 +18,22 @@ best dev value over the validations (the usual GLUE dev reporting); the final on
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 
 import torch
 import torch.nn.functional as F
 
-from dsq_cli.engine import quantize_model, record_gemms
+from dsq_cli.data.glue import GlueData
+from dsq_cli.engine import QuantConfig, quantize_model
+from dsq_cli.models.encoders import build_encoder, quantize_exclude
+from dsq_cli.run_config import RunConfig
 
-from . import distributed
-from .base import BaseTrainer, gemm_as_dict
-from .common import Diverged, Progress, RunRecorder, StopRequest, rng_state, set_rng_state
+from . import ranks
+from .glue_metrics import compute_metrics
+from .loop import Trainer
+from .recorder import RunRecorder
+from .stop import Diverged, StopRequest
 
 log = logging.getLogger(__name__)
 
@@ -37,17 +41,23 @@ log = logging.getLogger(__name__)
 _NO_DECAY = ("bias", "layer_norm", "layernorm", "LayerNorm")
 
 
-class GlueTrainer(BaseTrainer):
-    """One GLUE run: ``train`` to the budget, ``evaluate`` reports the best dev metric."""
+class GlueTrainer(Trainer):
+    """One GLUE run: `train` to the budget, `evaluate` reports the best dev metric."""
 
-    def __init__(self, cfg, data, recorder: RunRecorder, device: str,
-                 rank: distributed.Rank = distributed.SINGLE):  # fmt: skip
-        from .encoders import build_encoder, quantize_exclude
-
-        super().__init__(cfg, recorder, device, rank)
+    def __init__(
+        self,
+        cfg: RunConfig,
+        quant: QuantConfig,
+        data: GlueData,
+        recorder: RunRecorder,
+        device: str,
+        rank: ranks.Rank = ranks.SINGLE,
+    ):
+        super().__init__(cfg.train, quant, recorder, device, rank)
+        self.seed = cfg.seed
         self.data, self.task = data, data.task
         self.regression = self.task.labels is None
-        torch.manual_seed(int(cfg.seed))  # roberta_tiny's initialisation and the new head
+        torch.manual_seed(self.seed)  # roberta_tiny's initialisation and the new head
         encoder = build_encoder(cfg.model, num_classes=self.task.num_classes)
         log.info("model %s: %s", cfg.model.name, encoder.description)
         self.model = encoder.model.to(device)
@@ -57,27 +67,26 @@ class GlueTrainer(BaseTrainer):
         self.patch_report = self.model.dsq_report
         log.info(self.patch_report.summary())
 
-        max_length = int(cfg.model.max_length)
+        max_length = cfg.model.max_length
         tokenizer = encoder.tokenizer
-        self.pad_index = int(tokenizer.pad_index)
+        self.pad_index = tokenizer.pad_index
         self.train_set = [(tokenizer.encode(e.text_a, e.text_b, max_length), e.label)
                           for e in data.train]  # fmt: skip
         self.dev_set = [(tokenizer.encode(e.text_a, e.text_b, max_length), e.label)
                         for e in data.dev]  # fmt: skip
-        self.batch_size = int(cfg.train.batch_size)
+        self.batch_size = self.train_cfg.batch_size
         self.batches_per_epoch = math.ceil(len(self.train_set) / self.batch_size)
 
-        train = cfg.train
-        self._plan(self.batches_per_epoch)
+        self.plan(self.batches_per_epoch)
         self.optimizer = torch.optim.AdamW(
-            self._parameter_groups(float(train.weight_decay)),
-            lr=float(train.lr),
-            betas=tuple(float(b) for b in train.adam_betas),
+            self._parameter_groups(self.train_cfg.weight_decay),
+            lr=self.train_cfg.lr,
+            betas=tuple(self.train_cfg.adam_betas),
             eps=1e-6,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
-        self.updates = 0
-        self.epoch = 1
+        self._updates = 0
+        self._epoch = 1
         self.position = 0  # batches of this epoch already trained
         self.progress.update(best_dev=None, last_dev=None)
 
@@ -102,61 +111,47 @@ class GlueTrainer(BaseTrainer):
     def trained_model(self):
         return self.model
 
+    @property
+    def updates(self) -> int:
+        return self._updates
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
     # -- state --------------------------------------------------------------------------------
-    def state_dict(self) -> dict:
+    def own_state(self) -> dict:
         return {
-            "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "lr_scheduler": self.scheduler.state_dict(),
-            "num_updates": self.updates,
-            "epoch": self.epoch,
+            "epoch": self._epoch,
             "position": self.position,
-            "dsq_schedule": self.quant.state_dict(),
-            "progress": self.progress,
-            "rng": rng_state(),
         }
 
-    def load_state_dict(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
+    def load_own_state(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["lr_scheduler"])
-        self.updates = int(state["num_updates"])
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])
-        self.quant.load_state_dict(state["dsq_schedule"])
-        self.progress = dict(state["progress"])
-        set_rng_state(state["rng"])
+        self._updates = state["num_updates"]
+        self._epoch, self.position = state["epoch"], state["position"]
 
-    # -- loop ---------------------------------------------------------------------------------
+    # -- the update ---------------------------------------------------------------------------
     def _epoch_order(self, epoch: int) -> list[int]:
-        generator = torch.Generator().manual_seed(int(self.cfg.seed) * 1_000_003 + epoch)
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         return torch.randperm(len(self.train_set), generator=generator).tolist()
 
-    def train(self, stop: StopRequest, resume_state: dict | None) -> None:
-        if resume_state is not None:
-            self.load_state_dict(resume_state)
-        quiet = not self.rank.is_main
-        progress_bar = Progress(self.budget.total_updates, self.updates, quiet=quiet)
-        self._start_clock()
-        order = self._epoch_order(self.epoch)
-        try:
-            while self._budget_left():
-                if self.position >= self.batches_per_epoch:
-                    self.epoch, self.position = self.epoch + 1, 0
-                    order = self._epoch_order(self.epoch)
-                start = self.position * self.batch_size
-                batch = order[start : start + self.batch_size]
-                self.position += 1
-                loss = self._train_step(batch)
-                self.updates += 1
-                end_of_epoch = self.position >= self.batches_per_epoch
-                self._after_update(loss, end_of_epoch, progress_bar, stop, self._log_train)
-        finally:
-            progress_bar.close()
-            self._stop_clock()
-        self._finish(self.validate)
-
-    def _lr(self) -> float:
-        return float(self.optimizer.param_groups[0]["lr"])
+    def batches(self):
+        """``train.batch_size`` examples per update, in an order drawn from seed and epoch."""
+        order = self._epoch_order(self._epoch)
+        while self.budget_left():
+            if self.position >= self.batches_per_epoch:
+                self._epoch, self.position = self._epoch + 1, 0
+                order = self._epoch_order(self._epoch)
+            start = self.position * self.batch_size
+            self.position += 1
+            yield order[start : start + self.batch_size], self.position >= self.batches_per_epoch
 
     def _collate(self, examples: list, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Right-padded token ids (B x longest) and the labels of ``indices``."""
@@ -177,46 +172,26 @@ class GlueTrainer(BaseTrainer):
         logits, _ = self.model(tokens, features_only=True, classification_head_name=self.head_name)
         return logits
 
-    def _train_step(self, batch: list[int]) -> float:
+    def train_step(self, batch: list[int]) -> tuple[float, dict]:
         self.model.train()
-        torch.manual_seed(int(self.cfg.seed) + self.updates)  # dropout, as fairseq seeds it
+        torch.manual_seed(self.seed + self.updates)  # dropout, as fairseq seeds it
         tokens, labels = self._collate(self.train_set, batch)
-        # The first step of a process is recorded: its GEMM shapes price the run (SPEC 4).
-        record = self.progress["gemm_shapes"] is None
-        with record_gemms() if record else contextlib.nullcontext() as recorder:
-            loss = self._loss(self._forward(tokens), labels)
-            loss_value = float(loss.detach())
-            if not math.isfinite(loss_value):
-                raise Diverged(f"loss is {loss_value} at update {self.updates + 1}")
-            self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-        if record:
-            self.progress["gemm_shapes"] = [gemm_as_dict(g) for g in recorder.gemms]
-        clip = float(self.cfg.train.clip_norm)
-        if clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        loss = self._loss(self._forward(tokens), labels)
+        loss_value = float(loss.detach())
+        if not math.isfinite(loss_value):
+            raise Diverged(f"loss is {loss_value} at update {self.updates + 1}")
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if self.train_cfg.clip_norm > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.train_cfg.clip_norm)
         self.optimizer.step()
         self.scheduler.step()
-        return loss_value
-
-    def _log_train(self, window: list[float]) -> None:
-        self.recorder.metrics(
-            {
-                "kind": "train",
-                "update": self.updates,
-                "epoch": self.epoch,
-                "loss": sum(window) / len(window),
-                "lr": self._lr(),
-                "bits": self.quant.current(),
-                "wall_seconds": round(self.progress["wall_seconds"], 3),
-            }
-        )
+        self._updates += 1
+        return loss_value, {}
 
     # -- validation and evaluation --------------------------------------------------------------
     def dev_scores(self) -> tuple[float, dict]:
         """The dev loss (per example) and GLUE metrics of the model as it is now."""
-        from dsq_cli.data.glue import compute_metrics
-
         self.model.eval()
         total, predictions, labels = 0.0, [], []
         size = 2 * self.batch_size
@@ -234,15 +209,13 @@ class GlueTrainer(BaseTrainer):
         self.model.train()
         return total / max(1, len(self.dev_set)), compute_metrics(self.task, predictions, labels)
 
-    def validate(self, step_schedule: bool) -> float:
+    def validation(self) -> tuple[float, dict]:
         valid_loss, scores = self.dev_scores()
-        record = {f"dev_{name}": value for name, value in scores.items()}
-        self._after_validation(valid_loss, record, step_schedule)
         self.progress["last_dev"] = {"update": self.updates, **scores}
         best = self.progress["best_dev"]
         if best is None or scores["value"] > best["value"]:  # every GLUE metric: higher is better
             self.progress["best_dev"] = {"update": self.updates, **scores}
-        return valid_loss
+        return valid_loss, {f"dev_{name}": value for name, value in scores.items()}
 
     def evaluate(self, stop: StopRequest) -> dict:
         """result.json's evaluation fields: the best dev scores (``value`` is the task's GLUE

@@ -1,0 +1,180 @@
+"""`RunResult`: what a run's ``result.json`` holds, and the one way it is written and read.
+
+The trainer writes it when a run starts (status ``running``) and again when it ends;
+``dsq table``, ``dsq plot``, ``dsq sweep`` and ``dsq train``'s own summary read it, all through
+this type. The fields and their meaning are in docs/spec.md §5 (run files); the evaluation fields
+that depend on the task family (``bleu`` and its signature for translation; the GLUE metrics,
+``best_update`` and ``final_dev`` for GLUE) sit in ``evaluation`` and are written at the top level
+of the file beside the common ones.
+
+A leaf of the reporting side: it imports only `runs` (atomic JSON writes without secrets).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from dsq_cli import runs
+
+FILENAME = "result.json"
+STATUSES = ("completed", "interrupted", "diverged", "failed", "running")
+METRICS = ("bleu", "accuracy", "mcc", "f1", "pearson", "spearman")
+POINTS = ("q0", "q1", "q2", "q3")
+COST_KEYS = ("arith_ratio", "dram_ratio", "baseline")
+# What a reader cannot do without (the rest has defaults for result.json files of older runs).
+REQUIRED = ("status", "task", "quant", "metric", "value", "valid_loss", "updates",
+            "wall_seconds", "cost", "stash_bits_mean", "versions")  # fmt: skip
+# Written together once training has been summarised (``epochs`` set), None values included.
+TRAINED = ("epochs", "budget", "best_valid_loss", "bits_final", "precision_segments", "patch")
+
+
+def unpriced(baseline: str = "fixed32") -> dict:
+    """The cost of a run that has not recorded a training step yet."""
+    return {"arith_ratio": None, "dram_ratio": None, "baseline": baseline}
+
+
+@dataclasses.dataclass
+class RunResult:
+    """One run's result.json. ``quant`` is the preset name, its points as the run used them and
+    ``modified`` (whether they differ from the stored preset); ``cost`` holds the update-weighted
+    ratios to the baseline (docs/cost-model.md)."""
+
+    status: str
+    task: str
+    quant: dict[str, Any]
+    metric: str
+    value: float | None = None  # the headline metric: test BLEU, or the best GLUE dev value
+    valid_loss: float | None = None
+    updates: int = 0
+    wall_seconds: float = 0.0
+    cost: dict[str, Any] = dataclasses.field(default_factory=unpriced)
+    stash_bits_mean: float | None = None  # update-weighted bits per value of the stash (q1)
+    versions: dict[str, str | None] = dataclasses.field(default_factory=dict)
+    model: str | None = None
+    seed: int | None = None
+    device: str | None = None
+    world_size: int = 1  # data-parallel ranks
+    data: dict[str, Any] | None = None  # the prepared data's directory and manifest
+    started_at: str | None = None
+    finished_at: str | None = None
+    resumed: bool = False
+    error: str | None = None  # why the run did not complete
+    # what training recorded (absent until a run ends)
+    epochs: int | None = None
+    budget: dict[str, int] | None = None
+    best_valid_loss: float | None = None
+    bits_final: dict[str, str] | None = None
+    precision_segments: list[dict[str, Any]] | None = None  # [{points, updates}, ...]
+    patch: dict[str, Any] | None = None  # which modules the engine patched
+    evaluation: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    # -- reading and writing ----------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON object: the fields (those that are None when optional are left out) and the
+        evaluation fields beside them."""
+        out: dict[str, Any] = {}
+        for field in dataclasses.fields(self):
+            if field.name == "evaluation":
+                continue
+            value = getattr(self, field.name)
+            trained = field.name in TRAINED and self.epochs is not None
+            if value is None and field.name not in REQUIRED and not trained:
+                continue
+            out[field.name] = value
+        out.update(self.evaluation)
+        return out
+
+    @classmethod
+    def from_dict(cls, record: Mapping[str, Any]) -> RunResult:
+        """A result.json object; raises ``ValueError`` naming every problem (`problems`)."""
+        problems = cls.problems(record)
+        if problems:
+            raise ValueError("; ".join(problems))
+        names = {f.name for f in dataclasses.fields(cls)} - {"evaluation"}
+        known = {k: v for k, v in record.items() if k in names}
+        evaluation = {k: v for k, v in record.items() if k not in names}
+        return cls(**known, evaluation=evaluation)
+
+    def write(self, run_dir: Path) -> None:
+        runs.write_json(Path(run_dir) / FILENAME, self.to_dict())
+
+    @classmethod
+    def read(cls, path: Path) -> RunResult:
+        """``path``: a run directory or its result.json. ``ValueError`` when unreadable or
+        malformed, with the reason."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / FILENAME
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise ValueError(f"unreadable ({err})") from None
+        return cls.from_dict(record)
+
+    @classmethod
+    def status_of(cls, run_dir: Path) -> str | None:
+        """The status a run directory's result.json records (None: none, or unreadable)."""
+        try:
+            return cls.read(run_dir).status
+        except ValueError:
+            return None
+
+    # -- validation -------------------------------------------------------------------------
+    @staticmethod
+    def problems(record: Any) -> list[str]:
+        """What is wrong with a result.json object (empty when it is a well-formed result)."""
+        if not isinstance(record, Mapping):
+            return ["not a JSON object"]
+        problems = [f"missing key {k!r}" for k in REQUIRED if k not in record]
+        status = record.get("status")
+        if status is not None and status not in STATUSES:
+            problems.append(f"status {status!r} is not one of {STATUSES}")
+        metric = record.get("metric")
+        if metric is not None and metric not in METRICS:
+            problems.append(f"metric {metric!r} is not one of {METRICS}")
+        quant = record.get("quant")
+        if isinstance(quant, Mapping):
+            problems += [f"quant lacks {k!r}" for k in ("preset", *POINTS) if k not in quant]
+        elif quant is not None:
+            problems.append("quant must be a mapping with the preset name and the four points")
+        cost = record.get("cost")
+        if isinstance(cost, Mapping):
+            problems += [f"cost lacks {k!r}" for k in COST_KEYS if k not in cost]
+        elif cost is not None:
+            problems.append("cost must be a mapping with arith_ratio, dram_ratio and baseline")
+        if problems or status != "completed":
+            return problems
+        # A completed run carries the numbers it is shown with.
+        if not _is_number(record["value"]):
+            problems.append(f"completed but value is {record['value']!r}")
+        for key in ("arith_ratio", "dram_ratio"):
+            if not _is_number(cost[key]):
+                problems.append(f"completed but cost.{key} is {cost[key]!r}")
+        if not _is_number(record["stash_bits_mean"]):
+            problems.append(f"completed but stash_bits_mean is {record['stash_bits_mean']!r}")
+        return problems
+
+    # -- what readers ask -------------------------------------------------------------------
+    @property
+    def completed(self) -> bool:
+        return self.status == "completed"
+
+    @property
+    def preset(self) -> str:
+        return str(self.quant["preset"])
+
+    def summary(self) -> dict[str, Any]:
+        """The headline numbers, for the experiment logger's run summary."""
+        record = self.to_dict()
+        keys = ("status", "value", "bleu", "valid_loss", "best_valid_loss", "updates", "cost",
+                "wall_seconds", "stash_bits_mean", "copy_source_bleu", "bits_final")  # fmt: skip
+        return {k: record[k] for k in keys if k in record}
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

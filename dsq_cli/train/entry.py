@@ -1,0 +1,237 @@
+"""`dsq train`: one run from a typed config to a finished run directory (docs/spec.md §5).
+
+The order is the point: the task's family decides its data and trainer (`families`); the data is
+prepared and checked, then the run directory is made (so bad input leaves nothing behind), then
+the run is launched: in this process (`rank_run`), in N spawned processes (`launch`), or as one
+process of a torchrun / srun launch. A stopped run continues with `load_resume`.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+from pathlib import Path
+
+import yaml
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from dsq_cli import runs
+from dsq_cli.atomic_files import write_atomic
+from dsq_cli.config import GROUPS, ConfigError, to_plain, typed
+from dsq_cli.run_config import RunConfig
+from dsq_cli.run_result import RunResult
+
+from . import launch, ranks
+from .families import family_of
+from .rank_run import Outcome, run_rank, run_spawned_rank, started_result
+from .recorder import load_checkpoint
+from .stop import EXIT_CODES
+
+log = logging.getLogger(__name__)
+
+
+def resolve_device(requested: str) -> str:
+    import torch
+
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device=cuda but torch sees no CUDA device; use train.device=cpu")
+    return requested
+
+
+def check_devices(world_size: int, device: str) -> None:
+    """One device per rank on GPUs (before anything is written); CPU ranks share the cores."""
+    if device != "cuda":
+        return
+    import torch
+
+    if torch.cuda.device_count() < world_size:
+        raise ConfigError(
+            f"train.distributed_world_size={world_size} but torch sees "
+            f"{torch.cuda.device_count()} CUDA devices; lower it or use train.device=cpu"
+        )
+
+
+def run_name(cfg: RunConfig) -> str:
+    return cfg.run.name or f"{cfg.task.name}-{cfg.choices['quant']}-seed{cfg.seed}"
+
+
+def prepare_data(cfg: RunConfig):
+    """The task's data, checked and ready (DataError, a usage error, when it is not)."""
+    return family_of(cfg).prepare(cfg)
+
+
+def train(cfg: RunConfig, *, resume: tuple[Path, dict] | None = None) -> Outcome:
+    """Run ``cfg`` to the end; returns the outcome (never raises for a training failure).
+
+    With ``train.distributed_world_size=N`` this process spawns N workers (one per device) and
+    waits; under torchrun it is itself one of them."""
+    family = family_of(cfg)
+    device = resolve_device(cfg.train.device)
+    world_size = cfg.train.distributed_world_size
+    launched = ranks.from_environment()
+    if not family.data_parallel and (world_size > 1 or launched is not None):
+        raise ConfigError(
+            f"{family.title} runs in one process; drop train.distributed_world_size and "
+            "torchrun (data parallelism is for the translation tasks)"
+        )
+    if launched is not None:
+        return _train_launched(cfg, resume, launched, device)
+    check_devices(world_size, device)
+    data = family.prepare(cfg)  # DataError (bad or missing data) before any run directory exists
+    run_dir, state = _open_run_dir(cfg, resume)
+    resumed = resume is not None
+    if world_size > 1:
+        codes = launch.spawn(world_size, device, run_spawned_rank,
+                             (cfg, str(run_dir), resumed, device))  # fmt: skip
+        return spawned_outcome(run_dir, codes, started_result(cfg, data, device, resumed))
+    return run_rank(cfg, run_dir, device=device, resumed=resumed, data=data, state=state)
+
+
+def _open_run_dir(cfg: RunConfig, resume) -> tuple[Path, dict | None]:
+    if resume is not None:
+        return resume
+    run_dir = (
+        runs.exact_run_dir(cfg.run.dir)
+        if cfg.run.dir
+        else runs.new_run_dir(cfg.run.root, run_name(cfg))
+    )
+    write_atomic(run_dir / "config.yaml", config_yaml(cfg))
+    return run_dir, None
+
+
+def config_yaml(cfg: DictConfig) -> str:
+    """config.yaml: the fully resolved config the run uses, without secrets."""
+    return yaml.safe_dump(runs.scrub_secrets(to_plain(cfg)), sort_keys=False)
+
+
+def _train_launched(cfg: RunConfig, resume, rank: ranks.Rank, device: str) -> Outcome:
+    """One process of a torchrun / srun launch: rank 0 prepares the data and makes the run
+    directory, then tells the others where it is (or what was wrong)."""
+    configured = cfg.train.distributed_world_size
+    if configured not in (1, rank.world_size):
+        raise ConfigError(
+            f"train.distributed_world_size={configured} but the launcher started "
+            f"{rank.world_size} processes; drop the override or make them agree"
+        )
+    cfg.train.distributed_world_size = rank.world_size
+    ranks.init_process_group(rank, device, "env://")
+    try:
+        data = state = run_dir = error = None
+        if rank.is_main:
+            try:
+                data = prepare_data(cfg)
+                run_dir, state = _open_run_dir(cfg, resume)
+            except ValueError as err:  # ConfigError, DataError: one line for every rank
+                error = err
+        told = ranks.broadcast_from_main(
+            ("error", str(error)) if error is not None else ("run_dir", str(run_dir))
+        )
+        if error is not None:
+            raise error
+        if told[0] == "error":
+            raise ConfigError(told[1])
+        return run_rank(cfg, Path(told[1]), rank=rank, device=device,
+                        resumed=resume is not None, data=data, state=state)  # fmt: skip
+    finally:
+        ranks.destroy_process_group()
+
+
+def spawned_outcome(run_dir: Path, codes: dict[int, int | None], started: RunResult) -> Outcome:
+    """The run's outcome from rank 0's result.json. A rank that failed or had to be killed while
+    rank 0 was still training leaves it at ``running`` (or, dying before its logger was up,
+    leaves none: ``started`` stands in): it is then recorded as ``failed``."""
+    try:
+        result = RunResult.read(run_dir)
+    except ValueError:
+        result = started
+    main_code = codes[0]
+    if result.status == "running" or main_code is None:
+        bad = ", ".join(
+            f"rank {r} exited with {code if code is not None else 'a signal'}"
+            for r, code in codes.items()
+            if code != 0
+        )
+        result.status = "failed"
+        result.error = f"distributed training failed: {bad} (see train.log and train.rankN.log)"
+        result.finished_at = _dt.datetime.now().isoformat(timespec="seconds")
+        result.write(run_dir)
+        main_code = EXIT_CODES["failed"]
+    return Outcome(result.status, run_dir, result, main_code)
+
+
+# -- resuming ---------------------------------------------------------------------------------
+# What a run is made of: its group choices and these keys (the model and data its checkpoint
+# holds, the seed of its batch order and dropout, its directory) cannot change on resume.
+FIXED_ON_RESUME = ("seed", "task", "model", "data", "run", "choices")
+
+
+def load_resume(run_dir: str, overrides: list[str]) -> tuple[RunConfig, Path, dict]:
+    """The stored config of ``run_dir`` with ``overrides`` merged on top, and its checkpoint."""
+    path = Path(run_dir)
+    config_path = path / "config.yaml"
+    if not config_path.is_file():
+        raise ConfigError(f"resume={run_dir}: no config.yaml there; is it a dsq run directory?")
+    if RunResult.status_of(path) == "completed":
+        raise ConfigError(f"resume={run_dir}: that run already completed; start a new run")
+    checkpoint = path / "checkpoints" / "checkpoint_last.pt"
+    if not checkpoint.is_file():
+        raise ConfigError(
+            f"resume={run_dir}: no checkpoints/checkpoint_last.pt (the run stopped before its "
+            "first checkpoint); start it again instead"
+        )
+    stored = OmegaConf.load(config_path)
+    OmegaConf.set_struct(stored, True)
+    extra = _resume_overrides(stored, [o for o in overrides if not o.startswith("resume=")])
+    try:
+        merged = OmegaConf.merge(stored, OmegaConf.from_dotlist(extra))
+    except Exception as err:
+        raise ConfigError(f"resume: bad override: {str(err).splitlines()[0]}") from None
+    cfg = typed(merged)
+    if extra:  # config.yaml stays the fully resolved config the run actually uses
+        write_atomic(config_path, config_yaml(cfg))
+    return cfg, path, load_checkpoint(checkpoint)
+
+
+def _resume_overrides(cfg: DictConfig, overrides: list[str]) -> list[str]:
+    """The overrides to merge into a stored config: those equal to the stored values (the command
+    line the user typed first) are dropped; a real change of something fixed is refused."""
+    kept = []
+    for override in overrides:
+        key, sep, value = override.partition("=")
+        plain_key = key.lstrip("+~")
+        if plain_key in GROUPS:
+            stored = cfg.choices.get(plain_key)
+            if sep and value == stored:
+                continue
+            raise ConfigError(
+                f"resume continues the stored config: the run uses {plain_key}={stored}, so "
+                f"{plain_key}= cannot change (start a new run)"
+            )
+        if plain_key.split(".")[0] in FIXED_ON_RESUME:
+            stored = OmegaConf.select(cfg, plain_key, default="<unset>")
+            if key == plain_key and sep and _same_value(override, plain_key, stored):
+                continue
+            raise ConfigError(
+                f"resume continues the stored config: the run uses {plain_key}={_plain(stored)}, "
+                f"so {plain_key} cannot change (start a new run)"
+            )
+        kept.append(override)
+    return kept
+
+
+def _same_value(override: str, key: str, stored) -> bool:
+    try:
+        value = OmegaConf.select(OmegaConf.from_dotlist([override]), key)
+    except Exception:
+        return False
+    value, stored = _plain(value), _plain(stored)
+    return value == stored or str(value) == str(stored)
+
+
+def _plain(value):
+    """A config value as plain Python (nodes as lists and dicts)."""
+    if isinstance(value, DictConfig | ListConfig):
+        return OmegaConf.to_container(value)
+    return value

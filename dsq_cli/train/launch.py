@@ -1,0 +1,116 @@
+"""Start N training processes on this machine, one per device, and wait for them.
+
+``dsq train train.distributed_world_size=N``: the parent checks the config, prepares the data and
+makes the run directory (`entry`), then `spawn` starts N workers, each running the per-rank
+function it is handed as ``target``, and waits. Under torchrun or srun every process is already a
+worker and this module is not used.
+
+The launcher knows nothing of what the ranks run: it imports only `ranks`, and receives the
+per-rank function as an argument, so that the layer above it (`entry`, `rank_run`) is never
+imported from below.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Callable
+
+from .ranks import Rank, destroy_process_group, init_process_group
+
+log = logging.getLogger(__name__)
+
+# After rank 0 has exited (or any rank has failed), how long the others get before being stopped.
+GRACE_SECONDS = 60.0
+
+# target(rank, *args) -> the process's exit code
+RankTarget = Callable[..., int]
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def spawn(world_size: int, device: str, target: RankTarget, args: tuple) -> dict[int, int | None]:
+    """Run ``target(rank, *args)`` in ``world_size`` processes, one per device, in one process
+    group; return each rank's exit code (None: it had to be killed). SIGINT/SIGTERM sent to this
+    process are passed on to the workers, which stop together after the current update.
+    ``target`` and ``args`` must be picklable (a module-level function and plain values)."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    workers = [
+        context.Process(
+            target=_worker,
+            args=(target, Rank(r, world_size, r), device, init_method, args),
+            name=f"dsq-rank{r}",
+        )
+        for r in range(world_size)
+    ]
+    forwarded = _forward_signals_to(workers)
+    try:
+        for worker in workers:
+            worker.start()
+        return _wait(workers)
+    finally:
+        for signum, handler in forwarded.items():
+            signal.signal(signum, handler)
+
+
+def _forward_signals_to(workers) -> dict:
+    def forward(signum, frame):
+        log.warning("%s received: passing it to the workers", signal.Signals(signum).name)
+        for worker in workers:
+            if worker.pid is not None and worker.exitcode is None:
+                os.kill(worker.pid, signum)
+
+    previous = {}
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        try:
+            previous[signum] = signal.signal(signum, forward)
+        except ValueError:  # not the main thread
+            pass
+    return previous
+
+
+def _wait(workers) -> dict[int, int | None]:
+    """Wait for every worker. Once rank 0 has ended, or any rank has failed, the others get a
+    grace period (they may be blocked in a collective that will never complete), then stop."""
+    deadline = None
+    while any(w.is_alive() for w in workers):
+        time.sleep(0.2)
+        ended_badly = any(w.exitcode not in (None, 0) for w in workers)
+        if deadline is None and (workers[0].exitcode is not None or ended_badly):
+            deadline = time.monotonic() + GRACE_SECONDS
+        if deadline is not None and time.monotonic() > deadline:
+            for worker in workers:
+                if worker.is_alive():
+                    log.error("%s did not finish; stopping it", worker.name)
+                    worker.kill()
+            for worker in workers:
+                worker.join()
+    codes = {}
+    for r, worker in enumerate(workers):
+        worker.join()
+        code = worker.exitcode
+        codes[r] = code if code is not None and code >= 0 else None
+    return codes
+
+
+def _worker(target: RankTarget, rank: Rank, device: str, init_method: str, args: tuple):
+    """One spawned rank: its own process group, so that a terminal's Ctrl-C reaches the parent
+    only (which passes it on once), then ``target`` inside the initialised process group."""
+    os.setpgrp()
+    init_process_group(rank, device, init_method)
+    try:
+        code = target(rank, *args)
+    finally:
+        destroy_process_group()
+    sys.exit(code)

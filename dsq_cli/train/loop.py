@@ -1,0 +1,300 @@
+"""`Trainer`: the training loop both task families share, as a template the trainers fill in.
+
+`Trainer.train` owns what happens around every update, the same for translation and GLUE:
+
+* the first update of a process records its GEMMs (`record_gemms`): their shapes price the run
+  (docs/spec.md §4);
+* after every update: its precision segment (the points in force, for the cost and the mean
+  stash bits), a metrics.jsonl line every ``train.log_every`` updates, a validation and a
+  checkpoint when due (`Budget`), the progress line, and a stop request agreed on by all ranks;
+* after each validation: the DSQ schedule steps on the validation loss (docs/spec.md §3: the new
+  formats apply from the next update), one schedule.jsonl line per precision change;
+* at the end: a last validation unless the last update had one, the final checkpoint, and a
+  parameter checksum every rank logs (replicas must agree).
+
+A trainer subclass provides the model, its data order and its update:
+
+    batches()            -> (batch, end_of_epoch) for every update left in the budget
+    train_step(batch)    -> (loss, extra train-record fields); counts the update
+    validation()         -> (validation loss, extra valid-record fields)
+    lr()                 -> the learning rate in force
+    own_state() / load_own_state(state)   optimizer, lr schedule, data position
+    trained_model()      -> the model without any data-parallel wrapper
+    evaluate(stop)       -> result.json's evaluation fields (``value`` is the headline metric)
+
+and sets ``patch_report`` (what the engine patched) and ``budget`` (`plan`) in its constructor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import math
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from dsq_cli.engine import PatchReport, QuantConfig, record_gemms
+from dsq_cli.run_config import TrainConfig
+
+from . import ranks
+from .budget import Budget
+from .progress_line import ProgressLine
+from .recorder import RunRecorder, rng_state, save_checkpoint, set_rng_state
+from .stop import Diverged, Interrupted, StopRequest
+
+log = logging.getLogger(__name__)
+
+
+class Trainer(ABC):
+    """One run of one task family; `train` to the budget, then `evaluate`."""
+
+    patch_report: PatchReport
+    budget: Budget
+
+    def __init__(
+        self,
+        train: TrainConfig,
+        quant: QuantConfig,
+        recorder: RunRecorder,
+        device: str,
+        rank: ranks.Rank,
+    ):
+        self.train_cfg, self.quant = train, quant
+        self.recorder, self.device, self.rank = recorder, device, rank
+        # Progress that a checkpoint carries (and a resumed run restores).
+        self.progress: dict[str, Any] = {
+            "best_valid_loss": None,
+            "last_valid_loss": None,
+            "validations": 0,
+            "segments": [],  # [points in force, updates trained with them]
+            "wall_seconds": 0.0,
+            "gemm_shapes": None,  # one training step's GEMMs, for the cost model
+        }
+
+    # -- what a trainer provides ----------------------------------------------------------------
+    @property
+    @abstractmethod
+    def updates(self) -> int:
+        """Updates made so far."""
+
+    @property
+    @abstractmethod
+    def epoch(self) -> int:
+        """The epoch being trained (from 1)."""
+
+    @abstractmethod
+    def batches(self) -> Iterator[tuple[Any, bool]]:
+        """The batch of every update left in the budget, and whether it ends an epoch."""
+
+    @abstractmethod
+    def train_step(self, batch) -> tuple[float, dict]:
+        """One update on ``batch``; its loss and extra fields for the train record."""
+
+    @abstractmethod
+    def validation(self) -> tuple[float, dict]:
+        """The validation loss of the model as it is now, and extra fields for its record."""
+
+    @abstractmethod
+    def lr(self) -> float:
+        """The learning rate in force."""
+
+    @abstractmethod
+    def own_state(self) -> dict:
+        """The trainer's own checkpoint state (optimizer, lr schedule, data position)."""
+
+    @abstractmethod
+    def load_own_state(self, state: dict) -> None:
+        """Restore `own_state` (and the model) from a checkpoint."""
+
+    @abstractmethod
+    def trained_model(self) -> torch.nn.Module:
+        """The model without any data-parallel wrapper."""
+
+    @abstractmethod
+    def evaluate(self, stop: StopRequest) -> dict:
+        """result.json's evaluation fields; ``value`` is the run's headline metric."""
+
+    def training_context(self) -> contextlib.AbstractContextManager:
+        """A context the whole loop runs in (nothing by default)."""
+        return contextlib.nullcontext()
+
+    # -- the loop -------------------------------------------------------------------------------
+    def plan(self, updates_per_epoch: int) -> Budget:
+        """Fix the budget once the updates per epoch are known (in the constructor)."""
+        self.budget = Budget.plan(self.train_cfg, updates_per_epoch)
+        if self.rank.is_main:
+            log.info(self.budget.describe())
+        return self.budget
+
+    def budget_left(self) -> bool:
+        """Whether the planned updates are not all made yet."""
+        return self.updates < self.budget.total_updates
+
+    def train(self, stop: StopRequest, resume_state: dict | None) -> None:
+        """Train from the start, or from ``resume_state``, to the end of the budget."""
+        if resume_state is not None:
+            self.load_state_dict(resume_state)
+        progress_line = ProgressLine(
+            self.budget.total_updates, self.updates, quiet=not self.rank.is_main
+        )
+        self._started = time.monotonic()
+        self._wall_before = float(self.progress["wall_seconds"])
+        window: list[float] = []
+        try:
+            with self.training_context():
+                for batch, end_of_epoch in self.batches():
+                    loss, extra = self._recorded_step(batch)
+                    self._count_update()
+                    window.append(loss)
+                    self._stop_clock()
+                    if self.updates % self.train_cfg.log_every == 0 or end_of_epoch:
+                        self._log_train(window, extra)
+                        window = []
+                    if self._validation_due(end_of_epoch):
+                        self.validate(step_schedule=True)
+                        self.checkpoint()
+                    progress_line.update(self.updates, loss, self.quant.current(), self.lr())
+                    self._stop_if_requested(stop)
+        finally:
+            progress_line.close()
+            self._stop_clock()
+        self._finish()
+
+    def _recorded_step(self, batch) -> tuple[float, dict]:
+        """`train_step`; the first one of a process records the GEMMs that price the run."""
+        if self.progress["gemm_shapes"] is not None:
+            return self.train_step(batch)
+        with record_gemms() as recorded:
+            loss, extra = self.train_step(batch)
+        self.progress["gemm_shapes"] = [gemm.to_dict() for gemm in recorded.gemms]
+        return loss, extra
+
+    def _count_update(self) -> None:
+        points = self.quant.current()
+        segments = self.progress["segments"]
+        if segments and segments[-1][0] == points:
+            segments[-1][1] += 1
+        else:
+            segments.append([points, 1])
+
+    def _stop_clock(self) -> None:
+        """wall_seconds adds up across resumes."""
+        self.progress["wall_seconds"] = self._wall_before + time.monotonic() - self._started
+
+    def _log_train(self, window: list[float], extra: dict) -> None:
+        """The train record: the mean loss since the last one, and the trainer's extra fields."""
+        self.recorder.metrics(
+            {
+                "kind": "train",
+                "update": self.updates,
+                "epoch": self.epoch,
+                "loss": sum(window) / len(window),
+                **extra,
+                "lr": self.lr(),
+                "bits": self.quant.current(),
+                "wall_seconds": round(self.progress["wall_seconds"], 3),
+            }
+        )
+
+    def _validation_due(self, end_of_epoch: bool) -> bool:
+        every = self.budget.validate_every
+        if every > 0:
+            return self.updates % every == 0
+        return end_of_epoch
+
+    def _stop_if_requested(self, stop: StopRequest) -> None:
+        """Checkpoint and stop when a signal arrived; in a distributed run, when it arrived at
+        any rank, so that all stop after the same update (one tiny all-reduce per update)."""
+        signum = stop.signum or 0
+        if self.rank.distributed:
+            signum = ranks.max_over_ranks(signum)
+        if signum:
+            self.checkpoint()
+            raise Interrupted(signum)
+
+    def validate(self, step_schedule: bool) -> float:
+        """Book a validation: best/last loss, the DSQ schedule step (the new formats apply from
+        the next update), the metrics line and one schedule.jsonl line per precision change."""
+        valid_loss, record = self.validation()
+        if not math.isfinite(valid_loss):
+            raise Diverged(f"validation loss is {valid_loss} at update {self.updates}")
+        best = self.progress["best_valid_loss"]
+        self.progress["best_valid_loss"] = valid_loss if best is None else min(best, valid_loss)
+        self.progress["last_valid_loss"] = valid_loss
+        self.progress["validations"] += 1
+        self.progress["validated_at"] = self.updates
+        bits_before = self.quant.current()
+        changes = self.quant.step(valid_loss, self.updates) if step_schedule else []
+        # Every rank logs this line (rank R>0 in train.rankR.log): the ranks' schedules agree.
+        log.info("validation at update %d: loss %.6f; stash q1 now %s", self.updates,
+                 valid_loss, self.quant.current()["q1"])  # fmt: skip
+        self.recorder.metrics(
+            {
+                "kind": "valid",
+                "update": self.updates,
+                "epoch": self.epoch,
+                "valid_loss": valid_loss,
+                **record,
+                "best_valid_loss": self.progress["best_valid_loss"],
+                "bits": bits_before,
+            }
+        )
+        for point, change in changes:
+            log.info("DSQ %s: %s -> %s at update %d", point, change.from_spec, change.to_spec,
+                     self.updates)  # fmt: skip
+            self.recorder.schedule_change(
+                {
+                    "update": self.updates,
+                    "point": point,
+                    "from": change.from_spec,
+                    "to": change.to_spec,
+                    "from_level": change.from_level,
+                    "to_level": change.to_level,
+                    "valid_loss": change.valid_loss,
+                }
+            )
+        return valid_loss
+
+    def _finish(self) -> None:
+        """One last validation unless the last update had one, the final checkpoint, and the
+        parameter checksum every rank logs."""
+        if self.progress["validations"] == 0 or self.progress.get("validated_at") != self.updates:
+            self.validate(step_schedule=True)
+        self.checkpoint()
+        log.info("parameter checksum at update %d: %s", self.updates, self.parameter_checksum())
+
+    # -- state ----------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """A checkpoint: the model, the trainer's own state, the schedule, progress and RNG."""
+        return {
+            "model": self.trained_model().state_dict(),
+            **self.own_state(),
+            "num_updates": self.updates,
+            "dsq_schedule": self.quant.state_dict(),
+            "progress": self.progress,
+            "rng": rng_state(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.trained_model().load_state_dict(state["model"])
+        self.load_own_state(state)
+        self.quant.load_state_dict(state["dsq_schedule"])
+        self.progress = dict(state["progress"])
+        set_rng_state(state["rng"])  # last: restoring the rest may draw random numbers
+
+    def checkpoint(self) -> None:
+        if self.rank.is_main:  # every rank holds the same state
+            save_checkpoint(self.recorder.last_checkpoint, self.state_dict())
+
+    def parameter_checksum(self) -> str:
+        """A digest of every parameter's bytes (replicas of one run must agree exactly)."""
+        digest = hashlib.sha256()
+        for name, tensor in sorted(self.trained_model().state_dict().items()):
+            digest.update(name.encode())
+            digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+        return digest.hexdigest()[:16]

@@ -1,0 +1,208 @@
+"""The run of one rank: its trainer from start (or checkpoint) to a final result.json.
+
+Rank 0 writes the run directory (docs/spec.md §5: result.json, metrics.jsonl, schedule.jsonl,
+checkpoints, train.log) and feeds the experiment logger; a rank R>0 of a distributed run writes
+only its own log, ``train.rankR.log``. Whatever happens in training ends as a status and an exit
+code: ``completed`` (0), ``interrupted`` (Ctrl-C / SIGTERM, 128 + the signal; resumable with
+``resume=RUN_DIR``), ``diverged`` (3: a NaN/Inf loss; the last good checkpoint stays) or
+``failed`` (1: any other error, named in result.json and the log).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+import signal
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from dsq_cli import runs
+from dsq_cli.config import to_plain
+from dsq_cli.cost import scheduled_cost
+from dsq_cli.engine import GemmRecord, QuantConfig
+from dsq_cli.formats import parse_format
+from dsq_cli.loggers import make_logger
+from dsq_cli.presets import load_quant_preset
+from dsq_cli.run_config import RunConfig
+from dsq_cli.run_result import RunResult, unpriced
+
+from . import ranks
+from .fairseq_compat import quiet_library_warnings
+from .families import family_of
+from .loop import Trainer
+from .recorder import QuietRecorder, RunRecorder, load_checkpoint, run_log
+from .stop import EXIT_CODES, Diverged, Interrupted, StopRequest
+
+log = logging.getLogger(__name__)
+
+# The cost model prices a run against this baseline (docs/cost-model.md).
+COST_BASELINE = "fixed32"
+
+
+@dataclass
+class Outcome:
+    status: str
+    run_dir: Path
+    result: RunResult
+    exit_code: int
+    main: bool = True  # False on ranks other than 0, which report nothing
+
+
+def now() -> str:
+    return _dt.datetime.now().isoformat(timespec="seconds")
+
+
+def run_rank(
+    cfg: RunConfig,
+    run_dir: Path,
+    *,
+    device: str,
+    resumed: bool,
+    rank: ranks.Rank = ranks.SINGLE,
+    data=None,
+    state: dict | None = None,
+) -> Outcome:
+    """Train in this process, as ``rank`` of the data-parallel group."""
+    if data is None:  # a spawned worker: the parent prepared the data; this reads the cache
+        data = family_of(cfg).prepare(cfg)
+    if state is None and resumed:
+        state = load_checkpoint(run_dir / "checkpoints" / "checkpoint_last.pt")
+    if not rank.is_main:
+        with run_log(run_dir / f"train.rank{rank.rank}.log"):
+            started = started_result(cfg, data, device, resumed)
+            return _train_and_evaluate(cfg, data, device, QuietRecorder(run_dir), state,
+                                       started, rank)  # fmt: skip
+    with run_log(run_dir / "train.log"):
+        experiment = make_logger(cfg.logger, run_dir, to_plain(cfg))
+        recorder = RunRecorder(run_dir, experiment)
+        started = started_result(cfg, data, device, resumed)
+        recorder.result(started)
+        outcome = _train_and_evaluate(cfg, data, device, recorder, state, started, rank)
+        experiment.summary(outcome.result.summary())
+        experiment.finish(exit_code=outcome.exit_code)
+    return outcome
+
+
+def run_spawned_rank(rank: ranks.Rank, cfg: RunConfig, run_dir: str, resumed: bool,
+                     device: str) -> int:  # fmt: skip
+    """`launch.spawn`'s target: one spawned worker's run; its exit code."""
+    quiet_library_warnings()  # what `dsq train` set in the parent, which a spawned child lacks
+    outcome = run_rank(cfg, Path(run_dir), rank=rank, device=device, resumed=resumed)
+    return outcome.exit_code
+
+
+def _train_and_evaluate(cfg, data, device, recorder, state, started: RunResult,
+                        rank: ranks.Rank) -> Outcome:  # fmt: skip
+    trainer = None
+    status, error, evaluation = "completed", None, {}
+    exit_code = 0
+    with StopRequest() as stop:
+        try:
+            quant = QuantConfig.from_dict(to_plain(cfg.quant))
+            trainer = family_of(cfg).trainer(cfg, quant, data, recorder, device, rank)
+            if state is not None:
+                recorder.truncate_after(state["num_updates"])
+            trainer.train(stop, state)
+            if rank.is_main:  # the final model is the same on every rank
+                evaluation = trainer.evaluate(stop)
+                test_record = {k: v for k, v in evaluation.items() if k != "value"}
+                recorder.metrics({"kind": "test", "update": trainer.updates, **test_record})
+        except Interrupted as err:
+            status, error = "interrupted", str(err)
+            exit_code = 128 + err.signum
+        except Diverged as err:
+            status, error = "diverged", str(err)
+            exit_code = EXIT_CODES["diverged"]
+            log.error("diverged: %s", err)
+        except KeyboardInterrupt:  # a second signal, or Ctrl-C outside the update loop
+            status, error = "interrupted", "stopped at once by a second signal"
+            exit_code = 128 + (stop.signum or signal.SIGINT)
+        except Exception as err:
+            log.exception("training failed")
+            status, error, exit_code = "failed", f"{type(err).__name__}: {err}", 1
+    evaluation = dict(evaluation)
+    result = replace(started, status=status, value=evaluation.pop("value", None), error=error,
+                     evaluation=evaluation)  # fmt: skip
+    if trainer is not None:
+        try:
+            result = trained_result(result, trainer)
+        except Exception as err:  # e.g. a broken cost config: never leave "running" behind
+            log.exception("summarising the run failed")
+            status, exit_code = "failed", EXIT_CODES["failed"]
+            result.status = status
+            result.error = f"summarising the run: {type(err).__name__}: {err}"
+    result.finished_at = now()
+    recorder.result(result)
+    return Outcome(status, recorder.dir, result, exit_code, main=rank.is_main)
+
+
+# -- what result.json says about the run ------------------------------------------------------
+def started_result(cfg: RunConfig, data, device: str, resumed: bool) -> RunResult:
+    """result.json as a run starts (status ``running``)."""
+    preset = cfg.choices["quant"]
+    points = to_plain(cfg.quant)
+    return RunResult(
+        status="running",
+        task=cfg.task.name,
+        model=cfg.model["name"],
+        seed=cfg.seed,
+        quant={"preset": preset, **points, "modified": quant_modified(preset, points)},
+        metric=cfg.task.metric,
+        cost=unpriced(COST_BASELINE),
+        versions=runs.versions(),
+        device=device,
+        world_size=cfg.train.distributed_world_size,
+        data={"dir": data.source, **data.manifest},
+        started_at=now(),
+        resumed=resumed,
+    )
+
+
+def trained_result(result: RunResult, trainer: Trainer) -> RunResult:
+    """``result`` with what the trainer recorded: progress, precision segments, cost."""
+    progress = trainer.progress
+    segments = progress["segments"]
+    return replace(
+        result,
+        updates=trainer.updates,
+        epochs=trainer.epoch,
+        budget=trainer.budget.as_dict(),
+        valid_loss=progress["last_valid_loss"],
+        best_valid_loss=progress["best_valid_loss"],
+        wall_seconds=round(progress["wall_seconds"], 3),
+        stash_bits_mean=stash_bits_mean(segments),
+        bits_final=trainer.quant.current(),
+        precision_segments=[{"points": points, "updates": n} for points, n in segments],
+        cost=run_cost(progress["gemm_shapes"], segments),
+        patch=trainer.patch_report.as_dict() | {"summary": trainer.patch_report.summary()},
+    )
+
+
+def run_cost(gemm_shapes: list[dict] | None, segments: list) -> dict:
+    """docs/spec.md §4: the update-weighted cost over the levels used, priced on one recorded
+    training step's GEMMs."""
+    if not gemm_shapes or not segments:
+        return unpriced(COST_BASELINE)
+    records = [GemmRecord.from_dict(g) for g in gemm_shapes]
+    cost = scheduled_cost(records, [(points, n) for points, n in segments], COST_BASELINE)
+    cost["gemms_per_step"] = len(records) * 3  # the forward GEMM and two backward ones
+    return cost
+
+
+def stash_bits_mean(segments: list) -> float | None:
+    """Update-weighted mean bits per value of the stash format (q1) over the run."""
+    total = sum(updates for _, updates in segments)
+    if not total:
+        return None
+    bits = sum(parse_format(points["q1"]).bits_per_value * n for points, n in segments)
+    return bits / total
+
+
+def quant_modified(preset: str, points: dict) -> bool:
+    """Whether the run's points differ from the stored preset (a run of ``quant=dsq
+    quant.q1=bfp3`` is not a ``dsq`` run in Table 1)."""
+    try:
+        stored = load_quant_preset(preset)
+    except ValueError:
+        return True
+    return any(stored.get(k) != v for k, v in points.items() if k != "modified")
