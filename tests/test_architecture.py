@@ -1,0 +1,162 @@
+"""The layers of dsq_cli (docs/architecture.md) as a test: the import graph, function-level
+imports included, has no cycle, and no module imports a layer above its own."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "dsq_cli"
+
+# Each layer may import its own modules and those of the layers after it, never one before it.
+LAYERS = [
+    ("cli", ["dsq_cli.cli", "dsq_cli.__main__"]),
+    ("studies", ["dsq_cli.sweep"]),
+    ("train", ["dsq_cli.train"]),
+    ("reporting", ["dsq_cli.table", "dsq_cli.plots", "dsq_cli.bench", "dsq_cli.loggers"]),
+    ("config", ["dsq_cli.config", "dsq_cli.run_config"]),
+    ("data and models", ["dsq_cli.data", "dsq_cli.models"]),
+    ("cost", ["dsq_cli.cost"]),
+    ("engine", ["dsq_cli.engine"]),
+    ("formats", ["dsq_cli.formats"]),
+    ("files", ["dsq_cli.presets", "dsq_cli.run_result", "dsq_cli.runs", "dsq_cli.atomic_files"]),
+    ("root", ["dsq_cli"]),
+]
+# Inside train/: the launcher and the rank helpers import nothing above them.
+LEAVES = {
+    "dsq_cli.train.ranks": set(),
+    "dsq_cli.train.launch": {"dsq_cli.train.ranks"},
+}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
+    """The dsq_cli modules ``path`` imports anywhere in its body (function-level too)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in _runtime_nodes(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            # `from pkg import module` imports the module (pkg is already being imported);
+            # `from module import name` imports the module
+            targets = [
+                f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base
+                for alias in node.names
+            ]
+        else:
+            continue
+        for target in targets:
+            while target and target not in known:
+                target = target.rpartition(".")[0]
+            if target and target.startswith("dsq_cli") and target != name:
+                found.add(target)
+    return found
+
+
+def _runtime_nodes(tree: ast.AST):
+    """Every node, except those under ``if TYPE_CHECKING:`` (annotations, never executed)."""
+    pending = [tree]
+    while pending:
+        node = pending.pop()
+        yield node
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                pending.extend(child.orelse)
+                continue
+            pending.append(child)
+
+
+def graph() -> dict[str, set[str]]:
+    mods = modules()
+    known = set(mods)
+    return {name: imports_of(name, path, known) for name, path in mods.items()}
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in edges.get(node, ()):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(edges):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def layer_of(module: str) -> int:
+    best = None
+    for rank, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if module == prefix or module.startswith(prefix + "."):
+                if best is None or len(prefix) > best[1]:
+                    best = (rank, len(prefix))
+    assert best is not None, f"{module} is in no layer of docs/architecture.md"
+    return best[0]
+
+
+def test_the_import_graph_has_no_cycle():
+    assert cycles(graph()) == []
+
+
+def test_the_cycle_finder_finds_a_lazy_import_cycle(tmp_path):
+    # The check itself: a function-level import that closes a loop is a cycle.
+    (tmp_path / "a.py").write_text("from dsq_cli import b\n")
+    (tmp_path / "b.py").write_text("def f():\n    from dsq_cli import a\n")
+    known = {"dsq_cli.a", "dsq_cli.b"}
+    edges = {
+        "dsq_cli.a": imports_of("dsq_cli.a", tmp_path / "a.py", known),
+        "dsq_cli.b": imports_of("dsq_cli.b", tmp_path / "b.py", known),
+    }
+    assert cycles(edges) == [["dsq_cli.a", "dsq_cli.b"]]
+
+
+@pytest.mark.parametrize("module", sorted(modules()))
+def test_no_module_imports_a_layer_above_its_own(module):
+    edges = graph()
+    mine = layer_of(module)
+    upward = sorted(t for t in edges[module] if layer_of(t) < mine)
+    assert upward == [], f"{module} ({LAYERS[mine][0]}) imports {upward}"
+
+
+@pytest.mark.parametrize("module, allowed", sorted(LEAVES.items()))
+def test_the_launcher_and_rank_helpers_import_nothing_above_them(module, allowed):
+    assert graph()[module] <= allowed
