@@ -63,8 +63,7 @@ def measure(fn, x, device, repeats: int, warmup: int = 2) -> tuple[float, float,
 def _eager(fmt, x):
     """The fused path's float32 code without torch.compile: what plain PyTorch costs."""
     if fmt.spec.startswith("bfp") or (fmt.spec.startswith("fixed") and "f" not in fmt.spec[5:]):
-        blocks, _, _ = compiled_path._rows(x, fmt.block, -1)
-        return lambda: compiled_path._bfp_quantize_fn(blocks, None, fmt.man_bits, fmt.exp_bits)
+        return compiled_path.eager_bfp_quantizer(x, fmt.man_bits, fmt.exp_bits, fmt.block)
     return None
 
 
@@ -180,7 +179,7 @@ def run(
     return {
         "numel": numel,
         "device": str(dev),
-        "machine": _machine(dev),
+        "machine": machine_description(dev),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "repeats": repeats,
@@ -189,7 +188,7 @@ def run(
     }
 
 
-def _machine(dev: torch.device) -> str:
+def machine_description(dev: torch.device) -> str:
     if dev.type == "cuda":
         return torch.cuda.get_device_name(dev)
     cpu = platform.processor() or platform.machine()

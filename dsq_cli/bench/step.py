@@ -52,7 +52,7 @@ def first_level(preset: dict) -> dict:
     return {k: (v["levels"][0] if isinstance(v, dict) else v) for k, v in preset.items()}
 
 
-from .quant import _machine  # noqa: E402  (one description of the machine for both benches)
+from .quant import machine_description  # noqa: E402  (one description for both benches)
 
 
 def _sync(dev: torch.device) -> None:
@@ -155,7 +155,7 @@ def run(
         "tokens": sentences * src_len,
         "vocab": vocab,
         "threads": torch.get_num_threads(),
-        "machine": _machine(dev),
+        "machine": machine_description(dev),
         "torch": torch.__version__,
         "repeats": repeats,
         "rows": rows,

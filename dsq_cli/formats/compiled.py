@@ -392,6 +392,14 @@ def _run_whole_tensor(fn, blocks, u, man_bits: int, exp_bits: int):
 
 
 # ----------------------------------------------------------------------------- interface
+def eager_bfp_quantizer(x: torch.Tensor, man_bits: int, exp_bits: int, block: int | None):
+    """A function of no arguments that runs this path's BFP quantization of ``x`` (blocks along
+    the last axis) eagerly, without torch.compile: what the same float32 code costs in plain
+    PyTorch (``dsq bench quant``'s eager column). The blocks are laid out once, outside it."""
+    blocks, _, _ = _rows(x, block, -1)
+    return lambda: _bfp_quantize_fn(blocks, None, man_bits, exp_bits)
+
+
 def bfp_quantize(x, man_bits, exp_bits, block, axis, rounding="nearest", generator=None):
     blocks, n, moved_shape = _rows(x, block, axis)
     u = _noise_rows(x, generator, block, axis) if rounding == "stochastic" else None
