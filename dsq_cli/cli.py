@@ -286,7 +286,7 @@ def data_cmd(
 def _roberta_base_data(overrides: list[str]) -> None:
     """`dsq data roberta_base`: check a local copy, or say how to fetch one. fairseq publishes no
     SHA-256 for roberta.base or its GPT-2 BPE files, and dsq downloads only pinned files
-    (SPEC 7), so it prints the commands instead of running them."""
+    (docs/spec.md §7), so it prints the commands instead of running them."""
     from dsq_cli.config import compose
     from dsq_cli.models.encoders import check_available, roberta_base_download_hint
 
@@ -297,8 +297,8 @@ def _roberta_base_data(overrides: list[str]) -> None:
         return
     raise ValueError(
         "fairseq publishes no SHA-256 for roberta.base and dsq downloads only verified files "
-        f"(SPEC 7); fetch it yourself: {roberta_base_download_hint(folder)}; then run with "
-        f"model.checkpoint={folder}"
+        f"(docs/spec.md §7); fetch it yourself: {roberta_base_download_hint(folder)}; then run "
+        f"with model.checkpoint={folder}"
     )
 
 
@@ -319,7 +319,8 @@ def table_cmd(
     wandb_project: str = typer.Option("dsq", help="wandb project for --wandb."),
     wandb_dir: str = typer.Option(".", help="Where --wandb writes its files (DIR/wandb)."),
 ):
-    """Table 1 (SPEC 6) from runs' result.json: presets as rows, tasks as columns (docs/table.md).
+    """Table 1 (docs/spec.md §6) from runs' result.json: presets as rows, tasks as columns
+    (docs/table.md).
 
     Runs that diverged, were interrupted or are running show as such; an unreadable result.json
     is named on stderr and skipped. No runs found: exit 2.
@@ -389,7 +390,7 @@ def cost_cmd(
         None, "--vocab", help="Output vocabulary (the task's data.vocab_size by default)."
     ),
 ):
-    """Arithmetic and DRAM cost of one training step (SPEC 4) as ratios to a baseline,
+    """Arithmetic and DRAM cost of one training step (docs/spec.md §4) as ratios to a baseline,
     derived from the model config and batch shape: no data, no training.
 
     Scheduled points are priced at their first level; the ratios at the last levels follow.

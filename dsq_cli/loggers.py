@@ -92,7 +92,7 @@ class WandbLogger:
             tags=list(cfg.tags or []),
             name=run_dir.name,
             dir=str(run_dir),
-            config=runs.scrub_secrets(dict(config)),  # SPEC 7: no secrets in wandb's config
+            config=runs.scrub_secrets(dict(config)),  # no secrets in wandb (docs/spec.md §7)
             mode=mode,
             resume="allow",
             id=run_dir.name.replace("=", "-")[-120:],

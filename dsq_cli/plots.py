@@ -251,7 +251,7 @@ def plot_frontier(table: Table, out: str | os.PathLike) -> Path:
     baseline = "/".join(table.baselines) or "fixed32"
     fig, axes = _figure(11, 4.2 * len(columns), rows=len(columns), cols=2)
     paper = PAPER_REFERENCE
-    # SPEC 4: uniform fixed16 costs (16/32)^2 arithmetic and 16/32 DRAM of fixed32, so the
+    # docs/spec.md §4: uniform fixed16 costs (16/32)^2 arithmetic and 16/32 DRAM of fixed32, so the
     # paper's reductions against fixed16 place its DSQ at these fractions of fixed32.
     labelled: dict = {}  # axes -> (label, x, y) of its points, placed once the layout is known
     paper_x = {

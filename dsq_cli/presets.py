@@ -1,4 +1,4 @@
-"""The quant presets of conf/quant/ (SPEC 6), readable without Hydra."""
+"""The quant presets of conf/quant/ (docs/spec.md §6), readable without Hydra."""
 
 from __future__ import annotations
 

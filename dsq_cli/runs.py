@@ -1,11 +1,11 @@
-"""The run directory contract (SPEC 5), shared by every command that writes runs.
+"""The run directory contract (docs/spec.md §5), shared by every command that writes runs.
 
 A run directory is created new, never reused, and holds ``config.yaml``, ``metrics.jsonl``,
 ``schedule.jsonl``, ``result.json``, checkpoints and the log. ``dsq table`` reads only these
 files. Whole-file writes are atomic (``write_atomic``, from dsq_cli.atomic_files), so a reader
-never sees half a ``result.json``; nothing written here may carry a secret (SPEC 7).
-Besides SPEC 5's final statuses, ``running`` marks a result.json written when a run starts, so
-that ``dsq table`` shows unfinished runs as such.
+never sees half a ``result.json``; nothing written here may carry a secret (docs/spec.md §7).
+Besides the final statuses, ``running`` marks a result.json written when a run starts, so that
+``dsq table`` shows unfinished runs as such (docs/spec.md §5).
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
-"""``dsq table``: Table 1 (SPEC 6) from the result.json files of run directories (SPEC 5).
+"""``dsq table``: Table 1 (docs/spec.md §6) from the result.json files of run directories
+(docs/spec.md §5).
 
-Rows are quant presets in SPEC 6 order (a run whose quant points differ from its preset gets a
-row of its own right after it); columns are tasks, each with the metric, the arithmetic and DRAM
-cost ratios and the mean stash bits. Only result.json is read, so the table works without wandb
+Rows are quant presets in docs/spec.md §6 order (a run whose quant points differ from its preset
+gets a row of its own right after it); columns are tasks, each with the metric, the arithmetic and
+DRAM cost ratios and the mean stash bits. Only result.json is read, so the table works without wandb
 and on runs copied from elsewhere. docs/table.md describes the conventions.
 """
 
@@ -31,7 +32,7 @@ METRIC_LABELS = {
     "spearman": "Spearman",
 }
 # The paper's headline (abstract, IWSLT17): DSQ against 16-bit fixed point at every point. Its
-# body's Table 1 normalizes to fixed32 instead, as this table does (SPEC 4).
+# body's Table 1 normalizes to fixed32 instead, as this table does (docs/spec.md §4).
 PAPER_REFERENCE = {
     "source": "Yang et al., EMNLP Findings 2023, abstract",
     "task": "iwslt17",
@@ -382,8 +383,8 @@ def legend_lines(table: Table) -> list[str]:
     paper = PAPER_REFERENCE
     lines = [
         f"arith, DRAM: cost per training step as a fraction of {baseline} at every point "
-        f"(result.json's cost ratios, SPEC 4), and in brackets how many times fewer; lower is "
-        "cheaper.",
+        f"(result.json's cost ratios, docs/spec.md §4), and in brackets how many times fewer; "
+        "lower is cheaper.",
         "metric: mean ± sample standard deviation over completed seeds (n runs); runs that did "
         "not complete are counted beside it, or shown by status when none completed.",
         f"reference, paper ({paper['task'].upper()}, DSQ vs {paper['baseline']}): "

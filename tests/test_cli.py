@@ -106,7 +106,7 @@ def test_table1_presets_are_all_there():
     from dsq_cli.presets import TABLE1_ORDER
 
     names = {p.stem for p in (REPO / "conf" / "quant").glob("*.yaml")}
-    assert names == set(TABLE1_ORDER) and len(TABLE1_ORDER) == 9  # SPEC 6's rows
+    assert names == set(TABLE1_ORDER) and len(TABLE1_ORDER) == 9  # docs/spec.md §6's rows
 
 
 def test_bench_step_unknown_preset_is_one_line_exit_2():

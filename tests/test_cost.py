@@ -1,4 +1,5 @@
-"""The SPEC 4 cost model: hand-computed GEMMs, exact uniform ratios, monotonicity, schedules."""
+"""The cost model (docs/spec.md §4): hand-computed GEMMs, exact uniform ratios, monotonicity,
+schedules."""
 
 from __future__ import annotations
 
@@ -150,8 +151,9 @@ def test_unflushed_activation_grads():
 
 
 def test_breaking_q1_equals_q0_adds_the_stash_write():
-    # SPEC 4's rule is discontinuous: narrowing q1 just below q0 adds a stash write (12 bits)
-    # that saves only 4 bits on the stash read, so DRAM rises (documented in docs/cost-model.md)
+    # docs/spec.md §4's rule is discontinuous: narrowing q1 just below q0 adds a stash write
+    # (12 bits) that saves only 4 bits on the stash read, so DRAM rises (documented in
+    # docs/cost-model.md)
     rec = record("linear", 1, 32, 64, 48, uniform("fixed16"))
     base = sum(g.dram_bits for g in gemm_costs(rec))
     narrowed = sum(g.dram_bits for g in gemm_costs(rec, {"q1": "fixed12"}))

@@ -1,4 +1,4 @@
-"""SPEC 2: dsq_linear and dsq_matmul against F.linear (all points fp32) and against a
+"""docs/spec.md §2: dsq_linear and dsq_matmul against F.linear (all points fp32) and against a
 written-out computation of the four quantization points."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ def q(spec, t, axis):
 
 
 def linear_by_hand(x, w, b, dy, q0, q1, q2, q3):
-    """SPEC 2 written out: every operand quantized along its own GEMM's reduction axis."""
+    """docs/spec.md §2 written out: every operand quantized along its own GEMM's reduction axis."""
     k, m = x.shape[-1], w.shape[0]
     x2, dy2 = x.reshape(-1, k), dy.reshape(-1, m)
     y = q(q0, x2, 1) @ q(q0, w, 1).t() + b

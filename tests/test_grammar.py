@@ -1,4 +1,4 @@
-"""SPEC 1 grammar: what parses, what it means, and what is rejected (and how)."""
+"""docs/spec.md §1 grammar: what parses, what it means, and what is rejected (and how)."""
 
 import pytest
 import torch

@@ -1,5 +1,5 @@
-"""Packed storage (SPEC 1.2): unpack(pack(x)) == quantize(x) bit for bit, and the bytes held
-are what bits_per_value promises."""
+"""Packed storage (docs/spec.md §1.2): unpack(pack(x)) == quantize(x) bit for bit, and the bytes
+held are what bits_per_value promises."""
 
 from __future__ import annotations
 
@@ -137,7 +137,7 @@ def test_pack_bits_layout(width):
 
 
 def test_bfp_payload_layout_by_hand():
-    """bfp4 of the SPEC example: exponent byte e + 127 = 128; codes sign-magnitude, 4 bits."""
+    """bfp4 of docs/spec.md §1.1's example: exponent byte e + 127 = 128; sign-magnitude codes."""
     x = torch.tensor([0.3, -1.7, 0.05, 2.9] + [0.0] * 12)
     p = parse_format("bfp4").pack(x, backend="reference")
     assert p.payload["exponents"].tolist() == [128]

@@ -1,7 +1,7 @@
-"""The reference quantizers against SPEC 1, checked by an independent exact oracle and by the
-invariants a correct quantizer must satisfy (in the style of QPyTorch's tests).
+"""The reference quantizers against docs/spec.md §1, checked by an independent exact oracle and by
+the invariants a correct quantizer must satisfy (in the style of QPyTorch's tests).
 
-The oracle below is SPEC 1.1 / the static fixed-point formula in exact rational arithmetic
+The oracle below is docs/spec.md §1.1 / the static fixed-point formula in exact rational arithmetic
 (``fractions.Fraction``), one Python number at a time: slow, obviously right, and sharing no
 code with the implementation.
 """
@@ -29,7 +29,7 @@ def f32(value: Fraction | float) -> float:
 
 
 def oracle_bfp(values: list[float], m: int, E: int) -> list[float]:
-    """SPEC 1.1 for one block, exactly, round half to even."""
+    """docs/spec.md §1.1 for one block, exactly, round half to even."""
     if any(not math.isfinite(v) for v in values):
         return [math.nan] * len(values)
     a = max(abs(v) for v in values)

@@ -1,4 +1,4 @@
-"""The run directory contract (SPEC 5) and the no-secrets rule (SPEC 7)."""
+"""The run directory contract (docs/spec.md §5) and the no-secrets rule (docs/spec.md §7)."""
 
 from __future__ import annotations
 

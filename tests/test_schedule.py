@@ -1,4 +1,4 @@
-"""SPEC 3: the schedule rule, walked through loss sequences, and QuantConfig plumbing."""
+"""docs/spec.md §3: the schedule rule, walked through loss sequences, and QuantConfig plumbing."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""`dsq table` and `dsq plot` on synthetic run directories (SPEC 5 result.json files, shaped like
-the full multi30k runs'): every format holds the runs' numbers, statuses show as words, bad input
-is named and skipped or ends with exit 2, plots are PNGs, and --wandb writes an offline run."""
+"""`dsq table` and `dsq plot` on synthetic run directories (docs/spec.md §5 result.json files,
+shaped like the full multi30k runs'): every format holds the runs' numbers, statuses show as words,
+bad input is named and skipped or ends with exit 2, plots are PNGs, and --wandb writes an offline
+run."""
 
 from __future__ import annotations
 

@@ -97,7 +97,7 @@ def test_schedule_override_on_a_plain_point_says_how():
     assert list(cfg.quant.q1.levels) == ["bfp2", "bfp4"]
 
 
-# -- one short run: every file of SPEC 5, consistent with each other and with wandb -------------
+# -- one short run: every file of docs/spec.md §5, consistent with each other and with wandb ------
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""The SPEC 4 cost model: arithmetic and DRAM cost of training steps, as ratios to a baseline.
+"""The cost model (docs/spec.md §4): arithmetic and DRAM cost of training steps, as ratios to a
+baseline.
 
     >>> from dsq_cli.cost import ratios
     >>> ratios(recorder.gemms, {"q0": "bfp8", "q1": "bfp4", "q2": "bfp8", "q3": "fixed16"})

@@ -1,4 +1,4 @@
-"""The Table 1 cost model (SPEC 4): arithmetic and DRAM cost of a training step, as ratios.
+"""The Table 1 cost model (docs/spec.md §4): arithmetic and DRAM cost of a training step, as ratios.
 
 Every recorded DSQ layer call (a ``GemmRecord``) stands for three GEMMs of ``batch * N * K * M``
 MACs each. Arithmetic is ``MACs * c(fa, fb)`` for the GEMM's two operand formats:
@@ -90,7 +90,7 @@ class CostModel:
         for spec, width in data["float_widths"].items():
             storage = parse_format(spec).bits_per_value
             # c grows with each width, so width >= storage width keeps a float at least as
-            # expensive as fixed<storage width> (SPEC 4)
+            # expensive as fixed<storage width> (docs/spec.md §4)
             if not (isinstance(width, int) and width >= storage):
                 raise ValueError(
                     f"float_widths.{spec} = {width!r} would make {spec} cheaper than "
@@ -146,8 +146,8 @@ def _load_cached(name: str) -> CostModel:
 
 
 def _bits(fmt: Format) -> Fraction:
-    """DRAM bits per value, exactly: bits_per_value is m + E/B with B <= 4096 (SPEC 1.2), so the
-    nearest fraction with such a denominator undoes the float's rounding."""
+    """DRAM bits per value, exactly: bits_per_value is m + E/B with B <= 4096 (docs/spec.md §1.2),
+    so the nearest fraction with such a denominator undoes the float's rounding."""
     return Fraction(fmt.bits_per_value).limit_denominator(4096)
 
 
@@ -211,7 +211,8 @@ def gemm_costs(
     f = _formats_in_force(record, points)
     b0, b1, b2, b3 = (_bits(f[p]) for p in POINTS)  # DRAM bits per value at q0..q3
     # activations_fp32: the activations and their gradients live in fp32 between the GEMMs (the
-    # elementwise ops of SPEC 2 run in fp32), so there is no q0 copy of x to serve as the stash
+    # elementwise ops of docs/spec.md §2 run in fp32), so there is no q0 copy of x to serve as the
+    # stash
     act_fwd = Fraction(32) if model.activations_fp32 else b0  # x (a, b) read, y (z) written
     act_grad = Fraction(32) if model.activations_fp32 else b3  # g read, dx (da, db) written
     write_stash = (
@@ -302,7 +303,7 @@ def scheduled_cost(
     model: CostModel | None = None,
 ) -> dict:
     """A scheduled run's cost: the update-weighted mean of the ratios of the segments it ran,
-    each ``(points in force, updates run with them)`` (SPEC 4). With no updates at all, the
+    each ``(points in force, updates run with them)`` (docs/spec.md §4). With no updates at all, the
     first segment's ratios. This is result.json's ``cost``."""
     records, model = list(records), model or CostModel.load()
     if not segments:

@@ -1,4 +1,4 @@
-"""``dsq cost``: the SPEC 4 cost of one training step of a model config, without training.
+"""``dsq cost``: the docs/spec.md §4 cost of one training step of a model config, without training.
 
 The step's GEMMs come from ``derive_records`` (the model config and the batch shape), priced with
 a quant config's points and with a baseline preset's, per GEMM kind and in total. A scheduled
@@ -29,7 +29,7 @@ GEMM_ROWS = (
     ("matmul", "grad_a"),
     ("matmul", "grad_b"),
 )
-# the abstract's baseline (SPEC 4's published anchor), reported beside the default fixed32
+# the abstract's baseline (docs/spec.md §4's published anchor), reported beside the default fixed32
 ABSTRACT_BASELINE = "fixed16"
 DEFAULT_TOKENS = 4096
 DEFAULT_SRC_LEN = 32

@@ -1,4 +1,4 @@
-"""Verified downloads and safe unpacking (SPEC section 7).
+"""Verified downloads and safe unpacking (docs/spec.md §7).
 
 ``fetch`` streams a URL to a temporary name next to its destination, hashing while it writes,
 and moves the file into place only when its SHA-256 matches the pinned value; a mismatch or a
@@ -102,8 +102,8 @@ class ArchiveError(DownloadError):
 def built_in_place(out_dir: Path, marker: str) -> Iterator[tuple[Path, Path]]:
     """``(ready, scratch)``: build the finished folder in ``ready`` (``scratch`` is free for
     unpacking); when the block ends without error, ``ready`` is renamed to ``out_dir`` in one
-    step (SPEC 7: an interrupted preparation leaves the finished result or nothing). A folder
-    that another process renamed into place first, with its ``marker`` file, is kept."""
+    step (docs/spec.md §7: an interrupted preparation leaves the finished result or nothing). A
+    folder that another process renamed into place first, with its ``marker`` file, is kept."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     work_dir = Path(
         tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.", suffix=".part")

@@ -6,9 +6,10 @@ model (``spm.model``), fairseq's dictionaries and binarized splits, and ``manife
 ``key`` digests every input (the raw files' contents, subset, vocabulary settings), so a changed
 input never reuses a stale cache.
 
-SPEC 7, atomic preparation: everything is built in a temporary sibling directory and renamed into
-place as the last step, so an interrupted `dsq data` leaves the finished result or nothing. Two
-processes preparing the same key at once both succeed; one rename wins, the other copy is dropped.
+Atomic preparation (docs/spec.md §7): everything is built in a temporary sibling directory and
+renamed into place as the last step, so an interrupted `dsq data` leaves the finished result or
+nothing. Two processes preparing the same key at once both succeed; one rename wins, the other copy
+is dropped.
 """
 
 from __future__ import annotations

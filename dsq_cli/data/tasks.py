@@ -117,7 +117,7 @@ class Demo(TranslationTask):
 
 
 class Downloaded(TranslationTask):
-    """A task whose official text is downloaded (SPEC 7: pinned SHA-256) when no raw_dir is
+    """A task whose official text is downloaded (docs/spec.md §7: pinned SHA-256) when no raw_dir is
     given."""
 
     def download_dir(self) -> Path:

@@ -1,4 +1,4 @@
-"""The DSQ engine (SPEC 2 and 3): quantized GEMMs with a packed stash, and time-adaptive
+"""The DSQ engine (docs/spec.md §2 and §3): quantized GEMMs with a packed stash, and time-adaptive
 precision controlled from one ``QuantConfig``.
 
     >>> from dsq_cli.engine import QuantConfig, Schedule, dsq_linear, dsq_matmul

@@ -1,4 +1,4 @@
-"""QuantConfig: the four quantization points of SPEC 2, controlled from one place.
+"""QuantConfig: the four quantization points of docs/spec.md §2, controlled from one place.
 
 Every DSQ layer holds a reference to the same ``QuantConfig``; stepping it after a validation
 (``cfg.step(valid_loss, update)``) changes the format every layer uses from its next call on.

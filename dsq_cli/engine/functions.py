@@ -1,4 +1,5 @@
-"""The DSQ autograd functions (SPEC 2): a linear layer and an activation-by-activation product.
+"""The DSQ autograd functions (docs/spec.md §2): a linear layer and an activation-by-activation
+product.
 
 Formats are read from the shared ``QuantConfig`` when the forward pass runs, so a schedule step
 takes effect at the next forward; the backward pass uses the formats recorded at forward time
@@ -90,7 +91,7 @@ class DSQLinearFunction(torch.autograd.Function):
 
 
 class DSQMatmulFunction(torch.autograd.Function):
-    """``z = a @ b`` for two activations (attention's ``Q K^T`` and ``P V``), SPEC 2.
+    """``z = a @ b`` for two activations (attention's ``Q K^T`` and ``P V``), docs/spec.md §2.
 
     Shapes ``a [..., N, K]``, ``b [..., K, M]``, ``dz [..., N, M]``:
 

@@ -1,4 +1,4 @@
-"""Time-adaptive precision (SPEC 3): a schedule of formats that only rises.
+"""Time-adaptive precision (docs/spec.md §3): a schedule of formats that only rises.
 
 After every validation: if ``valid_loss < best - min_delta`` the loss improved (``best`` moves,
 ``bad`` resets); otherwise ``bad`` grows, and when it reaches ``patience`` and a higher level
@@ -26,7 +26,7 @@ class LevelChange:
 
 
 class Schedule:
-    """An ascending list of formats, starting at the first (SPEC 3)."""
+    """An ascending list of formats, starting at the first (docs/spec.md §3)."""
 
     def __init__(self, levels, patience: int = 1, min_delta: float = 0.0) -> None:
         if isinstance(levels, str):
@@ -65,7 +65,7 @@ class Schedule:
         return self.formats[self.level]
 
     def step(self, valid_loss: float, update: int | None = None) -> str:
-        """Apply the SPEC 3 rule to one validation loss; return the spec now in force."""
+        """Apply the docs/spec.md §3 rule to one validation loss; return the spec now in force."""
         valid_loss = float(valid_loss)
         if not math.isfinite(valid_loss):
             raise ValueError(

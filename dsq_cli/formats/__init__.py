@@ -1,4 +1,4 @@
-"""Number formats (SPEC 1): parse a spec, quantize (fake-quant), pack for real, unpack.
+"""Number formats (docs/spec.md §1): parse a spec, quantize (fake-quant), pack for real, unpack.
 
     >>> from dsq_cli.formats import parse_format
     >>> fmt = parse_format("bfp4")

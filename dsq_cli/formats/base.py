@@ -27,7 +27,7 @@ class Format:
     pattern: ClassVar[re.Pattern[str]]
     #: Canonical spec string of this instance, e.g. ``bfp4e8b16``.
     spec: str
-    #: Storage cost in bits per value (SPEC 1.2).
+    #: Storage cost in bits per value (docs/spec.md §1.2).
     bits_per_value: float
 
     @classmethod
@@ -124,7 +124,7 @@ _CACHE: dict[str, Format] = {}
 
 
 def parse_format(spec: str | Format) -> Format:
-    """Parse a spec string (case-insensitive, SPEC 1 grammar) into a ``Format``."""
+    """Parse a spec string (case-insensitive, docs/spec.md §1 grammar) into a ``Format``."""
     if isinstance(spec, Format):
         return spec
     if not isinstance(spec, str):

@@ -1,4 +1,4 @@
-"""Block floating point and dynamic fixed point (SPEC 1, 1.1, 1.2)."""
+"""Block floating point and dynamic fixed point (docs/spec.md §1, 1.1, 1.2)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Static fixed point (SPEC 1): ``fixed<w>f<f>``."""
+"""Static fixed point (docs/spec.md §1): ``fixed<w>f<f>``."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 Their quantizers are torch's own casts, which are already single fused kernels on every device,
 so every path uses them (dispatch has nothing faster to offer). Stochastic rounding is defined
-for BFP and fixed point only (SPEC 1.1); asking for it here is a ValueError.
+for BFP and fixed point only (docs/spec.md §1.1); asking for it here is a ValueError.
 """
 
 from __future__ import annotations

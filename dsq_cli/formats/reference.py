@@ -1,4 +1,4 @@
-"""The readable reference: SPEC section 1 written as PyTorch, the definition in code.
+"""The readable reference: docs/spec.md §1 written as PyTorch, the definition in code.
 
 Every fast path (the fused CPU path in ``compiled.py``, the Triton kernels in ``kernels/``) is
 tested bit for bit against the functions here. They favour clarity over speed:
@@ -6,8 +6,9 @@ tested bit for bit against the functions here. They favour clarity over speed:
 * BFP and fixed point work in float64. Inputs are first made float32 (exact for fp16/bf16/fp32;
   round-to-nearest-even for float64), and every float32 value times any power of two in
   [2^-200, 2^200] is exact in float64, so ``x * 2^k``, the rounding and the rescaling are the
-  exact arithmetic that SPEC 1.1 defines. The float64 result is then exactly representable in
-  float32 (see docs/formats.md), and the final cast to the input dtype is round-to-nearest-even.
+  exact arithmetic that docs/spec.md §1.1 defines. The float64 result is then exactly
+  representable in float32 (see docs/formats.md), and the final cast to the input dtype is
+  round-to-nearest-even.
 * Stochastic rounding ``R(v) = floor(v + u)`` uses ``u = r / 2^24`` with ``r`` a uniform 24-bit
   integer drawn by ``torch.randint`` from the caller's generator, one draw per element of ``x`` in
   row-major order of ``x``'s own shape. Every path uses the same draws, so results agree bit for
@@ -64,7 +65,7 @@ def apply_rounding(v: torch.Tensor, rounding: str, u: torch.Tensor | None) -> to
 
 # ----------------------------------------------------------------------------- helpers
 def exact_float64(x: torch.Tensor) -> torch.Tensor:
-    """The input as float32 values (SPEC: results are float32), held in float64."""
+    """The input as float32 values (docs/spec.md §1: results are float32), held in float64."""
     return x.to(torch.float32).to(torch.float64)
 
 
@@ -101,7 +102,7 @@ def unblock(blocks: torch.Tensor, n: int, x_shape: torch.Size, axis: int) -> tor
 
 # ----------------------------------------------------------------------------- BFP
 def bfp_exponents(blocks: torch.Tensor, exp_bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Shared exponent and finiteness of each block (SPEC 1.1 steps 1-3).
+    """Shared exponent and finiteness of each block (docs/spec.md §1.1 steps 1-3).
 
     Returns (e, finite), shaped like ``blocks`` with the last dim reduced to 1. All-zero blocks
     get e = -(2^(E-1)-1), the smallest exponent: any exponent gives zeros, this one is canonical.
@@ -133,7 +134,7 @@ def bfp_quantize(
     rounding: str = "nearest",
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """SPEC 1.1. ``block=None`` means one block spanning the whole tensor (dynamic fixed)."""
+    """docs/spec.md §1.1; ``block=None``: one block spanning the whole tensor (dynamic fixed)."""
     if x.numel() == 0:
         return x.clone()
     work, u_work, n, axis_used = _bfp_layout(x, block, axis, rounding, generator)
@@ -173,7 +174,7 @@ def bfp_encode(
     rounding: str = "nearest",
     generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The integer codes that ``pack`` stores (SPEC 1.2), before bit-packing.
+    """The integer codes that ``pack`` stores (docs/spec.md §1.2), before bit-packing.
 
     Returns (mantissa_codes, exponent_codes), both int64 and flat:
     * one mantissa per element, in row-major order of x with ``axis`` moved last (no padding):

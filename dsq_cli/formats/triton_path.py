@@ -68,7 +68,7 @@ def _restore(values: torch.Tensor, shape, axis: int) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- BFP
 def bfp_quantize(x, man_bits, exp_bits, block, axis, rounding="nearest", generator=None):
-    """SPEC 1.1. ``block=None`` means one block spanning the whole tensor (dynamic fixed)."""
+    """docs/spec.md §1.1; ``block=None``: one block spanning the whole tensor (dynamic fixed)."""
     u = _noise(x, rounding, generator)
     x32 = x.to(torch.float32)
     if block is None:

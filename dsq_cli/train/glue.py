@@ -12,8 +12,9 @@ The recipe (RoBERTa's GLUE fine-tuning, Liu et al. 2019, Table 10; docs/glue.md)
   epoch, so that a resumed run repeats the uninterrupted one update for update.
 
 Every ``train.validate_every`` updates (0: each epoch) the dev set is scored: its loss steps the
-DSQ schedule (SPEC 3) and its GLUE metrics go to metrics.jsonl. result.json's ``value`` is the
-best dev value over the validations (the usual GLUE dev reporting); the final one is kept too.
+DSQ schedule (docs/spec.md §3) and its GLUE metrics go to metrics.jsonl. result.json's ``value``
+is the best dev value over the validations (the usual GLUE dev reporting); the final one is kept
+too.
 """
 
 from __future__ import annotations
