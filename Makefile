@@ -11,12 +11,13 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.dsq-setup-stamp
 PYTEST_ARGS ?=
 
-.PHONY: setup test demo bench lint clean help
+.PHONY: setup test test-fast demo bench lint clean help
 
 help:
 	@echo "make setup  - create $(VENV) and install dsq with torch, fairseq, triton and dev tools"
 	@echo "make demo   - set up, then train DSQ on the embedded demo task (about 2 CPU minutes)"
 	@echo "make test   - set up, then run the test suite"
+	@echo "make test-fast - the suite without the tests marked slow (under 2 minutes)"
 	@echo "make bench  - run the benchmarks recorded in docs/benchmarks.md"
 	@echo "make lint   - ruff"
 
@@ -41,6 +42,11 @@ $(STAMP): pyproject.toml Makefile
 
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# The quick tier for the edit-test loop: everything but the tests marked slow (training runs,
+# torch.compile and Triton paths, spawned processes). CI runs the full `make test`.
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 # The main job on the embedded offline default: DSQ training on the generated demo corpus, then
 # test BLEU beside the copy-the-source baseline. WANDB_MODE=offline unless you have a login.

@@ -61,6 +61,7 @@ def cache_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("dsq-cache")
 
 
+@pytest.mark.slow
 def test_an_epoch_budget_shows_its_total_and_eta(tmp_path, cache_dir):
     """No train.max_updates: the total comes from the epoch's batches, and the progress line,
     result.json and the validations follow it."""

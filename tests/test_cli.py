@@ -117,6 +117,7 @@ def test_bench_step_unknown_preset_is_one_line_exit_2():
     ]
 
 
+@pytest.mark.slow
 def test_bench_step_json_on_a_tiny_transformer():
     pytest.importorskip("fairseq")
     result = runner.invoke(
@@ -159,6 +160,7 @@ def test_bench_step_unknown_scope_is_one_line_exit_2():
     assert result.output.count("\n") == 1
 
 
+@pytest.mark.slow
 def test_bench_step_prints_its_table():
     pytest.importorskip("fairseq")
     args = ["--presets", "fp32,dsq", "--layers", "1", "--width", "64", "--tokens", "64"]

@@ -11,9 +11,12 @@ from test_packing import edge_tensor, with_nonfinite
 from dsq_cli.formats import parse_format
 from dsq_cli.formats.dispatch import compiled_unavailable_reason
 
-pytestmark = pytest.mark.skipif(
-    compiled_unavailable_reason() is not None, reason=str(compiled_unavailable_reason())
-)
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        compiled_unavailable_reason() is not None, reason=str(compiled_unavailable_reason())
+    ),
+]
 
 # Each format compiles once (a few seconds each on 2 cores): the list covers every code path:
 # word packing (m divides 64, or fits a 64-bit word), the byte gather (odd m > 8), E != 8,

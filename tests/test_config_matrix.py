@@ -31,6 +31,8 @@ from dsq_cli.run_result import RunResult
 from dsq_cli.train import recorder, stop
 from dsq_cli.train.recorder import load_checkpoint
 
+pytestmark = pytest.mark.slow  # trains, compiles or spawns processes (not in make test-fast)
+
 RUNNER = CliRunner()
 PRESETS = sorted(p.stem for p in (CONF_DIR / "quant").glob("*.yaml"))
 FAMILIES = ("translation", "glue")

@@ -20,6 +20,8 @@ from dsq_cli.run_result import RunResult
 from dsq_cli.train import launch, ranks
 from dsq_cli.train.entry import check_devices, spawned_outcome, train
 
+pytestmark = pytest.mark.slow  # trains, compiles or spawns processes (not in make test-fast)
+
 # quant.q1.min_delta=100: no validation counts as an improvement, so the stash rises one level
 # at every validation (patience 1) and the ranks have schedule changes to agree on.
 TWO_RANKS = ["train.distributed_world_size=2", "train.validate_every=2", "quant.q1.min_delta=100"]

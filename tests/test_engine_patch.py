@@ -97,6 +97,7 @@ def test_bfp4_stash_holds_at_most_a_sixth_of_fp32_activation_memory():
     assert held["dsq"] * 6 <= held["fp32"], held
 
 
+@pytest.mark.slow
 def test_stash_scope_all_cuts_held_activations_at_least_4x_on_the_transformer():
     src = torch.randint(4, 200, (16, 20))
     tgt = torch.randint(4, 200, (16, 18))
@@ -125,6 +126,7 @@ def _multi30k_pairs(count: int):
     return pairs
 
 
+@pytest.mark.slow
 def test_dsq_transformer_trains_on_multi30k():
     from fairseq.data import Dictionary
 

@@ -314,6 +314,7 @@ def test_reference_pack_unpack_and_nbytes(case):
             fmt.quantize(x, axis, "stochastic", torch.Generator())
 
 
+@pytest.mark.slow
 @needs_compiled
 @pytest.mark.parametrize("spec", COMPILED_SPECS)
 @budget(20)
@@ -326,6 +327,7 @@ def test_compiled_path_equals_reference(spec, data):
     assert_bitwise_equal(fmt.pack(x, axis).unpack(), fmt.quantize(x, axis), "automatic")
 
 
+@pytest.mark.slow
 @needs_triton
 @budget(150)
 @given(case=cases(all_specs, max_numel=240, device=TRITON_DEVICE), small_tiles=st.booleans())
@@ -360,6 +362,7 @@ def check_stochastic(case: Case, path: str, seed: int) -> None:
     assert_bitwise_equal(packed.unpack(backend=path), want, f"{path} stochastic unpack")
 
 
+@pytest.mark.slow
 @needs_compiled
 @pytest.mark.parametrize("spec", COMPILED_STOCHASTIC_SPECS)
 @budget(10)
@@ -369,6 +372,7 @@ def test_compiled_stochastic_rounding_agrees(spec, data, seed):
     check_stochastic(case, "compiled", seed)
 
 
+@pytest.mark.slow
 @needs_triton
 @budget(80)
 @given(case=cases(quantizer_specs, max_numel=240, device=TRITON_DEVICE), seed=st.integers(0, 2**31))

@@ -21,9 +21,12 @@ from dsq_cli.cli import app
 from dsq_cli.run_result import RunResult
 
 GLUE = SHARED_DATA / "glue"
-pytestmark = pytest.mark.skipif(
-    not (GLUE / "SST-2" / "train.tsv").is_file(), reason=f"GLUE copies not found under {GLUE}"
-)
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not (GLUE / "SST-2" / "train.tsv").is_file(), reason=f"GLUE copies not found under {GLUE}"
+    ),
+]
 RUNNER = CliRunner()
 
 

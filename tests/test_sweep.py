@@ -74,6 +74,7 @@ def test_bad_sweep_options_are_usage_errors(bad, message):
     assert message in result.output
 
 
+@pytest.mark.slow
 def test_a_bad_job_fails_alone_and_a_rerun_skips_finished_jobs(tmp_path, tiny):
     # q1 of the fp32 preset is a single format, so the schedule override is invalid for that
     # job only; the dsq job runs.
@@ -91,6 +92,7 @@ def test_a_bad_job_fails_alone_and_a_rerun_skips_finished_jobs(tmp_path, tiny):
     assert "0 ran and completed, 1 skipped (completed earlier), 1 failed" in again.output
 
 
+@pytest.mark.slow
 def test_joblib_launcher_gives_the_same_results_as_local(tmp_path, tiny):
     local, parallel = tmp_path / "local", tmp_path / "joblib"
     grid = ["quant=dsq", "seed=1,2"]

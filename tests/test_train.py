@@ -20,6 +20,8 @@ from dsq_cli.cli import app
 from dsq_cli.run_result import RunResult
 from dsq_cli.train.recorder import load_checkpoint
 
+pytestmark = pytest.mark.slow  # trains, compiles or spawns processes (not in make test-fast)
+
 RUNNER = CliRunner()
 
 

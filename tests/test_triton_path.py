@@ -24,6 +24,8 @@ import dsq_kernels.bfp as kernels  # noqa: E402
 from dsq_cli.formats import reference as ref  # noqa: E402
 from dsq_cli.formats import triton_path as tp  # noqa: E402
 
+pytestmark = pytest.mark.slow  # trains, compiles or spawns processes (not in make test-fast)
+
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 if not INTERPRET and not torch.cuda.is_available():
     pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1", allow_module_level=True)
