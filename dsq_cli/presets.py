@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 import yaml
@@ -18,6 +19,7 @@ TABLE1_ORDER = (
     "stash_bfp",
     "dsq",
 )
+QUANT_KEYS = ("q0", "q1", "q2", "q3", "stash_scope")
 
 
 def load_quant_preset(name: str) -> dict:
@@ -27,3 +29,33 @@ def load_quant_preset(name: str) -> dict:
         choices = sorted(p.stem for p in (CONF_DIR / "quant").glob("*.yaml"))
         raise ValueError(f"unknown quant preset {name!r}; choose one of {choices}")
     return yaml.safe_load(path.read_text())
+
+
+def _render_point(value) -> str:
+    if isinstance(value, Mapping) and "levels" in value:
+        return ">".join(str(level) for level in value["levels"])
+    if isinstance(value, (list, tuple)):
+        return ">".join(str(v) for v in value)
+    return str(value)
+
+
+def quant_differences(quant: Mapping) -> list[str] | None:
+    """``point=value`` for each quant key of a run (``quant``: the preset name and its points)
+    that differs from the stored preset; None when the preset is not in conf/quant/. A run with
+    differences is not a run of its preset (its own row in Table 1)."""
+    try:
+        stored = load_quant_preset(str(quant["preset"]))
+    except ValueError:
+        return None
+    differences = []
+    for key in QUANT_KEYS:
+        mine, theirs = quant.get(key), stored.get(key)
+        if mine == theirs or (key == "stash_scope" and mine is None):
+            continue
+        if isinstance(mine, Mapping) and isinstance(theirs, Mapping):
+            for sub in sorted(set(mine) | set(theirs)):
+                if mine.get(sub) != theirs.get(sub):
+                    differences.append(f"{key}.{sub}={_render_point(mine.get(sub))}")
+        else:
+            differences.append(f"{key}={_render_point(mine)}")
+    return differences

@@ -18,11 +18,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dsq_cli.presets import TABLE1_ORDER, load_quant_preset
+from dsq_cli.presets import TABLE1_ORDER, quant_differences
 from dsq_cli.run_result import RunResult
 
 FORMATS = ("markdown", "csv", "latex", "json")
-QUANT_KEYS = ("q0", "q1", "q2", "q3", "stash_scope")
 METRIC_LABELS = {
     "bleu": "BLEU",
     "accuracy": "Acc",
@@ -239,35 +238,6 @@ def read_runs(paths: Iterable[str | os.PathLike]) -> tuple[list[Run], list[str]]
             f"({len(warnings)} skipped: {warnings[0] if warnings else ''})"
         )
     return found, warnings
-
-
-def _render_point(value) -> str:
-    if isinstance(value, Mapping) and "levels" in value:
-        return ">".join(str(level) for level in value["levels"])
-    if isinstance(value, (list, tuple)):
-        return ">".join(str(v) for v in value)
-    return str(value)
-
-
-def quant_differences(quant: Mapping) -> list[str] | None:
-    """``point=value`` for each quant key that differs from the stored preset (None when the
-    preset is not in conf/quant/)."""
-    try:
-        stored = load_quant_preset(str(quant["preset"]))
-    except ValueError:
-        return None
-    differences = []
-    for key in QUANT_KEYS:
-        mine, theirs = quant.get(key), stored.get(key)
-        if mine == theirs or (key == "stash_scope" and mine is None):
-            continue
-        if isinstance(mine, Mapping) and isinstance(theirs, Mapping):
-            for sub in sorted(set(mine) | set(theirs)):
-                if mine.get(sub) != theirs.get(sub):
-                    differences.append(f"{key}.{sub}={_render_point(mine.get(sub))}")
-        else:
-            differences.append(f"{key}={_render_point(mine)}")
-    return differences
 
 
 def row_name(quant: Mapping) -> str:

@@ -22,7 +22,7 @@ from dsq_cli.cost import scheduled_cost
 from dsq_cli.engine import GemmRecord, QuantConfig
 from dsq_cli.formats import parse_format
 from dsq_cli.loggers import make_logger
-from dsq_cli.presets import load_quant_preset
+from dsq_cli.presets import quant_differences
 from dsq_cli.run_config import RunConfig
 from dsq_cli.run_result import RunResult, unpriced
 
@@ -146,7 +146,11 @@ def started_result(cfg: RunConfig, data, device: str, resumed: bool) -> RunResul
         task=cfg.task.name,
         model=cfg.model["name"],
         seed=cfg.seed,
-        quant={"preset": preset, **points, "modified": quant_modified(preset, points)},
+        quant={
+            "preset": preset,
+            **points,
+            "modified": quant_differences({"preset": preset, **points}) != [],
+        },
         metric=cfg.task.metric,
         cost=unpriced(COST_BASELINE),
         versions=runs.versions(),
@@ -196,13 +200,3 @@ def stash_bits_mean(segments: list) -> float | None:
         return None
     bits = sum(parse_format(points["q1"]).bits_per_value * n for points, n in segments)
     return bits / total
-
-
-def quant_modified(preset: str, points: dict) -> bool:
-    """Whether the run's points differ from the stored preset (a run of ``quant=dsq
-    quant.q1=bfp3`` is not a ``dsq`` run in Table 1)."""
-    try:
-        stored = load_quant_preset(preset)
-    except ValueError:
-        return True
-    return any(stored.get(k) != v for k, v in points.items() if k != "modified")
