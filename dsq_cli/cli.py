@@ -292,7 +292,7 @@ def _roberta_base_data(overrides: list[str]) -> None:
 
     cfg = compose(["task=sst2", "model=roberta_base", *overrides])
     folder = cfg.model.checkpoint
-    if folder is not None and Path(str(folder)).is_dir():
+    if folder is not None and Path(folder).is_dir():
         typer.echo(f"roberta_base: {check_available(cfg.model)} (model.pt, dict.txt, BPE files)")
         return
     raise ValueError(
@@ -419,7 +419,7 @@ def cost_cmd(
             "update recorded (dsq table shows them)"
         )
     tweaked = [o for o in overrides or [] if o.lstrip("+~").startswith("quant.")]
-    quant_name = str(cfg.choices.quant) + (f" ({' '.join(tweaked)})" if tweaked else "")
+    quant_name = cfg.choices.quant + (f" ({' '.join(tweaked)})" if tweaked else "")
     report = cost_report(
         OmegaConf.to_container(cfg.model, resolve=True),
         OmegaConf.to_container(cfg.quant, resolve=True),
@@ -429,7 +429,7 @@ def cost_cmd(
         tokens=tokens,
         src_len=src_len,
         tgt_len=tgt_len,
-        vocab=int(cfg.data.vocab_size) if vocab is None else vocab,
+        vocab=cfg.data.vocab_size if vocab is None else vocab,
         vocab_from=(
             f"task {cfg.choices.task}'s data.vocab_size; --vocab N to change"
             if vocab is None

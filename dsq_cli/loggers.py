@@ -10,8 +10,12 @@ import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dsq_cli import runs
+
+if TYPE_CHECKING:
+    from dsq_cli.run_config import LoggerConfig
 
 log = logging.getLogger(__name__)
 LOGGERS: dict[str, type] = {}
@@ -29,7 +33,7 @@ def register_logger(name: str):
 class NoLogger:
     """Writes nothing beyond the run directory."""
 
-    def __init__(self, cfg, run_dir: Path, config: Mapping):
+    def __init__(self, cfg: LoggerConfig, run_dir: Path, config: Mapping):
         pass
 
     def log(self, record: Mapping) -> None:
@@ -80,16 +84,16 @@ class WandbLogger:
     """Config, losses, learning rate, bits per point (as numbers), schedule events, final metrics
     and the cost summary. Files go under the run directory (``RUN/wandb``)."""
 
-    def __init__(self, cfg, run_dir: Path, config: Mapping):
+    def __init__(self, cfg: LoggerConfig, run_dir: Path, config: Mapping):
         import wandb
 
         self.wandb = wandb
-        mode = wandb_mode(str(cfg.mode))
+        mode = wandb_mode(cfg.mode or "auto")
         self.run = wandb.init(
-            project=str(cfg.project),
+            project=cfg.project,  # null: wandb's default project
             entity=cfg.entity,
             group=cfg.group,
-            tags=list(cfg.tags or []),
+            tags=list(cfg.tags),
             name=run_dir.name,
             dir=str(run_dir),
             config=runs.scrub_secrets(dict(config)),  # no secrets in wandb (docs/spec.md §7)
@@ -131,8 +135,8 @@ def _bits_as_numbers(bits, prefix: str) -> dict:
     return {f"{prefix}_{p}": parse_format(spec).bits_per_value for p, spec in bits.items()}
 
 
-def make_logger(cfg, run_dir: Path, config: Mapping):
-    name = str(cfg.name)
+def make_logger(cfg: LoggerConfig, run_dir: Path, config: Mapping):
+    name = cfg.name
     if name not in LOGGERS:
         raise ValueError(f"unknown logger {name!r}; choose one of {sorted(LOGGERS)}")
     return LOGGERS[name](cfg, run_dir, config)

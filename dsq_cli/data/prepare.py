@@ -19,10 +19,14 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .download import built_in_place
 from .raw import SPLITS, ParallelSplit, write_lines
 from .tasks import get_task
+
+if TYPE_CHECKING:
+    from dsq_cli.run_config import RunConfig
 
 log = logging.getLogger(__name__)
 PREPARE_VERSION = 1  # bump when the prepared layout changes, so old caches are not trusted
@@ -50,22 +54,22 @@ class PreparedData:
         return self.path / f"{split}.raw.{self.src if side == 'src' else self.tgt}"
 
 
-def cache_key(cfg, task_fingerprint: str) -> str:
+def cache_key(cfg: RunConfig, task_fingerprint: str) -> str:
     settings = {
         "version": PREPARE_VERSION,
         "task": task_fingerprint,
         "subset": cfg.data.subset,
-        "vocab_size": int(cfg.data.vocab_size),
-        "spm_model": str(cfg.data.spm_model),
+        "vocab_size": cfg.data.vocab_size,
+        "spm_model": cfg.data.spm_model,
     }
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def prepare(cfg, *, quiet: bool = False) -> PreparedData:
+def prepare(cfg: RunConfig, *, quiet: bool = False) -> PreparedData:
     """The prepared data of ``cfg.task``, built now if the cache does not hold it yet."""
-    task = get_task(str(cfg.task.name), cfg)
+    task = get_task(cfg.task.name, cfg)
     key = cache_key(cfg, task.fingerprint())
-    root = Path(str(cfg.data.cache_dir)).expanduser() / "prepared"
+    root = Path(cfg.data.cache_dir).expanduser() / "prepared"
     final = root / f"{task.name}-{key}"
     manifest_path = final / "manifest.json"
     if manifest_path.is_file():
@@ -74,7 +78,7 @@ def prepare(cfg, *, quiet: bool = False) -> PreparedData:
     splits = task.load()  # reads and checks the raw text before anything is written
     if cfg.data.subset is not None:
         train = splits["train"]
-        n = int(cfg.data.subset)
+        n = cfg.data.subset
         splits["train"] = ParallelSplit(train.src[:n], train.tgt[:n], train.dropped_blank)
     # the rename into place is the commit point; a copy that lost the race is dropped
     with built_in_place(final, manifest_path.name) as (building, _scratch):
@@ -86,7 +90,7 @@ def prepare(cfg, *, quiet: bool = False) -> PreparedData:
     return PreparedData(final, task.src, task.tgt, json.loads(manifest_path.read_text()))
 
 
-def _build(out: Path, splits: dict[str, ParallelSplit], src: str, tgt: str, cfg) -> dict:
+def _build(out: Path, splits: dict[str, ParallelSplit], src: str, tgt: str, cfg: RunConfig) -> dict:
     import sentencepiece as spm
 
     for split, data in splits.items():
@@ -99,8 +103,8 @@ def _build(out: Path, splits: dict[str, ParallelSplit], src: str, tgt: str, cfg)
     spm.SentencePieceTrainer.train(
         input=str(joint),
         model_prefix=str(out / "spm"),
-        vocab_size=int(cfg.data.vocab_size),
-        model_type=str(cfg.data.spm_model),
+        vocab_size=cfg.data.vocab_size,
+        model_type=cfg.data.spm_model,
         character_coverage=1.0,
         hard_vocab_limit=False,  # a small subset may not support the full vocabulary size
         num_threads=1,  # deterministic pieces

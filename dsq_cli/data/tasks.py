@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 from .raw import SPLITS, DataError, ParallelSplit, find_file, read_parallel
 
 if TYPE_CHECKING:
+    from dsq_cli.run_config import RunConfig
+
     from .download import DownloadError
 
 TASKS: dict[str, type[TranslationTask]] = {}
@@ -28,7 +30,7 @@ def register_task(name: str) -> Callable[[type], type]:
     return add
 
 
-def get_task(name: str, cfg) -> TranslationTask:
+def get_task(name: str, cfg: RunConfig) -> TranslationTask:
     if name not in TASKS:
         raise DataError(f"unknown translation task {name!r}; choose one of {sorted(TASKS)}")
     return TASKS[name](cfg)
@@ -49,15 +51,21 @@ class TranslationTask:
     # split -> file stem in the raw directory (a task may use other names, e.g. val).
     split_stems = {split: split for split in SPLITS}
 
-    def __init__(self, cfg):
+    def __init__(self, cfg: RunConfig):
+        if cfg.task.src is None or cfg.task.tgt is None:
+            raise DataError(
+                f"task {self.name} needs task.src and task.tgt (the language suffixes), "
+                f"got {cfg.task.src!r} and {cfg.task.tgt!r}"
+            )
         self.cfg = cfg
-        self.src, self.tgt = str(cfg.task.src), str(cfg.task.tgt)
+        self.src: str = cfg.task.src
+        self.tgt: str = cfg.task.tgt
 
     def raw_dir(self) -> Path:
         """The directory holding ``{stem}.{lang}[.gz]``: data.raw_dir, else the download."""
         if self.cfg.data.raw_dir is None:
             return self.download()
-        path = Path(str(self.cfg.data.raw_dir)).expanduser()
+        path = Path(self.cfg.data.raw_dir).expanduser()
         if not path.is_dir():
             raise DataError(
                 f"data.raw_dir={self.cfg.data.raw_dir} does not exist or is not a directory; "
@@ -113,7 +121,7 @@ class Demo(TranslationTask):
         from . import demo
 
         sizes = self.cfg.task.sizes
-        return {split: ParallelSplit(*demo.generate(split, int(sizes[split]))) for split in SPLITS}
+        return {split: ParallelSplit(*demo.generate(split, sizes[split])) for split in SPLITS}
 
 
 class Downloaded(TranslationTask):
@@ -121,7 +129,7 @@ class Downloaded(TranslationTask):
     given."""
 
     def download_dir(self) -> Path:
-        return Path(str(self.cfg.data.cache_dir)).expanduser() / "downloads" / self.name
+        return Path(self.cfg.data.cache_dir).expanduser() / "downloads" / self.name
 
     def offline_hint(self) -> str:
         return (
@@ -179,7 +187,7 @@ class _Official(Downloaded):
         from .sources import prepare_raw
 
         try:
-            return Path(prepare_raw(self.name, Path(str(self.cfg.data.cache_dir)).expanduser()))
+            return Path(prepare_raw(self.name, Path(self.cfg.data.cache_dir).expanduser()))
         except DownloadError as err:
             raise self.download_failed(err) from None
 

@@ -39,7 +39,7 @@ import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .bert_weights import bert_state_to_fairseq, load_exactly, minilm_dictionary
 from .errors import EncoderError
@@ -79,7 +79,9 @@ class Encoder:
     head_name: str = HEAD_NAME
 
 
-EncoderBuilder = Callable[..., Encoder]  # (model_cfg, num_classes) -> Encoder
+# The ``model`` node of the run config (``RunConfig.model``, an open mapping typed by the YAML).
+ModelConfig = Mapping[str, Any]
+EncoderBuilder = Callable[[ModelConfig, int], Encoder]  # (model_cfg, num_classes) -> Encoder
 ENCODERS: dict[str, EncoderBuilder] = {}
 
 
@@ -95,14 +97,14 @@ def register_encoder(name: str) -> Callable[[EncoderBuilder], EncoderBuilder]:
     return register
 
 
-def build_encoder(model_cfg, num_classes: int) -> Encoder:
+def build_encoder(model_cfg: ModelConfig, num_classes: int) -> Encoder:
     """The encoder ``model_cfg.name`` with a ``"glue"`` head of ``num_classes`` outputs (1: a
     regression). ``model_cfg``: the ``model`` node of the config (or a plain mapping)."""
     from omegaconf import OmegaConf
 
     if not OmegaConf.is_config(model_cfg):
         model_cfg = OmegaConf.create(dict(model_cfg))
-    name = str(_required(model_cfg, "name"))
+    name = _required(model_cfg, "name")
     if name not in ENCODERS:
         raise EncoderError(
             f"model {name} is not a GLUE encoder; the encoders are {sorted(ENCODERS)}"
@@ -117,13 +119,13 @@ def build_encoder(model_cfg, num_classes: int) -> Encoder:
     return ENCODERS[name](model_cfg, num_classes)
 
 
-def quantize_exclude(model_cfg) -> list[str]:
+def quantize_exclude(model_cfg: ModelConfig) -> list[str]:
     """``exclude`` patterns for ``quantize_model``: the head stays in fp32 unless
     ``model.quantize_head``."""
-    return [] if bool(_required(model_cfg, "quantize_head")) else ["classification_heads.*"]
+    return [] if _required(model_cfg, "quantize_head") else ["classification_heads.*"]
 
 
-def _required(model_cfg, key: str):
+def _required(model_cfg: ModelConfig, key: str) -> Any:
     if key not in model_cfg:
         raise EncoderError(
             f"model.{key} is missing from the config of model {model_cfg.get('name')}"
@@ -131,14 +133,14 @@ def _required(model_cfg, key: str):
     return model_cfg[key]
 
 
-def _max_positions(model_cfg) -> int:
+def _max_positions(model_cfg: ModelConfig) -> int:
     value = int(_required(model_cfg, "max_positions"))
     if value < 1:
         raise EncoderError(f"model.max_positions must be positive, got {value}")
     return value
 
 
-def _dropouts(model_cfg) -> dict[str, float]:
+def _dropouts(model_cfg: ModelConfig) -> dict[str, float]:
     keys = ("dropout", "attention_dropout", "activation_dropout", "pooler_dropout")
     return {key: float(_required(model_cfg, key)) for key in keys}
 
@@ -183,7 +185,7 @@ def _minilm_config(folder: Path) -> dict:
 
 
 @register_encoder("minilm")
-def build_minilm(model_cfg, num_classes: int) -> Encoder:
+def build_minilm(model_cfg: ModelConfig, num_classes: int) -> Encoder:
     """all-MiniLM-L6-v2's BERT weights on fairseq's RoBERTa encoder (see the module docstring)."""
     from fairseq.models.roberta import base_architecture
     from safetensors.torch import load_file
@@ -252,13 +254,13 @@ def roberta_base_download_hint(folder: str | Path) -> str:
     )
 
 
-def roberta_base_folder(model_cfg) -> Path:
+def roberta_base_folder(model_cfg: ModelConfig) -> Path:
     """``model.checkpoint``, checked to hold the four files of the release."""
     checkpoint = _required(model_cfg, "checkpoint")
     fix = "fetch it as `dsq data roberta_base` prints, then set model.checkpoint=DIR"
     if checkpoint is None:
         raise EncoderError(f"roberta_base needs model.checkpoint: {fix}")
-    folder = Path(str(checkpoint)).expanduser()
+    folder = Path(checkpoint).expanduser()
     for name in ROBERTA_BASE_FILES:
         if not (folder / name).is_file():
             raise EncoderError(
@@ -268,18 +270,19 @@ def roberta_base_folder(model_cfg) -> Path:
     return folder
 
 
-def check_available(model_cfg) -> str:
+def check_available(model_cfg: ModelConfig) -> str:
     """Where ``model_cfg``'s weights (or vocabulary) will come from, checked before a run starts
     (EncoderError, a usage error, when they are not there)."""
-    if str(model_cfg.name) == "roberta_base":
+    name = model_cfg["name"]
+    if name == "roberta_base":
         return str(roberta_base_folder(model_cfg))
-    if str(model_cfg.name) not in ENCODERS:
-        raise EncoderError(f"unknown encoder {model_cfg.name!r}; known: {sorted(ENCODERS)}")
+    if name not in ENCODERS:
+        raise EncoderError(f"unknown encoder {name!r}; known: {sorted(ENCODERS)}")
     return str(minilm_folder())  # minilm's weights; roberta_tiny's WordPiece vocabulary
 
 
 @register_encoder("roberta_base")
-def build_roberta_base(model_cfg, num_classes: int) -> Encoder:
+def build_roberta_base(model_cfg: ModelConfig, num_classes: int) -> Encoder:
     """fairseq's released RoBERTa from ``model.checkpoint`` (see the module docstring)."""
     from fairseq.data import Dictionary
 
@@ -332,7 +335,7 @@ def build_roberta_base(model_cfg, num_classes: int) -> Encoder:
 
 
 @register_encoder("roberta_tiny")
-def build_roberta_tiny(model_cfg, num_classes: int) -> Encoder:
+def build_roberta_tiny(model_cfg: ModelConfig, num_classes: int) -> Encoder:
     """A small RoBERTa from scratch (random init: the caller seeds torch), with MiniLM's
     WordPiece dictionary and tokenizer so that it needs no download."""
     from fairseq.models.roberta import base_architecture

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from omegaconf import OmegaConf
 
@@ -12,6 +13,9 @@ from ..raw import DataError
 from .prepare import prepare_glue
 from .reader import GlueExample, read_examples
 from .tasks import GlueTask, get_glue_task
+
+if TYPE_CHECKING:
+    from dsq_cli.run_config import RunConfig
 
 
 @dataclass
@@ -35,21 +39,21 @@ def _subset(value) -> int | None:
     return value
 
 
-def load_glue(cfg) -> GlueData:
+def load_glue(cfg: RunConfig) -> GlueData:
     """The training and dev examples of ``cfg.task.name`` from ``cfg.data.raw_dir``, or from
     the download in ``cfg.data.cache_dir`` when raw_dir is null; ``cfg.data.subset=N`` keeps
     the first N training examples in file order."""
-    task = get_glue_task(str(cfg.task.name))
+    task = get_glue_task(cfg.task.name)
     raw_dir = OmegaConf.select(cfg, "data.raw_dir", default=None)
     subset = _subset(OmegaConf.select(cfg, "data.subset", default=None))
     if raw_dir is None:
         cache_dir = OmegaConf.select(cfg, "data.cache_dir", default=None)
         if cache_dir is None:
             raise DataError(f"task {task.name} needs data.raw_dir or data.cache_dir")
-        directory = prepare_glue(task, Path(str(cache_dir)).expanduser())
+        directory = prepare_glue(task, Path(cache_dir).expanduser())
         where = str(directory)
     else:
-        directory = Path(str(raw_dir)).expanduser()
+        directory = Path(raw_dir).expanduser()
         where = f"data.raw_dir={raw_dir}"
         if not directory.is_dir():
             raise DataError(
