@@ -23,6 +23,8 @@ from omegaconf.errors import (
     ValidationError,
 )
 
+from dsq_cli.data.glue import get_glue_task
+from dsq_cli.data.tasks import TASKS
 from dsq_cli.presets import CONF_DIR
 from dsq_cli.run_config import MODEL_FAMILIES, TASK_FAMILIES, RunConfig, expects
 
@@ -281,8 +283,6 @@ def _task_file(cfg: DictConfig) -> str:
 
 def _check_task_family(cfg: DictConfig) -> None:
     """task.family names the registry the task's name is in: GLUE tasks or translation tasks."""
-    from dsq_cli.data.glue import get_glue_task
-    from dsq_cli.data.tasks import TASKS
 
     name, family = cfg.task.name, cfg.task.family
     if family not in TASK_FAMILIES:
@@ -309,8 +309,6 @@ def _check_task_metric(cfg: DictConfig) -> None:
     """task.metric (result.json's ``value``) is what the task's trainer reports first."""
     name, metric = cfg.task.name, cfg.task.metric
     if cfg.task.family == "glue":
-        from dsq_cli.data.glue import get_glue_task
-
         reported = get_glue_task(name).metric
         if metric != reported:
             raise ConfigError(

@@ -134,10 +134,10 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     run: RunDirConfig = field(default_factory=RunDirConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
-    task: TaskConfig = field(default_factory=TaskConfig)
     # conf/model/: keys differ between families (fairseq arch and sizes, or an encoder's
     # builder); `name` (the file's builder) is required, `family` is encoder or absent.
     model: dict[str, Any] = field(default_factory=dict)
+    task: TaskConfig = field(default_factory=TaskConfig)
     # conf/quant/: q0..q3 and stash_scope; validated by dsq_cli.engine.QuantConfig.from_dict.
     quant: Any = None
     logger: LoggerConfig = field(default_factory=LoggerConfig)

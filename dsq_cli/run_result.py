@@ -116,13 +116,16 @@ class RunResult:
             raise ValueError(f"unreadable ({err})") from None
         return cls.from_dict(record)
 
-    @classmethod
-    def status_of(cls, run_dir: Path) -> str | None:
-        """The status a run directory's result.json records (None: none, or unreadable)."""
+    @staticmethod
+    def status_of(run_dir: Path) -> str | None:
+        """The status a run directory's result.json records (None: none, or unreadable). Only
+        the status is read: a finished run is finished even if other fields are malformed."""
         try:
-            return cls.read(run_dir).status
-        except ValueError:
+            record = json.loads((Path(run_dir) / FILENAME).read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
             return None
+        status = record.get("status") if isinstance(record, Mapping) else None
+        return status if isinstance(status, str) else None
 
     # -- validation -------------------------------------------------------------------------
     @staticmethod
@@ -140,12 +143,12 @@ class RunResult:
         quant = record.get("quant")
         if isinstance(quant, Mapping):
             problems += [f"quant lacks {k!r}" for k in ("preset", *POINTS) if k not in quant]
-        elif quant is not None:
+        elif "quant" in record:
             problems.append("quant must be a mapping with the preset name and the four points")
         cost = record.get("cost")
         if isinstance(cost, Mapping):
             problems += [f"cost lacks {k!r}" for k in COST_KEYS if k not in cost]
-        elif cost is not None:
+        elif "cost" in record:
             problems.append("cost must be a mapping with arith_ratio, dram_ratio and baseline")
         if problems or status != "completed":
             return problems

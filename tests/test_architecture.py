@@ -16,12 +16,21 @@ LAYERS = [
     ("studies", ["dsq_cli.sweep"]),
     ("train", ["dsq_cli.train"]),
     ("reporting", ["dsq_cli.table", "dsq_cli.plots", "dsq_cli.bench", "dsq_cli.loggers"]),
-    ("config", ["dsq_cli.config", "dsq_cli.run_config"]),
+    ("config", ["dsq_cli.config"]),
     ("data and models", ["dsq_cli.data", "dsq_cli.models"]),
     ("cost", ["dsq_cli.cost"]),
     ("engine", ["dsq_cli.engine"]),
     ("formats", ["dsq_cli.formats"]),
-    ("files", ["dsq_cli.presets", "dsq_cli.run_result", "dsq_cli.runs", "dsq_cli.atomic_files"]),
+    (
+        "files",
+        [
+            "dsq_cli.run_config",
+            "dsq_cli.presets",
+            "dsq_cli.run_result",
+            "dsq_cli.runs",
+            "dsq_cli.atomic_files",
+        ],
+    ),  # fmt: skip
     ("root", ["dsq_cli"]),
 ]
 # Inside train/: the launcher and the rank helpers import nothing above them.

@@ -226,3 +226,22 @@ def test_a_bad_type_on_the_command_line_exits_2_with_one_line(tmp_path):
     assert "train.max_updates must be a non-negative integer, got 'abc'" in result.output
     assert result.output.count("\n") == 1
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_run_from_before_task_family_resumes_once_told_its_family(tmp_path):
+    from dsq_cli.train import load_resume
+    from dsq_cli.train.recorder import save_checkpoint
+
+    plain = to_plain(compose(["task=demo", f"run.root={tmp_path}"]))
+    del plain["task"]["family"]
+    run = tmp_path / "old-run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.yaml").write_text(yaml.safe_dump(plain))
+    save_checkpoint(run / "checkpoints" / "checkpoint_last.pt", {"num_updates": 3})
+    with pytest.raises(ConfigError, match="predates task.family; .*add task.family=translation"):
+        load_resume(str(run), [f"resume={run}"])
+    cfg, path, state = load_resume(str(run), [f"resume={run}", "task.family=translation"])
+    assert cfg.task.family == "translation" and path == run and state["num_updates"] == 3
+    assert yaml.safe_load((run / "config.yaml").read_text())["task"]["family"] == "translation"
+    with pytest.raises(ConfigError, match="task.family cannot change"):  # now it is stored
+        load_resume(str(run), ["task.family=glue"])

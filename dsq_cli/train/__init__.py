@@ -8,7 +8,8 @@ The layers, each importing only those below it (docs/architecture.md):
     families     task.family -> data preparation and trainer
     translation, glue   the two trainers, filling in
     loop         the training loop both share (`Trainer`)
-    budget, recorder, progress_line, stop, ranks, loggers, fairseq_compat   what the loop uses
+    glue_metrics   the GLUE dev metrics
+    budget, recorder, progress_line, stop, ranks, fairseq_compat   what the loop uses
 """
 
 from .entry import load_resume, prepare_data, train

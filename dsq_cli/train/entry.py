@@ -83,9 +83,10 @@ def train(cfg: RunConfig, *, resume: tuple[Path, dict] | None = None) -> Outcome
     run_dir, state = _open_run_dir(cfg, resume)
     resumed = resume is not None
     if world_size > 1:
+        started = started_result(cfg, data, device, resumed)  # stands in if rank 0 writes none
         codes = launch.spawn(world_size, device, run_spawned_rank,
                              (cfg, str(run_dir), resumed, device))  # fmt: skip
-        return spawned_outcome(run_dir, codes, started_result(cfg, data, device, resumed))
+        return spawned_outcome(run_dir, codes, started)
     return run_rank(cfg, run_dir, device=device, resumed=resumed, data=data, state=state)
 
 
@@ -165,6 +166,9 @@ def spawned_outcome(run_dir: Path, codes: dict[int, int | None], started: RunRes
 # What a run is made of: its group choices and these keys (the model and data its checkpoint
 # holds, the seed of its batch order and dropout, its directory) cannot change on resume.
 FIXED_ON_RESUME = ("seed", "task", "model", "data", "run", "choices")
+# Keys a run directory written by an older dsq lacks; resume may add them.
+ADDABLE_ON_RESUME = ("task.family",)
+UNSET = "<unset>"
 
 
 def load_resume(run_dir: str, overrides: list[str]) -> tuple[RunConfig, Path, dict]:
@@ -182,12 +186,16 @@ def load_resume(run_dir: str, overrides: list[str]) -> tuple[RunConfig, Path, di
             "first checkpoint); start it again instead"
         )
     stored = OmegaConf.load(config_path)
-    OmegaConf.set_struct(stored, True)
     extra = _resume_overrides(stored, [o for o in overrides if not o.startswith("resume=")])
-    try:
+    try:  # unknown keys are refused by the schema (`typed`), with the keys that exist
         merged = OmegaConf.merge(stored, OmegaConf.from_dotlist(extra))
     except Exception as err:
         raise ConfigError(f"resume: bad override: {str(err).splitlines()[0]}") from None
+    if OmegaConf.select(merged, "task.family") is None:
+        raise ConfigError(
+            f"resume={run_dir}: its config.yaml predates task.family; say which trainer it "
+            "needs: add task.family=translation (or task.family=glue for a GLUE task)"
+        )
     cfg = typed(merged)
     if extra:  # config.yaml stays the fully resolved config the run actually uses
         write_atomic(config_path, config_yaml(cfg))
@@ -210,7 +218,10 @@ def _resume_overrides(cfg: DictConfig, overrides: list[str]) -> list[str]:
                 f"{plain_key}= cannot change (start a new run)"
             )
         if plain_key.split(".")[0] in FIXED_ON_RESUME:
-            stored = OmegaConf.select(cfg, plain_key, default="<unset>")
+            stored = OmegaConf.select(cfg, plain_key, default=UNSET)
+            if key == plain_key and sep and stored is UNSET and plain_key in ADDABLE_ON_RESUME:
+                kept.append(override)  # a key the stored config predates: adding it changes nothing
+                continue
             if key == plain_key and sep and _same_value(override, plain_key, stored):
                 continue
             raise ConfigError(

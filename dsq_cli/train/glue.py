@@ -210,7 +210,7 @@ class GlueTrainer(Trainer):
         self.model.train()
         return total / max(1, len(self.dev_set)), compute_metrics(self.task, predictions, labels)
 
-    def validation(self) -> tuple[float, dict]:
+    def validation_loss(self) -> tuple[float, dict]:
         valid_loss, scores = self.dev_scores()
         self.progress["last_dev"] = {"update": self.updates, **scores}
         best = self.progress["best_dev"]

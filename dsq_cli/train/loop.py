@@ -16,7 +16,7 @@ A trainer subclass provides the model, its data order and its update:
 
     batches()            -> (batch, end_of_epoch) for every update left in the budget
     train_step(batch)    -> (loss, extra train-record fields); counts the update
-    validation()         -> (validation loss, extra valid-record fields)
+    validation_loss()    -> (validation loss, extra valid-record fields)
     lr()                 -> the learning rate in force
     own_state() / load_own_state(state)   optimizer, lr schedule, data position
     trained_model()      -> the model without any data-parallel wrapper
@@ -96,7 +96,7 @@ class Trainer(ABC):
         """One update on ``batch``; its loss and extra fields for the train record."""
 
     @abstractmethod
-    def validation(self) -> tuple[float, dict]:
+    def validation_loss(self) -> tuple[float, dict]:
         """The validation loss of the model as it is now, and extra fields for its record."""
 
     @abstractmethod
@@ -220,7 +220,7 @@ class Trainer(ABC):
     def validate(self, step_schedule: bool) -> float:
         """Book a validation: best/last loss, the DSQ schedule step (the new formats apply from
         the next update), the metrics line and one schedule.jsonl line per precision change."""
-        valid_loss, record = self.validation()
+        valid_loss, record = self.validation_loss()
         if not math.isfinite(valid_loss):
             raise Diverged(f"validation loss is {valid_loss} at update {self.updates}")
         best = self.progress["best_valid_loss"]

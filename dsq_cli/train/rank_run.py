@@ -67,15 +67,15 @@ def run_rank(
         data = family_of(cfg).prepare(cfg)
     if state is None and resumed:
         state = load_checkpoint(run_dir / "checkpoints" / "checkpoint_last.pt")
+    started = started_result(cfg, data, device, resumed)
     if not rank.is_main:
         with run_log(run_dir / f"train.rank{rank.rank}.log"):
-            started = started_result(cfg, data, device, resumed)
             return _train_and_evaluate(cfg, data, device, QuietRecorder(run_dir), state,
                                        started, rank)  # fmt: skip
+    started = started_result(cfg, data, device, resumed)
     with run_log(run_dir / "train.log"):
         experiment = make_logger(cfg.logger, run_dir, to_plain(cfg))
         recorder = RunRecorder(run_dir, experiment)
-        started = started_result(cfg, data, device, resumed)
         recorder.result(started)
         outcome = _train_and_evaluate(cfg, data, device, recorder, state, started, rank)
         experiment.summary(outcome.result.summary())

@@ -133,48 +133,48 @@ class TranslationTrainer(Trainer):
         log.info(self.patch_report.summary())
         for split in ("valid", self.eval_cfg.split):
             self.task.load_dataset(split, combine=False, epoch=1)
-        self.trainer = FairseqTrainer(self.fs_cfg, self.task, self.model, self.criterion)
+        self.fairseq_trainer = FairseqTrainer(self.fs_cfg, self.task, self.model, self.criterion)
         # The first epoch's batches give the updates per epoch, hence the budget; fairseq builds
         # its lr scheduler lazily, after this, with the planned warmup.
-        self.epoch_itr = self.trainer.get_train_iterator(epoch=1, load_dataset=True)
-        self._iterator_fresh = True  # lr_step(1) is due before the first update
+        self.epoch_itr = self.fairseq_trainer.get_train_iterator(epoch=1, load_dataset=True)
+        self._lr_step_due = True  # a fresh start: lr_step(1) before the first update
         update_freq = self.train_cfg.update_freq
         budget = self.plan(-(-len(self.epoch_itr) // update_freq))
         with open_dict(self.fs_cfg):
             self.fs_cfg.lr_scheduler.warmup_updates = budget.warmup_updates
 
     def trained_model(self):
-        return self.trainer.get_model()
+        return self.fairseq_trainer.get_model()
 
     @property
     def updates(self) -> int:
-        return self.trainer.get_num_updates()
+        return self.fairseq_trainer.get_num_updates()
 
     @property
     def epoch(self) -> int:
         return self.epoch_itr.epoch
 
     def lr(self) -> float:
-        return self.trainer.get_lr()
+        return self.fairseq_trainer.get_lr()
 
     # -- state --------------------------------------------------------------------------------
     def own_state(self) -> dict:
         return {
-            "optimizer": self.trainer.optimizer.state_dict(),
-            "lr_scheduler": self.trainer.lr_scheduler.state_dict(),
+            "optimizer": self.fairseq_trainer.optimizer.state_dict(),
+            "lr_scheduler": self.fairseq_trainer.lr_scheduler.state_dict(),
             "epoch_iterator": self.epoch_itr.state_dict(),
         }
 
     def load_own_state(self, state: dict) -> None:
-        self.trainer.optimizer.load_state_dict(state["optimizer"])
-        self.trainer.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        self.trainer.set_num_updates(state["num_updates"])
+        self.fairseq_trainer.optimizer.load_state_dict(state["optimizer"])
+        self.fairseq_trainer.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        self.fairseq_trainer.set_num_updates(state["num_updates"])
         itr_state = state["epoch_iterator"]
-        self.epoch_itr = self.trainer.get_train_iterator(
+        self.epoch_itr = self.fairseq_trainer.get_train_iterator(
             epoch=itr_state["epoch"], load_dataset=True
         )
         self.epoch_itr.load_state_dict(itr_state)
-        self._iterator_fresh = False
+        self._lr_step_due = False
 
     # -- the update ---------------------------------------------------------------------------
     def training_context(self):
@@ -185,27 +185,27 @@ class TranslationTrainer(Trainer):
         steps at each epoch's end (fairseq's own order)."""
         from fairseq.data import iterators
 
-        if self._iterator_fresh:  # the first epoch's iterator is the one the budget was planned on
-            self.trainer.lr_step(self.epoch_itr.epoch)
+        if self._lr_step_due:  # the first epoch's iterator is the one the budget was planned on
+            self.fairseq_trainer.lr_step(self.epoch_itr.epoch)
         while self.budget_left():
             epoch_batches = iterators.GroupedIterator(
                 self.epoch_itr.next_epoch_itr(shuffle=True), self.train_cfg.update_freq
             )
-            self.trainer.begin_epoch(self.epoch_itr.epoch)
+            self.fairseq_trainer.begin_epoch(self.epoch_itr.epoch)
             for samples in epoch_batches:
                 yield samples, not epoch_batches.has_next()
                 if not self.budget_left():
                     break
-            self.trainer.lr_step(self.epoch_itr.epoch, self.progress["last_valid_loss"])
+            self.fairseq_trainer.lr_step(self.epoch_itr.epoch, self.progress["last_valid_loss"])
             if not self.epoch_itr.end_of_epoch():
                 break  # stopped by the update budget mid-epoch
-            self.epoch_itr = self.trainer.get_train_iterator(
+            self.epoch_itr = self.fairseq_trainer.get_train_iterator(
                 self.epoch_itr.next_epoch_idx, load_dataset=False
             )
 
     def train_step(self, samples) -> tuple[float, dict]:
         try:
-            logging_output = self.trainer.train_step(samples)
+            logging_output = self.fairseq_trainer.train_step(samples)
         except FloatingPointError as err:  # fairseq: NaN/Inf gradients
             self._drop_fairseq_crash_file()
             raise Diverged(f"non-finite gradients at update {self.updates + 1}: {err}") from None
@@ -219,13 +219,13 @@ class TranslationTrainer(Trainer):
         # is the one to keep, so the run directory holds one kind of checkpoint only.
         (self.recorder.checkpoint_dir / "crash.pt").unlink(missing_ok=True)
 
-    def validation(self) -> tuple[float, dict]:
+    def validation_loss(self) -> tuple[float, dict]:
         from fairseq.logging import metrics
 
-        itr = self.trainer.get_valid_iterator("valid").next_epoch_itr(shuffle=False)
+        itr = self.fairseq_trainer.get_valid_iterator("valid").next_epoch_itr(shuffle=False)
         with metrics.aggregate(new_root=True) as agg:
             for sample in itr:
-                self.trainer.valid_step(sample)
+                self.fairseq_trainer.valid_step(sample)
         stats = agg.get_smoothed_values()
         # fairseq all-reduces the loss over the ranks' shards of the validation set; rank 0's
         # value is broadcast anyway, so that the schedule sees the very same float everywhere.
@@ -247,7 +247,7 @@ class TranslationTrainer(Trainer):
 
         split = self.eval_cfg.split
         processor = spm.SentencePieceProcessor(model_file=str(self.data.spm_model))
-        model = self.trainer.get_model()
+        model = self.fairseq_trainer.get_model()
         model.eval()
         generator = self.task.build_generator([model], self.fs_cfg.generation)
         itr = self.task.get_batch_iterator(
