@@ -17,6 +17,7 @@ import dataclasses
 import re
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Union
 
@@ -122,6 +123,11 @@ class LoggerConfig:
     mode: str | None = None  # wandb: auto (online with a login, else offline) | online | offline
     group: str | None = None  # wandb group (sweeps set it)
     tags: list[str] = field(default_factory=list)  # wandb tags
+
+
+# conf/model/: an open mapping, since keys differ between families (fairseq flags for the
+# translation models, builder arguments for the encoders); `name` is always there.
+ModelConfig = Mapping[str, Any]
 
 
 @dataclass

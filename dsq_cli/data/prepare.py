@@ -19,14 +19,12 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+
+from dsq_cli.run_config import RunConfig
 
 from .download import built_in_place
 from .raw import SPLITS, ParallelSplit, write_lines
 from .tasks import get_task
-
-if TYPE_CHECKING:
-    from dsq_cli.run_config import RunConfig
 
 log = logging.getLogger(__name__)
 PREPARE_VERSION = 1  # bump when the prepared layout changes, so old caches are not trusted

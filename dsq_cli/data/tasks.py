@@ -11,11 +11,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dsq_cli.run_config import RunConfig
+
 from .raw import SPLITS, DataError, ParallelSplit, find_file, read_parallel
 
 if TYPE_CHECKING:
-    from dsq_cli.run_config import RunConfig
-
     from .download import DownloadError
 
 TASKS: dict[str, type[TranslationTask]] = {}

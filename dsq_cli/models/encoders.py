@@ -41,6 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dsq_cli.run_config import ModelConfig
+
 from .bert_weights import bert_state_to_fairseq, load_exactly, minilm_dictionary
 from .errors import EncoderError
 from .fairseq_checkpoint import load_fairseq_checkpoint
@@ -80,7 +82,6 @@ class Encoder:
 
 
 # The ``model`` node of the run config (``RunConfig.model``, an open mapping typed by the YAML).
-ModelConfig = Mapping[str, Any]
 EncoderBuilder = Callable[[ModelConfig, int], Encoder]  # (model_cfg, num_classes) -> Encoder
 ENCODERS: dict[str, EncoderBuilder] = {}
 

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from dsq_cli.data.glue import GlueData
 from dsq_cli.engine import QuantConfig, quantize_model
 from dsq_cli.models.encoders import build_encoder, quantize_exclude
-from dsq_cli.run_config import RunConfig
+from dsq_cli.run_config import ModelConfig, RunConfig, TrainConfig
 
 from . import ranks
 from .glue_metrics import compute_metrics
@@ -45,30 +45,36 @@ _NO_DECAY = ("bias", "layer_norm", "layernorm", "LayerNorm")
 class GlueTrainer(Trainer):
     """One GLUE run: `train` to the budget, `evaluate` reports the best dev metric."""
 
+    @classmethod
+    def from_run_config(cls, cfg: RunConfig, quant, data, recorder, device, rank):
+        return cls(cfg.train, cfg.model, cfg.seed, quant, data, recorder, device, rank)
+
     def __init__(
         self,
-        cfg: RunConfig,
+        train: TrainConfig,
+        model: ModelConfig,
+        seed: int,
         quant: QuantConfig,
         data: GlueData,
         recorder: RunRecorder,
         device: str,
         rank: ranks.Rank = ranks.SINGLE,
     ):
-        super().__init__(cfg.train, quant, recorder, device, rank)
-        self.seed = cfg.seed
+        super().__init__(train, quant, recorder, device, rank)
+        self.seed = seed
         self.data, self.task = data, data.task
         self.regression = self.task.labels is None
         torch.manual_seed(self.seed)  # roberta_tiny's initialisation and the new head
-        encoder = build_encoder(cfg.model, num_classes=self.task.num_classes)
-        log.info("model %s: %s", cfg.model.name, encoder.description)
+        encoder = build_encoder(model, num_classes=self.task.num_classes)
+        log.info("model %s: %s", model["name"], encoder.description)
         self.model = encoder.model.to(device)
         self.head_name = encoder.head_name
         # The classification head is quantized like the encoder unless model.quantize_head=false.
-        quantize_model(self.model, self.quant, exclude=quantize_exclude(cfg.model))
+        quantize_model(self.model, self.quant, exclude=quantize_exclude(model))
         self.patch_report = self.model.dsq_report
         log.info(self.patch_report.summary())
 
-        max_length = cfg.model.max_length
+        max_length = model["max_length"]
         tokenizer = encoder.tokenizer
         self.pad_index = tokenizer.pad_index
         self.train_set = [(tokenizer.encode(e.text_a, e.text_b, max_length), e.label)

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from dsq_cli.engine import PatchReport, QuantConfig, record_gemms
-from dsq_cli.run_config import TrainConfig
+from dsq_cli.run_config import RunConfig, TrainConfig
 
 from . import ranks
 from .budget import Budget
@@ -77,6 +77,12 @@ class Trainer(ABC):
         }
 
     # -- what a trainer provides ----------------------------------------------------------------
+    @classmethod
+    @abstractmethod
+    def from_run_config(cls, cfg: RunConfig, quant: QuantConfig, data, recorder: RunRecorder,
+                        device: str, rank: ranks.Rank) -> Trainer:  # fmt: skip
+        """The trainer of a run, given the sub-configs it needs from the whole config."""
+
     @property
     @abstractmethod
     def updates(self) -> int:

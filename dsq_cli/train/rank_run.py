@@ -99,7 +99,9 @@ def _train_and_evaluate(cfg, data, device, recorder, state, started: RunResult,
     with StopRequest() as stop:
         try:
             quant = QuantConfig.from_dict(to_plain(cfg.quant))
-            trainer = family_of(cfg).trainer(cfg, quant, data, recorder, device, rank)
+            trainer = family_of(cfg).trainer.from_run_config(
+                cfg, quant, data, recorder, device, rank
+            )
             if state is not None:
                 recorder.truncate_after(state["num_updates"])
             trainer.train(stop, state)

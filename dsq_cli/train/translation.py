@@ -18,7 +18,7 @@ import torch
 
 from dsq_cli.data.prepare import PreparedData
 from dsq_cli.engine import QuantConfig, quantize_model
-from dsq_cli.run_config import EvalConfig, RunConfig
+from dsq_cli.run_config import EvalConfig, ModelConfig, RunConfig, TrainConfig
 
 from . import ranks
 from .fairseq_compat import namespace_to_config, nan_detector_disabled
@@ -29,9 +29,9 @@ from .stop import Diverged, StopRequest
 log = logging.getLogger(__name__)
 
 
-def _model_args(model_cfg) -> list[str]:
+def _model_args(model_cfg: ModelConfig) -> list[str]:
     """conf/model keys as fairseq flags (``encoder_layers: 3`` -> --encoder-layers 3)."""
-    args = ["--arch", str(model_cfg.arch)]
+    args = ["--arch", str(model_cfg["arch"])]
     for key, value in model_cfg.items():
         if key in ("name", "arch"):
             continue
@@ -44,7 +44,10 @@ def _model_args(model_cfg) -> list[str]:
 
 
 def fairseq_config(
-    cfg: RunConfig,
+    train: TrainConfig,
+    eval_cfg: EvalConfig,
+    model: ModelConfig,
+    seed: int,
     data: PreparedData,
     save_dir: Path,
     device: str,
@@ -56,14 +59,13 @@ def fairseq_config(
     from fairseq import options
     from omegaconf import open_dict
 
-    train = cfg.train
     argv = [
         str(data.path),
         "--task", "translation",
         "--source-lang", data.src,
         "--target-lang", data.tgt,
         "--dataset-impl", "mmap",
-        *_model_args(cfg.model),
+        *_model_args(model),
         "--criterion", "label_smoothed_cross_entropy",
         "--label-smoothing", str(train.label_smoothing),
         "--optimizer", "adam",
@@ -74,7 +76,7 @@ def fairseq_config(
         "--clip-norm", str(train.clip_norm),
         "--max-tokens", str(train.max_tokens),
         "--update-freq", str(train.update_freq),
-        "--seed", str(cfg.seed),
+        "--seed", str(seed),
         "--save-dir", str(save_dir),
         "--num-workers", "0",
         "--distributed-world-size", str(rank.world_size),
@@ -94,10 +96,10 @@ def fairseq_config(
     args = options.parse_args_and_arch(parser, input_args=argv)
     fs_cfg = namespace_to_config(args)
     with open_dict(fs_cfg):
-        fs_cfg.generation.beam = cfg.eval.beam
-        fs_cfg.generation.lenpen = cfg.eval.lenpen
-        fs_cfg.generation.max_len_a = cfg.eval.max_len_a
-        fs_cfg.generation.max_len_b = cfg.eval.max_len_b
+        fs_cfg.generation.beam = eval_cfg.beam
+        fs_cfg.generation.lenpen = eval_cfg.lenpen
+        fs_cfg.generation.max_len_a = eval_cfg.max_len_a
+        fs_cfg.generation.max_len_b = eval_cfg.max_len_b
     return fs_cfg
 
 
@@ -105,9 +107,16 @@ class TranslationTrainer(Trainer):
     """One translation run: `train` to the budget (fairseq's Trainer makes each update), then
     `evaluate` scores BLEU on the eval split."""
 
+    @classmethod
+    def from_run_config(cls, cfg: RunConfig, quant, data, recorder, device, rank):
+        return cls(cfg.train, cfg.eval, cfg.model, cfg.seed, quant, data, recorder, device, rank)
+
     def __init__(
         self,
-        cfg: RunConfig,
+        train: TrainConfig,
+        eval_cfg: EvalConfig,
+        model: ModelConfig,
+        seed: int,
         quant: QuantConfig,
         data: PreparedData,
         recorder: RunRecorder,
@@ -118,12 +127,11 @@ class TranslationTrainer(Trainer):
         from fairseq.trainer import Trainer as FairseqTrainer
         from omegaconf import open_dict
 
-        super().__init__(cfg.train, quant, recorder, device, rank)
-        self.eval_cfg: EvalConfig = cfg.eval
-        self.seed = cfg.seed
-        self.data = data
-        # fairseq reads the whole run config (model flags, seed, evaluation) through its parser.
-        self.fs_cfg = fairseq_config(cfg, data, recorder.checkpoint_dir, device, rank)
+        super().__init__(train, quant, recorder, device, rank)
+        self.eval_cfg, self.seed, self.data = eval_cfg, seed, data
+        # fairseq's own config (model flags, optimizer, batching, generation) through its parser
+        self.fs_cfg = fairseq_config(train, eval_cfg, model, seed, data, recorder.checkpoint_dir,
+                                     device, rank)  # fmt: skip
         utils.set_torch_seed(self.seed)
         self.task = tasks.setup_task(self.fs_cfg.task)
         self.model = self.task.build_model(self.fs_cfg.model)

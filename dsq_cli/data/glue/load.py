@@ -5,17 +5,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from omegaconf import OmegaConf
+
+from dsq_cli.run_config import RunConfig
 
 from ..raw import DataError
 from .prepare import prepare_glue
 from .reader import GlueExample, read_examples
 from .tasks import GlueTask, get_glue_task
-
-if TYPE_CHECKING:
-    from dsq_cli.run_config import RunConfig
 
 
 @dataclass
