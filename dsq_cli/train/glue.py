@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from dsq_cli.data.glue import GlueData
-from dsq_cli.engine import QuantConfig, quantize_model
+from dsq_cli.engine import QuantConfig
 from dsq_cli.models.encoders import build_encoder, quantize_exclude
 from dsq_cli.run_config import ModelConfig, RunConfig, TrainConfig
 
@@ -70,9 +70,7 @@ class GlueTrainer(Trainer):
         self.model = encoder.model.to(device)
         self.head_name = encoder.head_name
         # The classification head is quantized like the encoder unless model.quantize_head=false.
-        quantize_model(self.model, self.quant, exclude=quantize_exclude(model))
-        self.patch_report = self.model.dsq_report
-        log.info(self.patch_report.summary())
+        self.patch(self.model, exclude=quantize_exclude(model))
 
         max_length = model["max_length"]
         tokenizer = encoder.tokenizer

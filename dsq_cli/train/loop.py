@@ -22,7 +22,7 @@ A trainer subclass provides the model, its data order and its update:
     trained_model()      -> the model without any data-parallel wrapper
     evaluate(stop)       -> result.json's evaluation fields (``value`` is the headline metric)
 
-and sets ``patch_report`` (what the engine patched) and ``budget`` (`plan`) in its constructor.
+and in its constructor patches its model (`patch`) and plans its `Budget` (`plan`).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from dsq_cli.engine import PatchReport, QuantConfig, record_gemms
+from dsq_cli.engine import PatchReport, QuantConfig, quantize_model, record_gemms
 from dsq_cli.run_config import RunConfig, TrainConfig
 
 from . import ranks
@@ -128,6 +128,14 @@ class Trainer(ABC):
     def training_context(self) -> contextlib.AbstractContextManager:
         """A context the whole loop runs in (nothing by default)."""
         return contextlib.nullcontext()
+
+    def patch(self, model: torch.nn.Module, exclude: list[str] | tuple = ()) -> None:
+        """Make every Linear and attention product of ``model`` a DSQ layer driven by this run's
+        `QuantConfig` (modules matching a glob of ``exclude`` stay as they are); `patch_report` says
+        what was patched."""
+        quantize_model(model, self.quant, exclude=exclude)
+        self.patch_report = model.dsq_report
+        log.info(self.patch_report.summary())
 
     # -- the loop -------------------------------------------------------------------------------
     def plan(self, updates_per_epoch: int) -> Budget:

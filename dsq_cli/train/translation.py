@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from dsq_cli.data.prepare import PreparedData
-from dsq_cli.engine import QuantConfig, quantize_model
+from dsq_cli.engine import QuantConfig
 from dsq_cli.run_config import EvalConfig, ModelConfig, RunConfig, TrainConfig
 
 from . import ranks
@@ -136,9 +136,7 @@ class TranslationTrainer(Trainer):
         self.task = tasks.setup_task(self.fs_cfg.task)
         self.model = self.task.build_model(self.fs_cfg.model)
         self.criterion = self.task.build_criterion(self.fs_cfg.criterion)
-        quantize_model(self.model, self.quant)
-        self.patch_report = self.model.dsq_report
-        log.info(self.patch_report.summary())
+        self.patch(self.model)
         for split in ("valid", self.eval_cfg.split):
             self.task.load_dataset(split, combine=False, epoch=1)
         self.fairseq_trainer = FairseqTrainer(self.fs_cfg, self.task, self.model, self.criterion)
