@@ -135,6 +135,19 @@ def _power_exponent(p: torch.Tensor) -> torch.Tensor:
     return torch.where(biased > 0, biased - 127, -127)
 
 
+def _power_fn(flat, exp_bits: int):
+    """The shared power 2^e of a whole-tensor block, as 0-dim tensors (p, finite)."""
+    p, finite = _block_power(flat.reshape(1, -1), exp_bits)
+    return p.reshape(()), finite.reshape(())
+
+
+def _quantize_by_power_fn(flat, p, finite, man_bits: int):
+    """fixed<w> with w <= 24 and nearest rounding, elementwise given the tensor's power p."""
+    limit = 2 ** (man_bits - 1) - 1
+    q = torch.round(flat / p * 2.0 ** (man_bits - 2)).clamp(-limit, limit)
+    return torch.where(finite, q * 2.0 ** (2 - man_bits) * p, math.nan)
+
+
 def _bfp_quantize_fn(blocks, u, man_bits: int, exp_bits: int, exponent=None, dim: int = -1):
     if _by_block_power(u, exp_bits, exponent):
         q, p, finite = _bfp_nearest(blocks, man_bits, exp_bits, dim)
@@ -489,6 +502,13 @@ def eager_bfp_quantizer(x: torch.Tensor, man_bits: int, exp_bits: int, block: in
 
 
 def bfp_quantize(x, man_bits, exp_bits, block, axis, rounding="nearest", generator=None):
+    if block is None and rounding == "nearest" and exp_bits <= 8 and man_bits <= 24:
+        # fixed<w>: its power first, then one elementwise pass (the products are exact as
+        # in `_bfp_nearest`; q < 2^23 keeps q * 2^(2-m) exact)
+        flat = x.detach().to(torch.float32).reshape(-1)
+        p, finite = _run(_power_fn, flat, exp_bits, dynamic_dims=((flat, 0),))
+        out = _run(_quantize_by_power_fn, flat, p, finite, man_bits, dynamic_dims=((flat, 0),))
+        return out.reshape(x.shape).to(x.dtype)
     if _down_columns(x, block, axis):
         blocks, n = _columns(x, block, axis)
         u = None
