@@ -158,6 +158,7 @@ def bench_step(
     width: int = typer.Option(256, min=64, help="Model width (heads of 64)."),
     tokens: int = typer.Option(2048, min=16, help="Source tokens per batch."),
     src_len: int = typer.Option(32, min=2, help="Sentence length."),
+    vocab: int = typer.Option(8000, min=16, help="Vocabulary size (source and target)."),
     repeats: int = typer.Option(5, min=1, help="Timed steps per preset (median reported)."),
     scopes: str = typer.Option(
         "gemm,all",
@@ -182,13 +183,54 @@ def bench_step(
         raise ValueError(f"--scopes: unknown scope(s) {bad}; choose from {list(STASH_SCOPES)}")
     _check_device(device)
     result = step.run(
-        names, layers, width, tokens, src_len, repeats, device=device, scopes=scope_list
+        names, layers, width, tokens, src_len, repeats, vocab, device=device, scopes=scope_list
     )
     if as_json:
         json.dump(result, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
         typer.echo(step.format_table(result))
+
+
+@bench_app.command("memory")
+@usage_errors
+def bench_memory(
+    budget: str = typer.Option(
+        ..., help="Memory for one training step: 2GiB, 512MiB, 1.5GB (KiB/MiB/GiB: 1024)."
+    ),
+    presets: str = typer.Option(
+        "fp32,stash_bfp,dsq",
+        help="Comma-separated quant presets (conf/quant/); the first is the baseline.",
+    ),
+    layers: int = typer.Option(3, min=1, help="Encoder and decoder layers."),
+    width: int = typer.Option(256, min=64, help="Model width (heads of 64)."),
+    src_len: int = typer.Option(32, min=2, help="Sentence length."),
+    vocab: int = typer.Option(8000, min=16, help="Vocabulary size (source and target)."),
+    scope: str = typer.Option("gemm", help="Stash scope of every preset but fp32: gemm or all."),
+    device: str = typer.Option("cpu", help="cpu or cuda."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+):
+    """The largest batch (whole sentences) whose training step's peak memory fits the budget,
+    per quant preset, side by side."""
+    from dsq_cli.bench import memory
+    from dsq_cli.engine.config import STASH_SCOPES
+    from dsq_cli.presets import load_quant_preset
+
+    size = memory.parse_size(budget)
+    names = [p.strip() for p in presets.split(",") if p.strip()]
+    for name in names:
+        load_quant_preset(name)  # unknown preset: one line, exit 2, before any work
+    if not names:
+        raise ValueError("--presets: name at least one quant preset")
+    if scope not in STASH_SCOPES:
+        raise ValueError(f"--scope: unknown scope {scope!r}; choose from {list(STASH_SCOPES)}")
+    _check_device(device)
+    result = memory.run(names, size, layers, width, src_len, vocab, device=device, scope=scope)
+    if as_json:
+        json.dump(result, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        typer.echo(memory.format_table(result))
 
 
 OVERRIDES_HELP = (

@@ -15,6 +15,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import resource
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -30,7 +32,9 @@ COST_KEYS = ("arith_ratio", "dram_ratio", "baseline")
 REQUIRED = ("status", "task", "quant", "metric", "value", "valid_loss", "updates",
             "wall_seconds", "cost", "stash_bits_mean", "versions")  # fmt: skip
 # Written together once training has been summarised (``epochs`` set), None values included.
-TRAINED = ("epochs", "budget", "best_valid_loss", "bits_final", "precision_segments", "patch")
+TRAINED = ("epochs", "budget", "best_valid_loss", "bits_final", "precision_segments", "patch",
+           "memory")  # fmt: skip
+MIB = 2**20
 
 
 def unpriced(baseline: str = "fixed32") -> dict:
@@ -71,6 +75,7 @@ class RunResult:
     bits_final: dict[str, str] | None = None
     precision_segments: list[dict[str, Any]] | None = None  # [{points, updates}, ...]
     patch: dict[str, Any] | None = None  # which modules the engine patched
+    memory: dict[str, Any] | None = None  # what the run held (`memory_record`)
     evaluation: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     # -- reading and writing ----------------------------------------------------------------
@@ -175,8 +180,37 @@ class RunResult:
         """The headline numbers, for the experiment logger's run summary."""
         record = self.to_dict()
         keys = ("status", "value", "bleu", "valid_loss", "best_valid_loss", "updates", "cost",
-                "wall_seconds", "stash_bits_mean", "copy_source_bleu", "bits_final")  # fmt: skip
+                "wall_seconds", "stash_bits_mean", "copy_source_bleu", "bits_final",
+                "memory")  # fmt: skip
         return {k: record[k] for k in keys if k in record}
+
+
+def memory_record(gemm_shapes: list[dict] | None, cuda_peak_allocated: int | None) -> dict:
+    """result.json's ``memory``, taken when training has been summarised:
+
+    * ``peak_rss_mib``: this process's peak resident set size (``getrusage``'s ``ru_maxrss``,
+      KiB on Linux, bytes on macOS), in MiB: the most host RAM the process ever held, for
+      anything (the interpreter and libraries, the data, the model, training, evaluation), not
+      only the training step; GPU memory is not in it. A data-parallel run: rank 0's process.
+    * ``cuda_peak_allocated_mib``: ``cuda_peak_allocated`` in MiB, the CUDA allocator's peak of
+      bytes in tensors on the run's device (``torch.cuda.max_memory_allocated``; the caching
+      allocator's reserve and the CUDA context not included); None without CUDA.
+    * ``stash_bytes_per_step``: the bytes the recorded training step held in DSQ stashes for the
+      backward pass: the sum of ``stash_bytes`` over ``gemm_shapes``, the GEMMs of the first
+      update the process recorded (docs/spec.md §4; one rank's batch); None when no update was
+      recorded.
+    """
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rss_bytes = rss if sys.platform == "darwin" else rss * 1024
+    return {
+        "peak_rss_mib": round(rss_bytes / MIB, 1),
+        "cuda_peak_allocated_mib": (
+            None if cuda_peak_allocated is None else round(cuda_peak_allocated / MIB, 1)
+        ),
+        "stash_bytes_per_step": (
+            None if gemm_shapes is None else sum(g["stash_bytes"] for g in gemm_shapes)
+        ),
+    }
 
 
 def _is_number(value) -> bool:

@@ -151,6 +151,14 @@ def test_bench_step_json_on_a_tiny_transformer():
     held = {key: row["activation_mb"] for key, row in rows.items()}
     # packing every saved activation holds the least
     assert held[("stash_bfp", "all")] < held[("stash_bfp", "gemm")] < held[("fp32", "gemm")]
+    # a whole step's peak: the same state (parameters, Adam) for all, the step's peak above it
+    assert len({row["state_mb"] for row in rows.values()}) == 1
+    for row in rows.values():
+        assert row["peak_mb"] == pytest.approx(row["state_mb"] + row["step_peak_mb"])
+        assert row["step_peak_mb"] > row["activation_mb"] > 0
+    # (at 64 tokens the step's peak is the optimizer's or the output layer's, the same for all)
+    peaks = {key: row["step_peak_mb"] for key, row in rows.items()}
+    assert peaks[("stash_bfp", "all")] <= peaks[("fp32", "gemm")]
 
 
 def test_bench_step_unknown_scope_is_one_line_exit_2():
@@ -158,6 +166,40 @@ def test_bench_step_unknown_scope_is_one_line_exit_2():
     assert result.exit_code == 2
     assert "--scopes: unknown scope(s) ['some']" in result.output
     assert result.output.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--budget", "2XB"], "--budget: expected a size like 2GiB, 512MiB or 1.5GB, got '2XB'"),
+        (["--budget", "1GiB", "--presets", "fp32,dsq9"], "unknown quant preset 'dsq9'"),
+        (["--budget", "1GiB", "--scope", "some"], "--scope: unknown scope 'some'"),
+    ],
+)
+def test_bench_memory_bad_input_is_one_line_exit_2(args, needle):
+    result = runner.invoke(app, ["bench", "memory", *args])
+    assert result.exit_code == 2
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], result.output
+
+
+@pytest.mark.slow
+def test_bench_memory_finds_the_largest_batch_that_fits():
+    pytest.importorskip("fairseq")
+    shape = ["--layers", "1", "--width", "64", "--src-len", "8", "--vocab", "1000"]
+    args = ["--budget", "24MiB", "--presets", "fp32,stash_bfp", "--scope", "all", *shape]
+    result = runner.invoke(app, ["bench", "memory", *args, "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output[result.output.index("{") :])
+    assert data["budget_mb"] == 24 and data["scope"] == "all"
+    fp32, bfp = data["rows"]
+    for row in (fp32, bfp):
+        assert row["tokens"] % 8 == 0 and row["tokens"] > 0
+        assert row["peak_mb"] <= 24  # it fits, and one sentence more does not
+        probes = {p["tokens"]: p["peak_mb"] for p in row["probes"]}
+        assert probes[row["tokens"]] == row["peak_mb"] and probes[row["tokens"] + 8] > 24
+    assert fp32["x_first"] == 1 and bfp["tokens"] > fp32["tokens"]
+    assert bfp["x_first"] == pytest.approx(bfp["tokens"] / fp32["tokens"])
 
 
 @pytest.mark.slow

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
 import pytest
 
 from dsq_cli import runs
-from dsq_cli.run_result import RunResult
+from dsq_cli.run_result import RunResult, memory_record
 
 
 def test_new_run_dirs_are_unique_and_never_reused(tmp_path):
@@ -83,6 +84,30 @@ def test_versions_and_result_validation():
     problems = RunResult.problems(bad)
     assert any("status" in p for p in problems) and any("metric" in p for p in problems)
     assert "missing key 'cost'" in problems
+
+
+def test_memory_is_written_with_the_trained_fields_and_read_back(tmp_path):
+    gemm = {"kind": "linear", "batch": 1, "n": 8, "k": 4, "m": 4, "formats": {}}
+    gemms = [gemm | {"stash_bytes": 1000}, gemm | {"stash_bytes": 24}]
+    memory = memory_record(gemms, cuda_peak_allocated=3 * 2**20)
+    assert memory["stash_bytes_per_step"] == 1024
+    assert memory["cuda_peak_allocated_mib"] == 3.0
+    assert memory["peak_rss_mib"] > 10  # this process holds an interpreter and torch at least
+    assert memory_record(None, None) | {"peak_rss_mib": 0} == {
+        "peak_rss_mib": 0,
+        "cuda_peak_allocated_mib": None,
+        "stash_bytes_per_step": None,
+    }
+    quant = {"preset": "fp32", "q0": "fp32", "q1": "fp32", "q2": "fp32", "q3": "fp32"}
+    running = RunResult(status="running", task="demo", quant=quant, metric="bleu")
+    assert "memory" not in running.to_dict()  # nothing summarised yet
+    summarised = dataclasses.replace(running, status="interrupted", epochs=1)
+    assert summarised.to_dict()["memory"] is None  # written with the trained fields
+    result = dataclasses.replace(summarised, memory=memory)
+    result.write(tmp_path)
+    assert json.loads((tmp_path / "result.json").read_text())["memory"] == memory
+    assert RunResult.read(tmp_path) == result
+    assert result.summary()["memory"] == memory
 
 
 def test_secret_names_are_whole_words_so_config_keys_survive():

@@ -141,6 +141,9 @@ def test_short_run_completes_with_every_result_field(finished_run):
     assert set(res["versions"]) >= {"python", "torch", "fairseq", "dsq_commit"}
     assert 0 < res["cost"]["arith_ratio"] < 1 and 0 < res["cost"]["dram_ratio"] < 1
     assert res["cost"]["baseline"] == "fixed32"
+    memory = res["memory"]  # a CPU run; the first update packed its stashes in bfp2
+    assert memory["peak_rss_mib"] > 0 and memory["cuda_peak_allocated_mib"] is None
+    assert isinstance(memory["stash_bytes_per_step"], int) and memory["stash_bytes_per_step"] > 0
     for name in ("config.yaml", "metrics.jsonl", "schedule.jsonl", "train.log", "test.hyp"):
         assert (run_dir / name).is_file(), name
     assert (run_dir / "checkpoints" / "checkpoint_last.pt").is_file()

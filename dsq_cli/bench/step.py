@@ -3,23 +3,34 @@ and stash scope.
 
 For each (preset, scope): the time of the first step (the compile warm-up: every quantizer the
 step needs is compiled there), the median time of a full step (forward, backward, Adam update)
-afterwards, and the activation bytes held after the forward pass, measured by the allocator
-(torch.profiler's memory records), less the output. Setups are timed round-robin within each
-repetition, so they share the machine's conditions. ``stash_scope=all`` packs every activation
-autograd saves (docs/dsq.md); ``gemm`` only the GEMM inputs.
+afterwards, the activation bytes held after the forward pass, less the output, and the memory of
+one whole step (`StepMemory`): what was live before it (parameters and Adam state; the step frees
+the gradients first) and the most the step held above that at once. Memory is measured by the
+allocator (`allocated_during`).
+Setups are timed round-robin within each repetition, so they share the machine's conditions.
+``stash_scope=all`` packs every activation autograd saves (docs/dsq.md); ``gemm`` only the GEMM
+inputs.
+
+The model, batch, step and memory measurement here are shared with ``dsq bench memory``
+(`memory.py`).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 import types
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from dsq_cli.engine import QuantConfig, quantize_model
 from dsq_cli.presets import load_quant_preset
+
+MIB = 2**20
 
 
 def build_model(layers: int, width: int, vocab: int, seed: int = 0):
@@ -60,20 +71,172 @@ def _sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
-def _held_after_forward(fn, dev: torch.device) -> tuple[int, torch.Tensor]:
-    """Bytes allocated by ``fn`` and still alive after it: the CUDA caching allocator's counter on
-    a GPU, torch.profiler's CPU memory records on the CPU."""
+# -- what a step trains on, and with what -----------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """``sentences`` random sentences of ``src_len`` token ids: the source, the previous output
+    tokens the decoder reads and the target, all of the same length."""
+
+    src: torch.Tensor
+    lengths: torch.Tensor
+    prev: torch.Tensor
+    target: torch.Tensor
+
+    @classmethod
+    def random(cls, sentences: int, src_len: int, vocab: int, dev: torch.device) -> Batch:
+        g = torch.Generator().manual_seed(0)
+        src, prev, target = (
+            torch.randint(4, vocab, (sentences, src_len), generator=g).to(dev) for _ in range(3)
+        )
+        return cls(src, torch.full((sentences,), src_len, device=dev), prev, target)
+
+    @property
+    def tokens(self) -> int:
+        """Source tokens."""
+        return self.src.numel()
+
+
+@dataclasses.dataclass
+class Setup:
+    """One preset's model (quantized by the engine unless fp32; the output projection stays fp32)
+    and its Adam optimizer. ``points`` are the preset's formats at their first level."""
+
+    preset: str
+    points: dict[str, Any]
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+
+    @classmethod
+    def build(
+        cls, preset: str, scope: str, layers: int, width: int, vocab: int, dev: torch.device
+    ) -> Setup:
+        points = first_level(load_quant_preset(preset)) | {"stash_scope": scope}
+        model = build_model(layers, width, vocab).to(dev)
+        if preset != "fp32":
+            quantize_model(
+                model, QuantConfig.from_dict(points), exclude=["decoder.output_projection"]
+            )
+        model.train()
+        return cls(preset, points, model, torch.optim.Adam(model.parameters(), lr=1e-4))
+
+    def step(self, batch: Batch) -> None:
+        """One training step as a trainer takes it: free the gradients (``zero_grad``), forward,
+        cross-entropy loss, backward, Adam update."""
+        self.optimizer.zero_grad(set_to_none=True)
+        logits, _ = self.model(batch.src, batch.lengths, batch.prev)
+        loss = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), batch.target.reshape(-1)
+        )
+        loss.backward()
+        self.optimizer.step()
+
+    def state_bytes(self) -> int:
+        """Bytes live now in the model and optimizer, summed from the tensors' sizes (each
+        storage once): parameters, buffers, gradients if kept, and the optimizer's state (Adam's
+        two moments and step counts)."""
+        tensors = [*self.model.parameters(), *self.model.buffers()]
+        tensors += [p.grad for p in self.model.parameters() if p.grad is not None]
+        for state in self.optimizer.state.values():
+            tensors += [t for t in state.values() if isinstance(t, torch.Tensor)]
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+        return sum(storages.values())
+
+    def memory(self, batch: Batch) -> StepMemory:
+        """The memory of one step on ``batch``. Take it after a first step, which compiles and
+        creates Adam's state. The step's own ``zero_grad`` runs first, outside the measurement:
+        the profiler records no free of a block allocated before it started, so gradients freed
+        inside would be counted twice (as state and as held by the step)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        state = self.state_bytes()
+        peak = allocated_during(lambda: self.step(batch), batch.src.device).peak
+        return StepMemory(state, peak)
+
+
+# -- memory, as the allocator saw it ----------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Allocation:
+    """What ``fn`` allocated, relative to what was live when it started: ``peak``, the most it
+    held at once (0 if it never held more than at the start), and ``held``, what it left alive
+    (negative if it freed more than it allocated). ``out`` is what ``fn`` returned."""
+
+    peak: int
+    held: int
+    out: Any
+
+
+def allocated_during(fn: Callable[[], Any], dev: torch.device) -> Allocation:
+    """Run ``fn`` and measure its allocations.
+
+    On a GPU: the CUDA caching allocator's counters (``memory_allocated`` before and after,
+    ``max_memory_allocated`` after ``reset_peak_memory_stats``): bytes in tensors, not the cache.
+    On the CPU: torch.profiler's memory records (``profile_memory=True``), one per allocation
+    (+bytes) or free (-bytes) through PyTorch's allocator, replayed in time order
+    (`replay_peak`). The raw records come from the profiler's results, because the events
+    ``prof.events()`` lists fold the records made inside an operator into one net number, which
+    hides a peak inside it. The profiler records no free of a block allocated before it started
+    (torch warns once): free such tensors before calling this, or the peak counts them as held.
+    """
     if dev.type == "cuda":
         _sync(dev)
         before = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
         out = fn()
         _sync(dev)
-        return torch.cuda.memory_allocated(dev) - before, out
+        peak = torch.cuda.max_memory_allocated(dev) - before
+        return Allocation(max(0, peak), torch.cuda.memory_allocated(dev) - before, out)
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         out = fn()
-    return sum(e.cpu_memory_usage for e in prof.events() if e.cpu_parent is None), out
+    events = prof.profiler.kineto_results.events()
+    records = [
+        (e.start_ns(), e.nbytes())
+        for e in events
+        if e.name() == "[memory]" and e.device_type() == DeviceType.CPU
+    ]
+    records.sort(key=lambda record: record[0])  # stable: records of one instant keep their order
+    deltas = [nbytes for _, nbytes in records]
+    return Allocation(replay_peak(deltas), sum(deltas), out)
+
+
+def replay_peak(deltas: list[int]) -> int:
+    """The most bytes held at once by a sequence of allocations (+) and frees (-) in time order,
+    above what was held before the first: the maximum of the running sum, or 0."""
+    peak = running = 0
+    for delta in deltas:
+        running += delta
+        peak = max(peak, running)
+    return peak
+
+
+@dataclasses.dataclass(frozen=True)
+class StepMemory:
+    """The memory of one training step (forward, backward, Adam update), in bytes.
+
+    ``state``: what was live before the step (`Setup.state_bytes`: parameters, buffers and Adam
+    state; the gradients were freed as the step begins), summed from the tensors' sizes.
+    ``step_peak``: the most the step held at once above that, measured by the allocator
+    (`allocated_during`): the activations stashed for the backward pass, the gradients built by
+    it, the temporaries of the kernels and of Adam. ``total``: the step's peak, state included:
+    what a device must hold to train on this batch (the inputs, the allocator's cache and the
+    CUDA context aside).
+    """
+
+    state: int
+    step_peak: int
+
+    @property
+    def total(self) -> int:
+        return self.state + self.step_peak
+
+    def as_dict(self) -> dict[str, float]:
+        """MiB, for a report."""
+        return {
+            "state_mb": self.state / MIB,
+            "step_peak_mb": self.step_peak / MIB,
+            "peak_mb": self.total / MIB,
+        }
 
 
 def run(
@@ -88,71 +251,53 @@ def run(
     scopes: tuple[str, ...] = ("gemm",),
 ) -> dict:
     dev = torch.device(device)
-    sentences = max(1, tokens // src_len)
-    g = torch.Generator().manual_seed(0)
-    src = torch.randint(4, vocab, (sentences, src_len), generator=g).to(dev)
-    prev = torch.randint(4, vocab, (sentences, src_len), generator=g).to(dev)
-    target = torch.randint(4, vocab, (sentences, src_len), generator=g).to(dev)
-    lengths = torch.full((sentences,), src_len, device=dev)
-    setups = {}
+    batch = Batch.random(max(1, tokens // src_len), src_len, vocab, dev)
+    setups: dict[tuple[str, str], Setup] = {}
     for name in presets:
         for scope in scopes if name != "fp32" else ("gemm",):  # fp32 has no stash to scope
-            points = first_level(load_quant_preset(name)) | {"stash_scope": scope}
-            model = build_model(layers, width, vocab).to(dev)
-            if name != "fp32":
-                quantize_model(
-                    model, QuantConfig.from_dict(points), exclude=["decoder.output_projection"]
-                )
-            model.train()
-            optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
-            setups[(name, scope)] = (model, optimizer, points)
-
-    def step(model, optimizer):
-        logits, _ = model(src, lengths, prev)
-        loss = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), target.reshape(-1)
-        )
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+            setups[(name, scope)] = Setup.build(name, scope, layers, width, vocab, dev)
 
     warmup = {}
-    for key, (model, optimizer, _) in setups.items():  # warm up: compile every shape once
+    for key, setup in setups.items():  # warm up: compile every shape once
         _sync(dev)
         start = time.perf_counter()
-        step(model, optimizer)
+        setup.step(batch)
         _sync(dev)
         warmup[key] = time.perf_counter() - start
-        step(model, optimizer)
+        setup.step(batch)
     times = {key: [] for key in setups}
     for _ in range(repeats):
-        for key, (model, optimizer, _) in setups.items():
+        for key, setup in setups.items():
             _sync(dev)
             start = time.perf_counter()
-            step(model, optimizer)
+            setup.step(batch)
             _sync(dev)
             times[key].append(time.perf_counter() - start)
     rows = []
     base = statistics.median(next(iter(times.values())))
-    for (name, scope), (model, _, points) in setups.items():
-        held, out = _held_after_forward(lambda m=model: m(src, lengths, prev)[0], dev)
-        held -= out.numel() * out.element_size()
+    for (name, scope), setup in setups.items():
+        memory = setup.memory(batch)
+        forward = allocated_during(
+            lambda m=setup.model: m(batch.src, batch.lengths, batch.prev)[0], dev
+        )
+        held = forward.held - forward.out.numel() * forward.out.element_size()
         median = statistics.median(times[(name, scope)])
         rows.append(
             {
                 "preset": name,
                 "scope": scope,
-                "points": points,
+                "points": setup.points,
                 "first_step_s": warmup[(name, scope)],
                 "step_ms": median * 1e3,
                 "x_first": median / base,
-                "activation_mb": held / 2**20,
+                "activation_mb": held / MIB,
+                **memory.as_dict(),
             }
         )
     return {
         "layers": layers,
         "width": width,
-        "tokens": sentences * src_len,
+        "tokens": batch.tokens,
         "vocab": vocab,
         "threads": torch.get_num_threads(),
         "machine": machine_description(dev),
@@ -171,18 +316,22 @@ def format_table(result: dict) -> str:
         f"{result['repeats']}",
         "",
         f"{'preset':<12} {'scope':<6} {'q0 / q1 / q2 / q3':<40} {'1st step s':>10} "
-        f"{'step ms':>9} {baseline:>9} {'act. MiB':>9}",
-        "-" * 101,
+        f"{'step ms':>9} {baseline:>9} {'act. MiB':>9} {'state MiB':>10} {'step pk MiB':>11} "
+        f"{'peak MiB':>9}",
+        "-" * 134,
     ]
     for r in result["rows"]:
         pts = " / ".join(str(r["points"][p]) for p in ("q0", "q1", "q2", "q3"))
         lines.append(
             f"{r['preset']:<12} {r['scope']:<6} {pts:<40} {r['first_step_s']:>10.1f} "
-            f"{r['step_ms']:>9.1f} {r['x_first']:>9.2f} {r['activation_mb']:>9.1f}"
+            f"{r['step_ms']:>9.1f} {r['x_first']:>9.2f} {r['activation_mb']:>9.1f} "
+            f"{r['state_mb']:>10.1f} {r['step_peak_mb']:>11.1f} {r['peak_mb']:>9.1f}"
         )
     lines.append(
         "1st step s: the first step, compile warm-up included (kernels shared with an earlier row "
         "are compiled there); act. MiB: bytes held after the forward pass (allocator), less the "
-        "output."
+        "output; state MiB: parameters and Adam state, live before a step (its zero_grad frees "
+        "the gradients); step pk MiB: the most one step (forward, backward, Adam) held at once "
+        "above that (allocator); peak MiB: state + step peak."
     )
     return "\n".join(lines)

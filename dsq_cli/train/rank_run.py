@@ -16,6 +16,8 @@ import signal
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import torch
+
 from dsq_cli import runs
 from dsq_cli.config import to_plain
 from dsq_cli.cost import scheduled_cost
@@ -24,7 +26,7 @@ from dsq_cli.formats import parse_format
 from dsq_cli.loggers import make_logger
 from dsq_cli.presets import quant_differences
 from dsq_cli.run_config import RunConfig
-from dsq_cli.run_result import RunResult, unpriced
+from dsq_cli.run_result import RunResult, memory_record, unpriced
 
 from . import ranks
 from .fairseq_compat import quiet_library_warnings
@@ -165,9 +167,11 @@ def started_result(cfg: RunConfig, data, device: str, resumed: bool) -> RunResul
 
 
 def trained_result(result: RunResult, trainer: Trainer) -> RunResult:
-    """``result`` with what the trainer recorded: progress, precision segments, cost."""
+    """``result`` with what the trainer recorded: progress, precision segments, cost, memory."""
     progress = trainer.progress
     segments = progress["segments"]
+    device = torch.device(trainer.device)
+    cuda_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     return replace(
         result,
         updates=trainer.updates,
@@ -181,6 +185,7 @@ def trained_result(result: RunResult, trainer: Trainer) -> RunResult:
         precision_segments=[{"points": points, "updates": n} for points, n in segments],
         cost=run_cost(progress["gemm_shapes"], segments),
         patch=trainer.patch_report.as_dict() | {"summary": trainer.patch_report.summary()},
+        memory=memory_record(progress["gemm_shapes"], cuda_peak),
     )
 
 
