@@ -18,8 +18,11 @@ The model, batch, step and memory measurement here are shared with ``dsq bench m
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import os
 import statistics
+import sys
 import time
 import types
 from collections.abc import Callable
@@ -187,7 +190,8 @@ def allocated_during(fn: Callable[[], Any], dev: torch.device) -> Allocation:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    activities = [ProfilerActivity.CPU]
+    with _native_stderr_muted(), profile(activities=activities, profile_memory=True) as prof:
         out = fn()
     events = prof.profiler.kineto_results.events()
     records = [
@@ -198,6 +202,22 @@ def allocated_during(fn: Callable[[], Any], dev: torch.device) -> Allocation:
     records.sort(key=lambda record: record[0])  # stable: records of one instant keep their order
     deltas = [nbytes for _, nbytes in records]
     return Allocation(replay_peak(deltas), sum(deltas), out)
+
+
+@contextlib.contextmanager
+def _native_stderr_muted():
+    """The process's stderr (file descriptor 2) sent to /dev/null: Kineto, the profiler's C++
+    backend, writes two lines there at every start and stop, hundreds in one benchmark, and no
+    setting turns them off. What the measured step itself prints to stderr is lost with them."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def replay_peak(deltas: list[int]) -> int:
