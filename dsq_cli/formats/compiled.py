@@ -46,14 +46,14 @@ def _mul_pow2(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return x * _pow2(k1) * _pow2(k - k1)
 
 
-def _block_exponent(blocks: torch.Tensor, exp_bits: int, dim: int = -1):
+def _block_exponent(blocks: torch.Tensor, exp_bits: int):
     """(e, finite) per block of ``blocks`` [..., B] float32, as reference.bfp_exponents.
 
     The max is taken on floats (vectorised; NaN propagates, so ``a < inf`` is the finiteness
     test) and only the per-block max is reinterpreted as bits.
     """
     emax = 2 ** (exp_bits - 1) - 1
-    a = blocks.abs().amax(dim=dim, keepdim=True)
+    a = blocks.abs().amax(dim=-1, keepdim=True)
     finite = a < math.inf
     max_bits = a.view(torch.int32)
     biased = max_bits >> 23
@@ -76,11 +76,11 @@ def _round(v: torch.Tensor, u: torch.Tensor | None, x: torch.Tensor) -> torch.Te
     return torch.copysign(q, v)
 
 
-def _bfp_integers(blocks, u, man_bits: int, exp_bits: int, exponent=None, dim: int = -1):
+def _bfp_integers(blocks, u, man_bits: int, exp_bits: int, exponent=None):
     """(q, e, k, finite); ``exponent`` = (e, finite) computed beforehand, or None to compute it
     per block of ``blocks`` [..., B]."""
     limit = 2 ** (man_bits - 1) - 1
-    e, finite = _block_exponent(blocks, exp_bits, dim) if exponent is None else exponent
+    e, finite = _block_exponent(blocks, exp_bits) if exponent is None else exponent
     k = (man_bits - 2) - e
     q = _round(_mul_pow2(blocks, k), u, blocks).clamp(-limit, limit)
     return q, e, k, finite
@@ -98,7 +98,7 @@ def _by_block_power(u, exp_bits: int, exponent) -> bool:
     return u is None and exponent is None and exp_bits <= 8
 
 
-def _block_power(blocks: torch.Tensor, exp_bits: int, dim: int = -1):
+def _block_power(blocks: torch.Tensor, exp_bits: int):
     """(p, finite) per block of ``blocks`` [..., B] float32: p = 2^e as a float32, e the block
     exponent of reference.bfp_exponents.
 
@@ -108,7 +108,7 @@ def _block_power(blocks: torch.Tensor, exp_bits: int, dim: int = -1):
     scalar code per block, which made the quantizer compute-bound.
     """
     emax = 2 ** (exp_bits - 1) - 1
-    a = blocks.abs().amax(dim=dim, keepdim=True)
+    a = blocks.abs().amax(dim=-1, keepdim=True)
     finite = a < math.inf
     a = torch.where(finite, a, 0.0)
     small = a < 2.0**-126
@@ -118,13 +118,13 @@ def _block_power(blocks: torch.Tensor, exp_bits: int, dim: int = -1):
     return p.clamp(2.0**-emax, 2.0**emax), finite
 
 
-def _bfp_nearest(blocks, man_bits: int, exp_bits: int, dim: int = -1):
+def _bfp_nearest(blocks, man_bits: int, exp_bits: int):
     """(q, p, finite): the integers q = clamp(round(x / 2^(e - (m-2)))) and the block powers p.
 
     x / p is exact unless it underflows, far below the block's max, where it rounds to a zero of
     the same sign either way; the scaling by 2^(m-2) and the rounding are exact."""
     limit = 2 ** (man_bits - 1) - 1
-    p, finite = _block_power(blocks, exp_bits, dim)
+    p, finite = _block_power(blocks, exp_bits)
     q = torch.round(blocks / p * 2.0 ** (man_bits - 2)).clamp(-limit, limit)
     return q, p, finite
 
@@ -148,13 +148,13 @@ def _quantize_by_power_fn(flat, p, finite, man_bits: int):
     return torch.where(finite, q * 2.0 ** (2 - man_bits) * p, math.nan)
 
 
-def _bfp_quantize_fn(blocks, u, man_bits: int, exp_bits: int, exponent=None, dim: int = -1):
+def _bfp_quantize_fn(blocks, u, man_bits: int, exp_bits: int, exponent=None):
     if _by_block_power(u, exp_bits, exponent):
-        q, p, finite = _bfp_nearest(blocks, man_bits, exp_bits, dim)
+        q, p, finite = _bfp_nearest(blocks, man_bits, exp_bits)
         # q * 2^(2-m) is exact and one product by p rounds once: the reference's exact value,
         # representable in float32 for E <= 8 (a multiple of 2^-149)
         return torch.where(finite, q * 2.0 ** (2 - man_bits) * p, math.nan)
-    q, _, k, finite = _bfp_integers(blocks, u, man_bits, exp_bits, exponent, dim)
+    q, _, k, finite = _bfp_integers(blocks, u, man_bits, exp_bits, exponent)
     return torch.where(finite, _mul_pow2(q, -k), math.nan)
 
 
@@ -163,7 +163,7 @@ def _code_dtype(width: int) -> torch.dtype:
     return torch.uint8 if width <= 8 else torch.int16 if width <= 16 else torch.int32
 
 
-def _bfp_codes_fn(blocks, u, man_bits: int, exp_bits: int, exponent=None, dim: int = -1):
+def _bfp_codes_fn(blocks, u, man_bits: int, exp_bits: int, exponent=None):
     """Stage 1 of pack: blocks [R, n_blocks, B] -> mantissa codes [R, n_blocks, B] and exponent
     codes [R, n_blocks, 1], in the narrowest integer dtype.
 
@@ -173,10 +173,10 @@ def _bfp_codes_fn(blocks, u, man_bits: int, exp_bits: int, exponent=None, dim: i
     Flattening happens on the host: a reshape inside the graph also costs a scalar loop.
     """
     if _by_block_power(u, exp_bits, exponent):
-        q, p, finite = _bfp_nearest(blocks, man_bits, exp_bits, dim)
+        q, p, finite = _bfp_nearest(blocks, man_bits, exp_bits)
         e = _power_exponent(p)
     else:
-        q, e, _, finite = _bfp_integers(blocks, u, man_bits, exp_bits, exponent, dim)
+        q, e, _, finite = _bfp_integers(blocks, u, man_bits, exp_bits, exponent)
     # the sign of q is the sign of x (rounding and clamping keep it), -0.0 included; this is
     # vectorised, where torch.signbit compiles to a scalar loop
     negative = (blocks < 0) | ((blocks == 0) & (1.0 / blocks < 0))
@@ -423,42 +423,6 @@ def _restore(blocks: torch.Tensor, n: int, moved_shape, x_shape, axis: int | Non
     return out.to(dtype)
 
 
-def _down_columns(x: torch.Tensor, block: int | None, axis: int) -> bool:
-    """Whether ``quantize`` takes the blocks along ``axis`` in place (`_columns`) rather than with
-    ``axis`` moved last (`_rows`): a blocked axis with more than one element after it. ``pack``
-    keeps `_rows`: its stream is in the moved order, and reordering one-byte codes afterwards
-    measured slower than moving the floats first."""
-    if block is None or x.dim() == 0 or x.numel() == 0:
-        return False
-    return math.prod(x.shape[axis % x.dim() + 1 :]) > 1
-
-
-def _columns(x: torch.Tensor, block: int, axis: int):
-    """float32 view of x as [P x n_blocks, B, Q] in x's own layout, blocks running down the
-    middle dimension: P is the product of the dims before ``axis``, n its length, Q the
-    product of those after. A transposed copy of x (what `_rows` makes for such an axis) cost
-    as much as the quantizer itself. Returns (blocks, n)."""
-    ax = axis % x.dim()
-    n, q = x.shape[ax], math.prod(x.shape[ax + 1 :])
-    x32 = x.detach().to(torch.float32).contiguous().reshape(-1, n, q)  # detached: see _rows
-    n_blocks = -(-n // block)
-    if n_blocks * block != n:
-        x32 = torch.nn.functional.pad(x32, (0, 0, 0, n_blocks * block - n))
-    return x32.reshape(-1, block, q), n
-
-
-def _run_columns(fn, blocks, u, *args):
-    """Run a per-block ``fn`` on blocks [G, B, Q] (`_columns`), reducing over B; G dynamic."""
-    dyn = ((blocks, 0),) + (((u, 0),) if u is not None else ())
-    return _run(fn, blocks, u, *args, None, 1, dynamic_dims=dyn)
-
-
-def _in_order(t: torch.Tensor, n: int, lead: int, q: int) -> torch.Tensor:
-    """[lead x n_blocks, B or 1, Q] back to [lead, n, Q] (the padding of the last block cut)."""
-    t = t.reshape(lead, -1, q)
-    return t[:, :n] if t.shape[1] != n else t
-
-
 def _noise_rows(x, generator, block, axis):
     return _rows(ref.uniform_noise(x, generator), block, axis)[0]
 
@@ -509,14 +473,6 @@ def bfp_quantize(x, man_bits, exp_bits, block, axis, rounding="nearest", generat
         p, finite = _run(_power_fn, flat, exp_bits, dynamic_dims=((flat, 0),))
         out = _run(_quantize_by_power_fn, flat, p, finite, man_bits, dynamic_dims=((flat, 0),))
         return out.reshape(x.shape).to(x.dtype)
-    if _down_columns(x, block, axis):
-        blocks, n = _columns(x, block, axis)
-        u = None
-        if rounding == "stochastic":
-            u = _columns(ref.uniform_noise(x, generator), block, axis)[0]
-        values = _run_columns(_bfp_quantize_fn, blocks, u, man_bits, exp_bits)
-        q = blocks.shape[-1]
-        return _in_order(values, n, x.numel() // (n * q), q).reshape(x.shape).to(x.dtype)
     blocks, n, moved_shape = _rows(x, block, axis)
     u = _noise_rows(x, generator, block, axis) if rounding == "stochastic" else None
     if block is None:
