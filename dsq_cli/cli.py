@@ -96,6 +96,27 @@ def format_cmd(
 DEFAULT_BENCH_FORMATS = "bfp2,bfp4,bfp8,fixed16"
 
 
+def _preset_names(presets: str) -> list[str]:
+    """``--presets`` as names of conf/quant files; an unknown or missing one is a usage error
+    (one line, exit 2) before any work."""
+    from dsq_cli.presets import load_quant_preset
+
+    names = [p.strip() for p in presets.split(",") if p.strip()]
+    if not names:
+        raise ValueError("--presets: name at least one quant preset")
+    for name in names:
+        load_quant_preset(name)
+    return names
+
+
+def _print_bench(result: dict, as_json: bool, format_table) -> None:
+    if as_json:
+        json.dump(result, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        typer.echo(format_table(result))
+
+
 def _check_device(device: str) -> None:
     if device == "cpu":
         return
@@ -140,11 +161,7 @@ def bench_quant(
         device,
         peers,
     )
-    if as_json:
-        json.dump(result, sys.stdout, indent=2)
-        sys.stdout.write("\n")
-    else:
-        typer.echo(quant.format_table(result))
+    _print_bench(result, as_json, quant.format_table)
 
 
 @bench_app.command("step")
@@ -172,11 +189,8 @@ def bench_step(
     side by side."""
     from dsq_cli.bench import step
     from dsq_cli.engine.config import STASH_SCOPES
-    from dsq_cli.presets import load_quant_preset
 
-    names = [p.strip() for p in presets.split(",") if p.strip()]
-    for name in names:
-        load_quant_preset(name)  # unknown preset: one line, exit 2, before any work
+    names = _preset_names(presets)
     scope_list = tuple(s.strip() for s in scopes.split(",") if s.strip())
     bad = [s for s in scope_list if s not in STASH_SCOPES]
     if bad or not scope_list:
@@ -185,11 +199,7 @@ def bench_step(
     result = step.run(
         names, layers, width, tokens, src_len, repeats, vocab, device=device, scopes=scope_list
     )
-    if as_json:
-        json.dump(result, sys.stdout, indent=2)
-        sys.stdout.write("\n")
-    else:
-        typer.echo(step.format_table(result))
+    _print_bench(result, as_json, step.format_table)
 
 
 @bench_app.command("memory")
@@ -214,23 +224,14 @@ def bench_memory(
     per quant preset, side by side."""
     from dsq_cli.bench import memory
     from dsq_cli.engine.config import STASH_SCOPES
-    from dsq_cli.presets import load_quant_preset
 
     size = memory.parse_size(budget)
-    names = [p.strip() for p in presets.split(",") if p.strip()]
-    for name in names:
-        load_quant_preset(name)  # unknown preset: one line, exit 2, before any work
-    if not names:
-        raise ValueError("--presets: name at least one quant preset")
+    names = _preset_names(presets)
     if scope not in STASH_SCOPES:
         raise ValueError(f"--scope: unknown scope {scope!r}; choose from {list(STASH_SCOPES)}")
     _check_device(device)
     result = memory.run(names, size, layers, width, src_len, vocab, device=device, scope=scope)
-    if as_json:
-        json.dump(result, sys.stdout, indent=2)
-        sys.stdout.write("\n")
-    else:
-        typer.echo(memory.format_table(result))
+    _print_bench(result, as_json, memory.format_table)
 
 
 OVERRIDES_HELP = (

@@ -118,15 +118,26 @@ def _block_power(blocks: torch.Tensor, exp_bits: int):
     return p.clamp(2.0**-emax, 2.0**emax), finite
 
 
-def _bfp_nearest(blocks, man_bits: int, exp_bits: int):
-    """(q, p, finite): the integers q = clamp(round(x / 2^(e - (m-2)))) and the block powers p.
+def _rounded(x, p, man_bits: int):
+    """The integers q = clamp(round(x / 2^(e - (m-2)))) of ``x`` under the power p = 2^e.
 
     x / p is exact unless it underflows, far below the block's max, where it rounds to a zero of
     the same sign either way; the scaling by 2^(m-2) and the rounding are exact."""
     limit = 2 ** (man_bits - 1) - 1
+    return torch.round(x / p * 2.0 ** (man_bits - 2)).clamp(-limit, limit)
+
+
+def _from_power(q, p, finite, man_bits: int):
+    """The values q * 2^(e - (m-2)): q * 2^(2-m) is exact (q < 2^24) and one product by p rounds
+    once, to the reference's exact value (representable in float32 for E <= 8: a multiple of
+    2^-149); NaN for a block that held NaN or inf."""
+    return torch.where(finite, q * 2.0 ** (2 - man_bits) * p, math.nan)
+
+
+def _bfp_nearest(blocks, man_bits: int, exp_bits: int):
+    """(q, p, finite): the integers `_rounded` of each block and the block powers p."""
     p, finite = _block_power(blocks, exp_bits)
-    q = torch.round(blocks / p * 2.0 ** (man_bits - 2)).clamp(-limit, limit)
-    return q, p, finite
+    return _rounded(blocks, p, man_bits), p, finite
 
 
 def _power_exponent(p: torch.Tensor) -> torch.Tensor:
@@ -143,17 +154,13 @@ def _power_fn(flat, exp_bits: int):
 
 def _quantize_by_power_fn(flat, p, finite, man_bits: int):
     """fixed<w> with w <= 24 and nearest rounding, elementwise given the tensor's power p."""
-    limit = 2 ** (man_bits - 1) - 1
-    q = torch.round(flat / p * 2.0 ** (man_bits - 2)).clamp(-limit, limit)
-    return torch.where(finite, q * 2.0 ** (2 - man_bits) * p, math.nan)
+    return _from_power(_rounded(flat, p, man_bits), p, finite, man_bits)
 
 
 def _bfp_quantize_fn(blocks, u, man_bits: int, exp_bits: int, exponent=None):
     if _by_block_power(u, exp_bits, exponent):
         q, p, finite = _bfp_nearest(blocks, man_bits, exp_bits)
-        # q * 2^(2-m) is exact and one product by p rounds once: the reference's exact value,
-        # representable in float32 for E <= 8 (a multiple of 2^-149)
-        return torch.where(finite, q * 2.0 ** (2 - man_bits) * p, math.nan)
+        return _from_power(q, p, finite, man_bits)
     q, _, k, finite = _bfp_integers(blocks, u, man_bits, exp_bits, exponent)
     return torch.where(finite, _mul_pow2(q, -k), math.nan)
 
@@ -467,8 +474,7 @@ def eager_bfp_quantizer(x: torch.Tensor, man_bits: int, exp_bits: int, block: in
 
 def bfp_quantize(x, man_bits, exp_bits, block, axis, rounding="nearest", generator=None):
     if block is None and rounding == "nearest" and exp_bits <= 8 and man_bits <= 24:
-        # fixed<w>: its power first, then one elementwise pass (the products are exact as
-        # in `_bfp_nearest`; q < 2^23 keeps q * 2^(2-m) exact)
+        # fixed<w>: its power first, then one elementwise pass (`_rounded`, `_from_power`)
         flat = x.detach().to(torch.float32).reshape(-1)
         p, finite = _run(_power_fn, flat, exp_bits, dynamic_dims=((flat, 0),))
         out = _run(_quantize_by_power_fn, flat, p, finite, man_bits, dynamic_dims=((flat, 0),))
