@@ -61,6 +61,35 @@ class Format:
     def _unpack(self, packed: PackedTensor, backend: str | None = None) -> torch.Tensor:
         raise NotImplementedError
 
+    def quantize_and_pack(
+        self,
+        x: torch.Tensor,
+        axis: int,
+        stash: Format,
+        stash_axis: int,
+        *,
+        backend: str | None = None,
+    ) -> tuple[torch.Tensor, PackedTensor]:
+        """``(self.quantize(x, axis), stash.pack(x, stash_axis))``, nearest rounding, bit for bit:
+        a GEMM input and its stash. A format whose path can compute both from one read of ``x``
+        overrides this (``BFP``); any other pair runs the two calls."""
+        return self.quantize(x, axis, backend=backend), stash.pack(x, stash_axis, backend=backend)
+
+    def quantize_chain(
+        self,
+        x: torch.Tensor,
+        axis: int,
+        second: Format,
+        second_axis: int,
+        *,
+        backend: str | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(q, second.quantize(q, second_axis))`` with ``q = self.quantize(x, axis)``, nearest
+        rounding, bit for bit: an incoming gradient as fetched and as a GEMM input. A format
+        whose path computes both in one pass overrides this (``BFP``)."""
+        first = self.quantize(x, axis, backend=backend)
+        return first, second.quantize(first, second_axis, backend=backend)
+
     def __repr__(self) -> str:
         return f"parse_format({self.spec!r})"
 

@@ -56,6 +56,36 @@ class BFP(Format):
         payload = {"mantissas": mantissas, "exponents": exponents}
         return PackedTensor(self, tuple(x.shape), x.dtype, axis, payload)
 
+    def quantize_and_pack(self, x, axis, stash, stash_axis, *, backend=None):
+        axis = check_input(x, axis, "nearest", None)
+        stash_axis = check_input(x, stash_axis, "nearest", None)
+        path = select_path(x, backend)
+        fused = getattr(path, "bfp_quantize_and_pack", None)
+        if (
+            fused is None
+            or not isinstance(stash, BFP)
+            or not path.fusable_quantize_and_pack(x, self._args(), axis, stash._args(), stash_axis)
+        ):
+            return super().quantize_and_pack(x, axis, stash, stash_axis, backend=backend)
+        with torch.no_grad():
+            values, mantissas, exponents = fused(x, self._args(), axis, stash._args(), stash_axis)
+        payload = {"mantissas": mantissas, "exponents": exponents}
+        return values, PackedTensor(stash, tuple(x.shape), x.dtype, stash_axis, payload)
+
+    def quantize_chain(self, x, axis, second, second_axis, *, backend=None):
+        axis = check_input(x, axis, "nearest", None)
+        second_axis = check_input(x, second_axis, "nearest", None)
+        path = select_path(x, backend)
+        fused = getattr(path, "bfp_quantize_chain", None)
+        if (
+            fused is None
+            or not isinstance(second, BFP)
+            or not path.fusable_quantize_chain(x, self._args(), second._args(), second_axis)
+        ):
+            return super().quantize_chain(x, axis, second, second_axis, backend=backend)
+        with torch.no_grad():
+            return fused(x, self._args(), second._args())
+
     def _unpack(self, packed, backend=None):
         p = packed.payload
         with torch.no_grad():

@@ -502,6 +502,95 @@ def bfp_pack(x, man_bits, exp_bits, block, axis, rounding="nearest", generator=N
     return _pack_codes(codes.reshape(-1), man_bits), _pack_codes(exps.reshape(-1), exp_bits)
 
 
+def _quantize_and_codes_fn(rows, q_man: int, q_exp: int, q_block: int, p_man: int, p_exp: int):
+    """One kernel over ``rows`` [L, N / Bp, Bp, K]: the values of BFP(q_man, q_exp, q_block)
+    along K, as [L * N * K / Bq, Bq], and the pack codes of BFP(p_man, p_exp, Bp) along N in
+    the stream's order, [L, K, N / Bp, Bp] (and exponents [L, K, N / Bp, 1]): `_bfp_codes_fn` on
+    the transposed view, which inductor reads in place instead of copying the floats first."""
+    values = _bfp_quantize_fn(rows.reshape(-1, q_block), None, q_man, q_exp)
+    codes, exps = _bfp_codes_fn(rows.permute(0, 3, 1, 2), None, p_man, p_exp)
+    return values, codes, exps
+
+
+def fusable_quantize_and_pack(x, q_args, axis, p_args, pack_axis) -> bool:
+    """Whether `bfp_quantize_and_pack` runs ``x`` (else the caller quantizes and packs apart):
+    nearest rounding is the caller's to check; here both formats are per-block BFP with E <= 8,
+    the quantizer's blocks tile the last axis, and the stash's run along the one before it."""
+    (_, q_exp, q_block), (_, p_exp, p_block) = q_args, p_args
+    return (
+        x.dim() >= 2
+        and axis == x.dim() - 1
+        and pack_axis == x.dim() - 2
+        and q_block is not None
+        and p_block is not None
+        and max(q_exp, p_exp) <= 8
+        and x.shape[-1] % q_block == 0
+        and x.numel() > 0
+    )
+
+
+def bfp_quantize_and_pack(x, q_args, axis, p_args, pack_axis):
+    """``bfp_quantize(x, *q_args, axis)`` and ``bfp_pack(x, *p_args, pack_axis)`` (nearest
+    rounding), bit for bit, reading x once; see `fusable_quantize_and_pack` for when it applies.
+    Returns (values, mantissa stream, exponent stream)."""
+    p_man, p_exp, p_block = p_args
+    x32 = x.detach().to(torch.float32)
+    *lead, n, k = x32.shape
+    rows = x32.reshape(-1, n, k).contiguous()
+    n_blocks = -(-n // p_block)
+    if n_blocks * p_block != n:
+        rows = torch.nn.functional.pad(rows, (0, 0, 0, n_blocks * p_block - n))
+    rows = rows.reshape(rows.shape[0], n_blocks, p_block, k)
+    dyn = ((rows, 0), (rows, 1))
+    fn = _quantize_and_codes_fn
+    values, codes, exps = _run(fn, rows, *q_args, p_man, p_exp, dynamic_dims=dyn)
+    values = values.reshape(rows.shape[0], n_blocks * p_block, k)[:, :n].reshape(x.shape)
+    codes = _join_planes(codes).reshape(rows.shape[0] * k, n_blocks * p_block)
+    if codes.shape[1] != n:
+        codes = codes[:, :n]  # as bfp_pack: the padding of each partial last block is not stored
+    mantissas = _pack_codes(codes.reshape(-1), p_man)
+    return values.to(x.dtype), mantissas, _pack_codes(exps.reshape(-1), p_exp)
+
+
+def _by_power_then_bfp_fn(rows, p, finite, man_bits: int, s_man: int, s_exp: int):
+    """One elementwise pass over ``rows`` [R, Bs]: fixed<man_bits> under the tensor's power p
+    (`_quantize_by_power_fn`), and that result quantized again to BFP(s_man, s_exp, Bs) along
+    the rows."""
+    first = _quantize_by_power_fn(rows, p, finite, man_bits)
+    return first, _bfp_quantize_fn(first, None, s_man, s_exp)
+
+
+def fusable_quantize_chain(x, first_args, second_args, second_axis) -> bool:
+    """Whether `bfp_quantize_chain` runs ``x``: the first format is fixed<w> (w <= 24, E <= 8),
+    the second per-block BFP (E <= 8) whose blocks tile the last axis."""
+    (f_man, f_exp, f_block), (_, s_exp, s_block) = first_args, second_args
+    return (
+        f_block is None
+        and f_man <= 24
+        and f_exp <= 8
+        and s_block is not None
+        and s_exp <= 8
+        and x.dim() >= 1
+        and second_axis == x.dim() - 1
+        and x.shape[-1] % s_block == 0
+        and x.numel() > 0
+    )
+
+
+def bfp_quantize_chain(x, first_args, second_args):
+    """(q = bfp_quantize(x, *first_args), bfp_quantize(q, *second_args, last axis)), nearest
+    rounding, bit for bit, in one pass after the tensor's power; see `fusable_quantize_chain`."""
+    f_man, f_exp, _ = first_args
+    s_man, s_exp, s_block = second_args
+    flat = x.detach().to(torch.float32).reshape(-1)
+    p, finite = _run(_power_fn, flat, f_exp, dynamic_dims=((flat, 0),))
+    rows = flat.reshape(-1, s_block)
+    first, second = _run(
+        _by_power_then_bfp_fn, rows, p, finite, f_man, s_man, s_exp, dynamic_dims=((rows, 0),)
+    )
+    return first.reshape(x.shape).to(x.dtype), second.reshape(x.shape).to(x.dtype)
+
+
 def bfp_unpack(mantissas, exponents, man_bits, exp_bits, block, shape, axis, dtype):
     numel = math.prod(shape)
     if block is None:

@@ -1,0 +1,117 @@
+"""The fused pairs of the engine, bit for bit against the two calls they replace:
+``quantize_and_pack`` (a GEMM input and its stash, from one read) and ``quantize_chain`` (an
+incoming gradient as fetched, then as a GEMM input), on the reference and the compiled path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import assert_bitwise_equal
+from test_packing import edge_tensor, with_nonfinite
+
+from dsq_cli.formats import compiled, parse_format
+from dsq_cli.formats.dispatch import compiled_unavailable_reason
+
+needs_compiled = pytest.mark.skipif(
+    compiled_unavailable_reason() is not None, reason=str(compiled_unavailable_reason())
+)
+
+# (tensor shape, what it exercises): rows that fill whole stash blocks, a partial last block
+# (padding not stored), a leading batch dimension (attention operands), a single row
+SHAPES = [(48, 32), (37, 48), (3, 21, 32), (1, 48)]
+
+
+def _tensor(shape, nonfinite: bool) -> torch.Tensor:
+    x = edge_tensor(shape, seed=sum(shape))
+    return with_nonfinite(x) if nonfinite and x.numel() > 90 else x
+
+
+def _spy(monkeypatch, name: str) -> list[int]:
+    """Count the calls of compiled.<name>, so that a test knows the fused kernel ran."""
+    calls: list[int] = []
+    original = getattr(compiled, name)
+
+    def spy(*args):
+        calls.append(1)
+        return original(*args)
+
+    monkeypatch.setattr(compiled, name, spy)
+    return calls
+
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param("compiled", marks=needs_compiled)])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("nonfinite", [False, True])
+@pytest.mark.parametrize("pair", [("bfp8", "bfp2"), ("bfp8", "bfp4"), ("bfp4e6b8", "bfp11b4")])
+def test_quantize_and_pack_equals_the_two_calls(backend, shape, nonfinite, pair, monkeypatch):
+    fmt, stash = (parse_format(s) for s in pair)
+    x = _tensor(shape, nonfinite)
+    last, before = x.dim() - 1, x.dim() - 2
+    calls = _spy(monkeypatch, "bfp_quantize_and_pack")
+    values, packed = fmt.quantize_and_pack(x, last, stash, before, backend=backend)
+    assert calls if backend == "compiled" else not calls  # the fused kernel ran where it exists
+    expected = stash.pack(x, before, backend="reference")
+    assert_bitwise_equal(values, fmt.quantize(x, last, backend="reference"), "values")
+    assert (packed.fmt, packed.shape, packed.dtype, packed.axis) == (
+        stash,
+        expected.shape,
+        expected.dtype,
+        expected.axis,
+    )
+    for name, stream in expected.payload.items():
+        assert torch.equal(packed.payload[name], stream), name
+    assert_bitwise_equal(packed.unpack(), stash.quantize(x, before, backend="reference"))
+
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param("compiled", marks=needs_compiled)])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("nonfinite", [False, True])
+@pytest.mark.parametrize("pair", [("fixed16", "bfp8"), ("fixed8", "bfp3"), ("fixed24", "bfp6e5b8")])
+@pytest.mark.parametrize("scale", [1.0, 1e-36])
+def test_quantize_chain_equals_the_two_calls(backend, shape, nonfinite, pair, scale, monkeypatch):
+    first, second = (parse_format(s) for s in pair)
+    x = _tensor(shape, nonfinite) * scale  # 1e-36: the tensor's power is near the subnormals
+    calls = _spy(monkeypatch, "bfp_quantize_chain")
+    g, g2 = first.quantize_chain(x, 0, second, x.dim() - 1, backend=backend)
+    assert calls if backend == "compiled" else not calls
+    expected = first.quantize(x, 0, backend="reference")
+    assert_bitwise_equal(g, expected, "first")
+    assert_bitwise_equal(g2, second.quantize(expected, x.dim() - 1, backend="reference"), "second")
+
+
+@needs_compiled
+@pytest.mark.parametrize(
+    "fmt, axis, stash, stash_axis, why",
+    [
+        ("bfp8", 0, "bfp2", 1, "the quantizer's blocks are not along the last axis"),
+        ("fixed16", 1, "bfp2", 0, "a whole-tensor quantizer"),
+        ("bfp8", 1, "fixed8", 0, "a whole-tensor stash"),
+        ("bfp8", 1, "e4m3", 0, "a stash that is not BFP"),
+        ("bfp8b5", 1, "bfp2", 0, "blocks of 5 do not tile 32 columns"),
+    ],
+)
+def test_pairs_the_kernel_does_not_cover_run_as_two_calls(
+    fmt, axis, stash, stash_axis, why, monkeypatch
+):
+    fmt, stash = parse_format(fmt), parse_format(stash)
+    x = _tensor((40, 32), False)
+    calls = _spy(monkeypatch, "bfp_quantize_and_pack")
+    values, packed = fmt.quantize_and_pack(x, axis, stash, stash_axis)
+    assert not calls, why
+    assert_bitwise_equal(values, fmt.quantize(x, axis))
+    assert_bitwise_equal(packed.unpack(), stash.quantize(x, stash_axis))
+
+
+@needs_compiled
+def test_new_batch_lengths_reuse_the_fused_kernels():
+    """Token counts vary from batch to batch; they must not compile a kernel each (two sizes are
+    compiled apart at most: one block of rows, and the dynamic case)."""
+    fmt, stash = parse_format("bfp8"), parse_format("bfp3")
+    for n in (40, 56):  # warm up: one block is specialised, more than one is dynamic
+        fmt.quantize_and_pack(torch.randn(n, 32), 1, stash, 0)
+        parse_format("fixed16").quantize_chain(torch.randn(n, 32), 0, fmt, 1)
+    torch._dynamo.utils.counters.clear()
+    for n in (72, 99, 130, 301):
+        fmt.quantize_and_pack(torch.randn(n, 32), 1, stash, 0)
+        parse_format("fixed16").quantize_chain(torch.randn(n, 32), 0, fmt, 1)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0
