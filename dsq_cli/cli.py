@@ -236,7 +236,9 @@ def bench_memory(
 
 OVERRIDES_HELP = (
     "Hydra overrides: group choices (task=multi30k model=transformer_tiny quant=dsq logger=none) "
-    "and keys (train.max_updates=100 quant.q1=bfp3 data.raw_dir=DIR seed=2 resume=RUN_DIR)."
+    "and keys (train.max_updates=100 quant.q1=bfp3 data.raw_dir=DIR seed=2 resume=RUN_DIR). "
+    "Each quantization point q0..q3 rounds to nearest unless told "
+    "quant.rounding.q1=stochastic (noise seeded by seed, continued on resume)."
 )
 
 

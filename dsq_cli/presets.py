@@ -19,16 +19,21 @@ TABLE1_ORDER = (
     "stash_bfp",
     "dsq",
 )
-QUANT_KEYS = ("q0", "q1", "q2", "q3", "stash_scope")
+POINTS = ("q0", "q1", "q2", "q3")
+QUANT_KEYS = (*POINTS, "stash_scope", "rounding")
 
 
 def load_quant_preset(name: str) -> dict:
-    """The mapping of conf/quant/NAME.yaml (q0..q3, stash_scope)."""
+    """The mapping of conf/quant/NAME.yaml (q0..q3, stash_scope, rounding)."""
     path = CONF_DIR / "quant" / f"{name}.yaml"
     if not path.is_file():
         choices = sorted(p.stem for p in (CONF_DIR / "quant").glob("*.yaml"))
         raise ValueError(f"unknown quant preset {name!r}; choose one of {choices}")
     return yaml.safe_load(path.read_text())
+
+
+def _every_point_rounding(rounding: Mapping | None) -> dict:
+    return {point: (rounding or {}).get(point, "nearest") for point in POINTS}
 
 
 def _render_point(value) -> str:
@@ -50,6 +55,8 @@ def quant_differences(quant: Mapping) -> list[str] | None:
     differences = []
     for key in QUANT_KEYS:
         mine, theirs = quant.get(key), stored.get(key)
+        if key == "rounding":  # a point not named rounds to nearest (runs from before rounding)
+            mine, theirs = _every_point_rounding(mine), _every_point_rounding(theirs)
         if mine == theirs or (key == "stash_scope" and mine is None):
             continue
         if isinstance(mine, Mapping) and isinstance(theirs, Mapping):

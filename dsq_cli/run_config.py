@@ -144,7 +144,7 @@ class RunConfig:
     # builder); `name` (the file's builder) is required, `family` is encoder or absent.
     model: dict[str, Any] = field(default_factory=dict)
     task: TaskConfig = field(default_factory=TaskConfig)
-    # conf/quant/: q0..q3 and stash_scope; validated by dsq_cli.engine.QuantConfig.from_dict.
+    # conf/quant/: q0..q3, stash_scope, rounding; validated by engine.QuantConfig.from_dict.
     quant: Any = None
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     choices: dict[str, str] = field(default_factory=dict)  # group -> the file it chose

@@ -91,8 +91,9 @@ def test_bench_quant_json_on_a_small_tensor():
 @pytest.mark.parametrize("preset", sorted((REPO / "conf" / "quant").glob("*.yaml")))
 def test_quant_presets_name_valid_formats(preset):
     cfg = yaml.safe_load(preset.read_text())
-    assert set(cfg) == {"q0", "q1", "q2", "q3", "stash_scope"}
+    assert set(cfg) == {"q0", "q1", "q2", "q3", "stash_scope", "rounding"}
     assert cfg["stash_scope"] in ("gemm", "all")
+    assert cfg["rounding"] == {p: "nearest" for p in ("q0", "q1", "q2", "q3")}  # the paper's
     for point in ("q0", "q1", "q2", "q3"):
         value = cfg[point]
         levels = value["levels"] if isinstance(value, dict) else [value]

@@ -257,7 +257,9 @@ def test_nan_loss_stops_as_diverged_and_keeps_the_last_good_checkpoint(
 
 
 def test_sigterm_checkpoints_and_resume_matches_an_uninterrupted_run(tmp_path, cache_dir):
-    args = small(cache_dir, tmp_path / "x", "train.max_updates=10", "train.validate_every=3")
+    # a stochastic stash: the resumed run must also continue the rounding noise's stream
+    args = small(cache_dir, tmp_path / "x", "train.max_updates=10", "train.validate_every=3",
+                 "quant.rounding.q1=stochastic")  # fmt: skip
     straight = subprocess.run(
         [DSQ, "train", *[a for a in args if not a.startswith("run.root")],
          f"run.dir={tmp_path / 'straight'}"],

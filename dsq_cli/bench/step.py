@@ -63,7 +63,10 @@ def build_model(layers: int, width: int, vocab: int, seed: int = 0):
 
 def first_level(preset: dict) -> dict:
     """The preset with every schedule at its first level (what a run starts with)."""
-    return {k: (v["levels"][0] if isinstance(v, dict) else v) for k, v in preset.items()}
+    return {
+        k: (v["levels"][0] if isinstance(v, dict) and "levels" in v else v)
+        for k, v in preset.items()
+    }
 
 
 from .quant import machine_description  # noqa: E402  (one description for both benches)

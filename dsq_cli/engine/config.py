@@ -2,13 +2,19 @@
 
 Every DSQ layer holds a reference to the same ``QuantConfig``; stepping it after a validation
 (``cfg.step(valid_loss, update)``) changes the format every layer uses from its next call on.
+Each point also has a rounding mode (docs/dsq.md, "Rounding"): ``nearest`` (the default, the
+paper's) or ``stochastic``, whose noise comes from one generator per device, seeded by the run
+and saved in checkpoints (``noise_state``) so that a resumed run continues the same stream.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
+import torch
+
 from dsq_cli.formats import Format
+from dsq_cli.formats.base import ROUNDINGS
 
 from .schedule import LevelChange, Schedule
 
@@ -20,6 +26,7 @@ POINT_HELP = {
     "q3": "the incoming gradient dy as fetched (blocks along N)",
 }
 STASH_SCOPES = ("gemm", "all")
+CONFIG_KEYS = (*POINTS, "stash_scope", "rounding")
 
 
 def _as_schedule(point: str, value) -> Schedule:
@@ -40,25 +47,56 @@ def _as_schedule(point: str, value) -> Schedule:
     raise ValueError(f"{point}: expected a format spec or a schedule, got {value!r}")
 
 
-class QuantConfig:
-    """The formats of the four DSQ points (each a spec string or a Schedule) and the stash scope."""
+def _as_rounding(rounding: Mapping | None) -> dict[str, str]:
+    """Every point's rounding: ``nearest`` where ``rounding`` does not name the point."""
+    rounding = dict(rounding or {})
+    unknown = set(rounding) - set(POINTS)
+    if unknown:
+        raise ValueError(
+            f"rounding: unknown point(s) {sorted(unknown)}; the points are {POINTS} "
+            "(quant.rounding.q1=stochastic)"
+        )
+    for point, mode in rounding.items():
+        if mode not in ROUNDINGS:
+            raise ValueError(
+                f"quant.rounding.{point}={mode!r} is not a rounding; choose one of {ROUNDINGS}"
+            )
+    return {p: str(rounding.get(p, "nearest")) for p in POINTS}
 
-    def __init__(self, q0="fp32", q1="fp32", q2="fp32", q3="fp32", stash_scope: str = "gemm"):
+
+class QuantConfig:
+    """The formats of the four DSQ points (each a spec string or a Schedule), the stash scope
+    and each point's rounding (``{"q1": "stochastic"}``; unnamed points round to nearest)."""
+
+    def __init__(
+        self,
+        q0="fp32",
+        q1="fp32",
+        q2="fp32",
+        q3="fp32",
+        stash_scope: str = "gemm",
+        rounding: Mapping[str, str] | None = None,
+        seed: int = 0,
+    ):
         if stash_scope not in STASH_SCOPES:
             raise ValueError(f"stash_scope must be one of {STASH_SCOPES}, got {stash_scope!r}")
         self.schedules = {p: _as_schedule(p, v) for p, v in zip(POINTS, (q0, q1, q2, q3))}
         self.stash_scope = stash_scope
+        self.rounding = _as_rounding(rounding)
+        self.seed = int(seed)
+        self._generators: dict[str, torch.Generator] = {}
 
     @classmethod
-    def from_dict(cls, config: Mapping) -> QuantConfig:
-        """From a preset mapping (conf/quant/*.yaml): q0..q3 and stash_scope."""
-        unknown = set(config) - set(POINTS) - {"stash_scope", "name"}
+    def from_dict(cls, config: Mapping, seed: int = 0) -> QuantConfig:
+        """From a preset mapping (conf/quant/*.yaml): q0..q3, stash_scope and rounding.
+        ``seed`` seeds the stochastic rounding noise (a run passes its own seed)."""
+        unknown = set(config) - set(CONFIG_KEYS) - {"name"}
         if unknown:
             raise ValueError(
                 f"unknown quantization point(s) {sorted(unknown)}; the points are {POINTS} "
-                "(plus stash_scope)"
+                "(plus stash_scope and rounding)"
             )
-        return cls(**{k: v for k, v in config.items() if k != "name"})
+        return cls(**{k: v for k, v in config.items() if k != "name"}, seed=seed)
 
     def schedule(self, point: str) -> Schedule:
         if point not in self.schedules:
@@ -68,6 +106,20 @@ class QuantConfig:
     def format(self, point: str) -> Format:
         """The format in force at ``point``."""
         return self.schedule(point).format
+
+    def rounding_of(self, point: str, device: torch.device) -> tuple[str, torch.Generator | None]:
+        """(rounding, generator) for a quantizer at ``point`` on ``device``: the generator draws
+        the stochastic rounding noise (None for nearest rounding)."""
+        mode = self.rounding[point]
+        return mode, (self.generator(device) if mode == "stochastic" else None)
+
+    def generator(self, device: torch.device | str) -> torch.Generator:
+        """The noise generator of ``device``'s type, seeded with ``seed`` on first use; every
+        stochastic point draws from it in the order the quantizers run."""
+        kind = torch.device(device).type
+        if kind not in self._generators:
+            self._generators[kind] = torch.Generator(device=kind).manual_seed(self.seed)
+        return self._generators[kind]
 
     def step(self, valid_loss: float, update: int | None = None) -> list[tuple[str, LevelChange]]:
         """Step every schedule on one validation loss; return the changes it caused."""
@@ -83,11 +135,23 @@ class QuantConfig:
         return {p: s.current for p, s in self.schedules.items()}
 
     def state_dict(self) -> dict:
+        """Each point's schedule state (level, best, bad, change log), for checkpoints."""
         return {p: s.state_dict() for p, s in self.schedules.items()}
 
     def load_state_dict(self, state: Mapping) -> None:
         for point, schedule in self.schedules.items():
             schedule.load_state_dict(state[point])
 
+    def noise_state(self) -> dict:
+        """The stochastic rounding generators' states (those used so far), for checkpoints."""
+        return {kind: g.get_state() for kind, g in self._generators.items()}
+
+    def load_noise_state(self, state: Mapping) -> None:
+        """Continue the noise streams saved by ``noise_state``."""
+        for kind, generator_state in state.items():
+            self.generator(kind).set_state(generator_state)
+
     def __repr__(self) -> str:
-        return f"QuantConfig({self.current()}, stash_scope={self.stash_scope!r})"
+        stochastic = [p for p, mode in self.rounding.items() if mode == "stochastic"]
+        rounding = f", stochastic rounding at {stochastic}" if stochastic else ""
+        return f"QuantConfig({self.current()}, stash_scope={self.stash_scope!r}{rounding})"

@@ -1,23 +1,58 @@
 """The DSQ autograd functions (docs/spec.md §2): a linear layer and an activation-by-activation
 product.
 
-Formats are read from the shared ``QuantConfig`` when the forward pass runs, so a schedule step
-takes effect at the next forward; the backward pass uses the formats recorded at forward time
-(the stash was packed in them).
+Formats and roundings are read from the shared ``QuantConfig`` when the forward pass runs, so a
+schedule step takes effect at the next forward; the backward pass uses the points recorded at
+forward time (the stash was packed in them). Stochastic rounding draws its noise from the
+config's generator in the order the quantizers run.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
 from dsq_cli.formats import Format, PackedTensor
 
 from . import accounting
-from .config import QuantConfig
+from .config import POINTS, QuantConfig
 
 
-def _formats(cfg: QuantConfig) -> tuple[Format, Format, Format, Format]:
-    return cfg.format("q0"), cfg.format("q1"), cfg.format("q2"), cfg.format("q3")
+@dataclasses.dataclass(frozen=True)
+class _Point:
+    """A quantization point as one call sees it: its format in force and its rounding (with the
+    generator that draws stochastic rounding's noise)."""
+
+    fmt: Format
+    rounding: str
+    generator: torch.Generator | None
+
+    def quantize(self, x: torch.Tensor, axis: int) -> torch.Tensor:
+        return self.fmt.quantize(x, axis, self.rounding, self.generator)
+
+    def pack(self, x: torch.Tensor, axis: int) -> PackedTensor:
+        return self.fmt.pack(x, axis, self.rounding, self.generator)
+
+    def quantize_and_pack(self, x, axis: int, stash: _Point, stash_axis: int):
+        """(self.quantize(x, axis), stash.pack(x, stash_axis)): one read of x where the path
+        fuses the two (nearest rounding)."""
+        if self.rounding == stash.rounding == "nearest":
+            return self.fmt.quantize_and_pack(x, axis, stash.fmt, stash_axis)
+        return self.quantize(x, axis), stash.pack(x, stash_axis)
+
+    def quantize_chain(self, x, axis: int, second: _Point, second_axis: int):
+        """(g, second.quantize(g, second_axis)) with g = self.quantize(x, axis): one pass where
+        the path fuses the two (nearest rounding)."""
+        if self.rounding == second.rounding == "nearest":
+            return self.fmt.quantize_chain(x, axis, second.fmt, second_axis)
+        g = self.quantize(x, axis)
+        return g, second.quantize(g, second_axis)
+
+
+def _points(cfg: QuantConfig, device: torch.device) -> tuple[_Point, _Point, _Point, _Point]:
+    """q0..q3 in force now (read at forward time; the backward pass keeps these)."""
+    return tuple(_Point(cfg.format(p), *cfg.rounding_of(p, device)) for p in POINTS)
 
 
 def _stash_header(packed: PackedTensor | None):
@@ -55,19 +90,22 @@ class DSQLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2, weight, bias, cfg: QuantConfig, training: bool = True):
         # x2 is [N, K]: dsq_linear flattens outside, so the output is not a view made in here
-        f0, f1, f2, f3 = _formats(cfg)
+        f0, f1, f2, f3 = _points(cfg, x2.device)
         k = x2.shape[-1]
-        xq = f0.quantize(x2, axis=1)
-        wq = f0.quantize(weight, axis=1)
+        # the stash: x itself in q1, blocks along the tokens (GEMM3's reduction dimension),
+        # taken in the same read of x as q0(x) where the path fuses the two; no stash when no
+        # backward can come (evaluation under torch.no_grad)
+        if training and ctx.needs_input_grad[1]:
+            xq, stash = f0.quantize_and_pack(x2, 1, f1, 0)
+        else:
+            xq, stash = f0.quantize(x2, 1), None
+        wq = f0.quantize(weight, 1)
         if bias is None:
             y = xq @ wq.t()
         else:
             y = torch.addmm(bias, xq, wq.t())
-        # the stash: x itself in q1, blocks along the tokens (GEMM3's reduction dimension)
-        # (no stash when no backward can come: evaluation under torch.no_grad)
-        stash = f1.pack(x2, axis=0) if training and ctx.needs_input_grad[1] else None
         ctx.stash_header, stash_tensors = _stash_header(stash)
-        ctx.formats = (f2, f3)
+        ctx.points = (f2, f3)
         ctx.has_bias = bias is not None
         ctx.save_for_backward(weight, *stash_tensors)
         stash_bytes = stash.nbytes if stash is not None else 0
@@ -77,11 +115,15 @@ class DSQLinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         weight, *stash_tensors = ctx.saved_tensors
-        f2, f3 = ctx.formats
-        g = f3.quantize(dy, axis=0)  # as fetched: blocks along N
+        f2, f3 = ctx.points
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
-            dx = f2.quantize(g, axis=1) @ f2.quantize(weight, axis=0)  # blocks along M
+            # g = q3(dy) as fetched (blocks along N), then q2(g) (blocks along M): one pass where
+            # the path fuses the two
+            g, g2 = f3.quantize_chain(dy, 0, f2, 1)
+            dx = g2 @ f2.quantize(weight, 0)  # blocks along M
+        else:
+            g = f3.quantize(dy, 0)
         if ctx.needs_input_grad[1]:
             stash = _stash_restore(ctx.stash_header, stash_tensors).unpack()
             dw = g.t() @ stash
@@ -97,24 +139,35 @@ class DSQMatmulFunction(torch.autograd.Function):
 
     * forward   ``z = q0(a) @ q0(b)``, blocks along K for both;
     * both operands are stashed in q1, each with blocks along the reduction dimension of the
-      backward GEMM it feeds: ``a`` along N (for ``db``), ``b`` along M (for ``da``);
+      backward GEMM it feeds: ``a`` along N (for ``db``), ``b`` along M (for ``da``); ``b`` is
+      stashed as ``b^T [..., M, K]``, the layout GEMM ``da`` reads (the same blocks);
     * ``g = q3(dz)`` with blocks along N;
     * ``da [..., N, K] = q2(g) @ stash_b^T``  (reduction over M: ``g`` in q2 along M);
     * ``db [..., K, M] = stash_a^T @ g``      (reduction over N: ``g`` in q3 along N).
+
+    Each operand's q0 and its stash are taken in one read where the path fuses the two: both
+    are a quantizer along the last axis and a pack along the one before it (``a`` as it is,
+    ``b`` transposed).
     """
 
     @staticmethod
     def forward(ctx, a, b, cfg: QuantConfig, training: bool = True):
-        f0, f1, f2, f3 = _formats(cfg)
-        z = f0.quantize(a, axis=-1) @ f0.quantize(b, axis=-2)
-        header_a, tensors_a = _stash_header(
-            f1.pack(a, axis=-2) if training and ctx.needs_input_grad[1] else None
-        )
-        header_b, tensors_b = _stash_header(
-            f1.pack(b, axis=-1) if training and ctx.needs_input_grad[0] else None
-        )
+        f0, f1, f2, f3 = _points(cfg, a.device)
+        b_t = b.transpose(-1, -2)
+        last, before = a.dim() - 1, a.dim() - 2
+        if training and ctx.needs_input_grad[1]:
+            aq, stash_a = f0.quantize_and_pack(a, last, f1, before)
+        else:
+            aq, stash_a = f0.quantize(a, last), None
+        if training and ctx.needs_input_grad[0]:
+            bq_t, stash_b_t = f0.quantize_and_pack(b_t, last, f1, before)
+        else:
+            bq_t, stash_b_t = f0.quantize(b_t, last), None
+        z = aq @ bq_t.transpose(-1, -2)
+        header_a, tensors_a = _stash_header(stash_a)
+        header_b, tensors_b = _stash_header(stash_b_t)
         ctx.headers = (header_a, len(tensors_a), header_b)
-        ctx.formats = (f2, f3)
+        ctx.points = (f2, f3)
         ctx.save_for_backward(*tensors_a, *tensors_b)
         stash_bytes = sum(t.numel() * t.element_size() for t in (*tensors_a, *tensors_b))
         batch = a.numel() // (a.shape[-2] * a.shape[-1]) if a.numel() else 0
@@ -123,14 +176,16 @@ class DSQMatmulFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dz):
-        f2, f3 = ctx.formats
-        g = f3.quantize(dz, axis=-2)
+        f2, f3 = ctx.points
         header_a, count_a, header_b = ctx.headers
         saved = ctx.saved_tensors
         da = db = None
         if ctx.needs_input_grad[0]:
-            stash_b = _stash_restore(header_b, saved[count_a:]).unpack()
-            da = f2.quantize(g, axis=-1) @ stash_b.transpose(-1, -2)
+            g, g2 = f3.quantize_chain(dz, dz.dim() - 2, f2, dz.dim() - 1)  # as in the linear
+            stash_b_t = _stash_restore(header_b, saved[count_a:]).unpack()
+            da = g2 @ stash_b_t
+        else:
+            g = f3.quantize(dz, dz.dim() - 2)
         if ctx.needs_input_grad[1]:
             stash_a = _stash_restore(header_a, saved[:count_a]).unpack()
             db = stash_a.transpose(-1, -2) @ g

@@ -193,7 +193,8 @@ def stash_all_hooks(cfg: QuantConfig):
         fmt = cfg.format("q1")
         if fmt.spec == "fp32":
             return t
-        return _PackedSave(fmt.pack(t.detach(), axis=-1), t.requires_grad)
+        rounding, generator = cfg.rounding_of("q1", t.device)
+        return _PackedSave(fmt.pack(t.detach(), -1, rounding, generator), t.requires_grad)
 
     def unpack(saved):
         if isinstance(saved, _PackedSave):

@@ -284,12 +284,14 @@ class Trainer(ABC):
 
     # -- state ----------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """A checkpoint: the model, the trainer's own state, the schedule, progress and RNG."""
+        """A checkpoint: the model, the trainer's own state, the schedule and its rounding noise,
+        progress and RNG."""
         return {
             "model": self.trained_model().state_dict(),
             **self.own_state(),
             "num_updates": self.updates,
             "dsq_schedule": self.quant.state_dict(),
+            "dsq_noise": self.quant.noise_state(),
             "progress": self.progress,
             "rng": rng_state(),
         }
@@ -298,6 +300,10 @@ class Trainer(ABC):
         self.trained_model().load_state_dict(state["model"])
         self.load_own_state(state)
         self.quant.load_state_dict(state["dsq_schedule"])
+        # the checkpoint holds the main rank's rounding noise; another rank restarts its own
+        # stream from its seed (docs/dsq.md, "Rounding"); older checkpoints have none
+        if self.rank.is_main:
+            self.quant.load_noise_state(state.get("dsq_noise", {}))
         self.progress = dict(state["progress"])
         set_rng_state(state["rng"])  # last: restoring the rest may draw random numbers
 

@@ -100,7 +100,9 @@ def _train_and_evaluate(cfg, data, device, recorder, state, started: RunResult,
     exit_code = 0
     with StopRequest() as stop:
         try:
-            quant = QuantConfig.from_dict(to_plain(cfg.quant))
+            # stochastic rounding noise: the run's seed, a stream of its own on every rank
+            noise_seed = cfg.seed + 1_000_003 * rank.rank
+            quant = QuantConfig.from_dict(to_plain(cfg.quant), seed=noise_seed)
             trainer = family_of(cfg).trainer.from_run_config(
                 cfg, quant, data, recorder, device, rank
             )
