@@ -413,6 +413,99 @@ def _bfp_unpack_kernel(
     tl.store(out_ptr + i, out, mask=mask)
 
 
+# ============================================================================ fused pairs
+@triton.jit
+def _bfp_quantize_and_codes_kernel(
+    x_ptr,
+    out_ptr,
+    codes_ptr,
+    ecode_ptr,
+    n,
+    k,
+    nb,
+    QM: tl.constexpr,
+    QEMAX: tl.constexpr,
+    QECODE_NAN: tl.constexpr,
+    QB: tl.constexpr,
+    PM: tl.constexpr,
+    PEMAX: tl.constexpr,
+    PECODE_NAN: tl.constexpr,
+    PB: tl.constexpr,
+    PBP: tl.constexpr,
+    TK: tl.constexpr,
+):
+    """One read of a tile of x [L, n, k]: PB rows (one stash block along n) by TK columns.
+
+    Writes q = BFP(QM, QB) of the tile along k (x's layout) and the stash's codes, BFP(PM, PB)
+    along n: mantissa codes in the moved layout [L, k, n] (the stream's order) and each column's
+    exponent code at [L, k, nb]. Program (l * nb + jb, column tile)."""
+    l = tl.program_id(0) // nb
+    jb = tl.program_id(0) % nb
+    lane = tl.arange(0, PBP)
+    rows = jb * PB + lane
+    cols = tl.program_id(1) * TK + tl.arange(0, TK)
+    row_ok = (lane < PB) & (rows < n)
+    col_ok = cols < k
+    mask = row_ok[:, None] & col_ok[None, :]
+    offs = (l * n + rows)[:, None] * k + cols[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    # q0: blocks of QB along k
+    xq = tl.reshape(x, [PBP, TK // QB, QB])
+    qcode = _exp_code(tl.max(_abs_bits(xq), axis=2), QEMAX, QECODE_NAN)
+    qfinite = (qcode != QECODE_NAN)[:, :, None]
+    q, k1, k2 = _bfp_core(
+        tl.where(qfinite, xq, 0.0), 0.0, (qcode - QEMAX)[:, :, None], QM, QEMAX, False
+    )
+    values = tl.where(qfinite, _bfp_value(q, k1, k2), float("nan"))
+    tl.store(out_ptr + offs, tl.reshape(values, [PBP, TK]), mask=mask)
+    # the stash: one block per column, the PB rows of this tile
+    pcode = _exp_code(tl.max(_abs_bits(x), axis=0), PEMAX, PECODE_NAN)
+    tl.store(ecode_ptr + (l * k + cols) * nb + jb, pcode.to(tl.int16), mask=col_ok)
+    pfinite = (pcode != PECODE_NAN)[None, :]
+    qp, _, _ = _bfp_core(tl.where(pfinite, x, 0.0), 0.0, (pcode - PEMAX)[None, :], PM, PEMAX, False)
+    codes = tl.where(pfinite, _bfp_code(qp, PM), 0)
+    moved = (l * k + cols)[None, :] * n + rows[:, None]
+    tl.store(codes_ptr + moved, codes.to(codes_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _global_then_blocks_kernel(
+    x_ptr,
+    first_ptr,
+    second_ptr,
+    maxbits_ptr,
+    n_blocks,
+    FM: tl.constexpr,
+    FEMAX: tl.constexpr,
+    FECODE_NAN: tl.constexpr,
+    SM: tl.constexpr,
+    SEMAX: tl.constexpr,
+    SECODE_NAN: tl.constexpr,
+    SB: tl.constexpr,
+    SBP: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    """ROWS blocks of SB consecutive elements: first = BFP(FM) under the tensor's exponent (one
+    block spanning it), second = first quantized again to BFP(SM, SB) per block."""
+    g = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    lane = tl.arange(0, SBP)
+    mask = (g < n_blocks)[:, None] & (lane < SB)[None, :]
+    offs = g[:, None] * SB + lane[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    fcode = _exp_code(tl.load(maxbits_ptr), FEMAX, FECODE_NAN)
+    ffinite = fcode != FECODE_NAN
+    q, k1, k2 = _bfp_core(tl.where(ffinite, x, 0.0), 0.0, fcode - FEMAX, FM, FEMAX, False)
+    first = tl.where(ffinite, _bfp_value(q, k1, k2), float("nan"))
+    tl.store(first_ptr + offs, first, mask=mask)
+    scode = _exp_code(tl.max(_abs_bits(tl.where(mask, first, 0.0)), axis=1), SEMAX, SECODE_NAN)
+    sfinite = (scode != SECODE_NAN)[:, None]
+    q2, j1, j2 = _bfp_core(
+        tl.where(sfinite, first, 0.0), 0.0, (scode - SEMAX)[:, None], SM, SEMAX, False
+    )
+    second = tl.where(sfinite, _bfp_value(q2, j1, j2), float("nan"))
+    tl.store(second_ptr + offs, second, mask=mask)
+
+
 # ============================================================================ static fixed point
 @triton.jit
 def _fixed_core(x, u, W: tl.constexpr, F: tl.constexpr, STOCH: tl.constexpr):
@@ -783,3 +876,68 @@ def fixed_unpack(integers, nan_mask, N: int, width: int, frac_bits: int, device)
         **_OPTS,
     )
     return out
+
+
+def _prefixed(prefix: str, consts: dict) -> dict:
+    return {prefix + name: value for name, value in consts.items()}
+
+
+def bfp_quantize_and_pack(x, q_args, p_args):
+    """Fused pair of contiguous float32 ``x`` [L, n, k]: (BFP q_args along k, as x; the
+    mantissa and exponent streams of BFP p_args along n, byte for byte as ``bfp_pack`` of x with
+    n moved last). q_args = (m, E, B) with B a power of two dividing k; p_args = (m, E, B)."""
+    _check(x)
+    (q_man, q_exp, q_block), (p_man, p_exp, p_block) = q_args, p_args
+    lead, n, k = x.shape
+    nb = -(-n // p_block)
+    out = torch.empty_like(x)
+    codes = torch.empty(x.numel(), dtype=torch.int32, device=x.device)
+    ecodes = torch.empty(lead * k * nb, dtype=torch.int16, device=x.device)
+    pbp = triton.next_power_of_2(p_block)
+    tk = max(q_block, min(triton.next_power_of_2(k), max(q_block, TILE_ELEMS // pbp)))
+    grid = (lead * nb, triton.cdiv(k, tk))
+    _bfp_quantize_and_codes_kernel[grid](
+        x,
+        out,
+        codes,
+        ecodes,
+        n,
+        k,
+        nb,
+        **_prefixed("Q", _bfp_consts(q_man, q_exp)),
+        QB=q_block,
+        **_prefixed("P", _bfp_consts(p_man, p_exp)),
+        PB=p_block,
+        PBP=pbp,
+        TK=tk,
+        num_warps=_warps(pbp * tk),
+        **_OPTS,
+    )
+    return out, pack_codes(codes, p_man), pack_codes(ecodes, p_exp)
+
+
+def bfp_quantize_chain(x, first_args, second_args):
+    """Fused pair of contiguous float32 ``x`` (last axis a multiple of the second block):
+    (first = BFP first_args with one block spanning x, BFP second_args of first along the last
+    axis)."""
+    _check(x)
+    (f_man, f_exp, _), (s_man, s_exp, s_block) = first_args, second_args
+    first, second = torch.empty_like(x), torch.empty_like(x)
+    n_blocks = x.numel() // s_block
+    sbp = triton.next_power_of_2(s_block)
+    rows = max(1, TILE_ELEMS // sbp)
+    _global_then_blocks_kernel[(triton.cdiv(n_blocks, rows),)](
+        x,
+        first,
+        second,
+        _global_maxbits(x),
+        n_blocks,
+        **_prefixed("F", _bfp_consts(f_man, f_exp)),
+        **_prefixed("S", _bfp_consts(s_man, s_exp)),
+        SB=s_block,
+        SBP=sbp,
+        ROWS=rows,
+        num_warps=_warps(rows * sbp),
+        **_OPTS,
+    )
+    return first, second

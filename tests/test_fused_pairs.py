@@ -1,6 +1,7 @@
 """The fused pairs of the engine, bit for bit against the two calls they replace:
 ``quantize_and_pack`` (a GEMM input and its stash, from one read) and ``quantize_chain`` (an
-incoming gradient as fetched, then as a GEMM input), on the reference and the compiled path."""
+incoming gradient as fetched, then as a GEMM input), on every path: the reference (two calls),
+the compiled path and the Triton kernels (under ``TRITON_INTERPRET=1`` on CPU, conftest.py)."""
 
 from __future__ import annotations
 
@@ -9,47 +10,65 @@ import torch
 from conftest import assert_bitwise_equal
 from test_packing import edge_tensor, with_nonfinite
 
-from dsq_cli.formats import compiled, parse_format
-from dsq_cli.formats.dispatch import compiled_unavailable_reason
+from dsq_cli.formats import parse_format
+from dsq_cli.formats.dispatch import (
+    _module,
+    compiled_unavailable_reason,
+    triton_unavailable_reason,
+)
 
 needs_compiled = pytest.mark.skipif(
     compiled_unavailable_reason() is not None, reason=str(compiled_unavailable_reason())
 )
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_triton = pytest.mark.skipif(
+    triton_unavailable_reason(DEVICE) is not None, reason=str(triton_unavailable_reason(DEVICE))
+)
+BACKENDS = [
+    "reference",
+    pytest.param("compiled", marks=needs_compiled),
+    pytest.param("triton", marks=needs_triton),
+]
 
 # (tensor shape, what it exercises): rows that fill whole stash blocks, a partial last block
 # (padding not stored), a leading batch dimension (attention operands), a single row
 SHAPES = [(48, 32), (37, 48), (3, 21, 32), (1, 48)]
 
 
-def _tensor(shape, nonfinite: bool) -> torch.Tensor:
+def _tensor(shape, nonfinite: bool, backend: str = "reference") -> torch.Tensor:
     x = edge_tensor(shape, seed=sum(shape))
-    return with_nonfinite(x) if nonfinite and x.numel() > 90 else x
+    x = with_nonfinite(x) if nonfinite and x.numel() > 90 else x
+    return x.to(DEVICE) if backend == "triton" else x
 
 
-def _spy(monkeypatch, name: str) -> list[int]:
-    """Count the calls of compiled.<name>, so that a test knows the fused kernel ran."""
+def _spy(monkeypatch, backend: str, name: str) -> list[int]:
+    """Count the calls of the path's fused function, so that a test knows it ran (the reference
+    path has none: its pairs are the two calls)."""
     calls: list[int] = []
-    original = getattr(compiled, name)
+    if backend == "reference":
+        return calls
+    module = _module(backend)
+    original = getattr(module, name)
 
     def spy(*args):
         calls.append(1)
         return original(*args)
 
-    monkeypatch.setattr(compiled, name, spy)
+    monkeypatch.setattr(module, name, spy)
     return calls
 
 
-@pytest.mark.parametrize("backend", ["reference", pytest.param("compiled", marks=needs_compiled)])
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("nonfinite", [False, True])
 @pytest.mark.parametrize("pair", [("bfp8", "bfp2"), ("bfp8", "bfp4"), ("bfp4e6b8", "bfp11b4")])
 def test_quantize_and_pack_equals_the_two_calls(backend, shape, nonfinite, pair, monkeypatch):
     fmt, stash = (parse_format(s) for s in pair)
-    x = _tensor(shape, nonfinite)
+    x = _tensor(shape, nonfinite, backend)
     last, before = x.dim() - 1, x.dim() - 2
-    calls = _spy(monkeypatch, "bfp_quantize_and_pack")
+    calls = _spy(monkeypatch, backend, "bfp_quantize_and_pack")
     values, packed = fmt.quantize_and_pack(x, last, stash, before, backend=backend)
-    assert calls if backend == "compiled" else not calls  # the fused kernel ran where it exists
+    assert bool(calls) == (backend != "reference")  # the fused kernel ran where it exists
     expected = stash.pack(x, before, backend="reference")
     assert_bitwise_equal(values, fmt.quantize(x, last, backend="reference"), "values")
     assert (packed.fmt, packed.shape, packed.dtype, packed.axis) == (
@@ -63,17 +82,17 @@ def test_quantize_and_pack_equals_the_two_calls(backend, shape, nonfinite, pair,
     assert_bitwise_equal(packed.unpack(), stash.quantize(x, before, backend="reference"))
 
 
-@pytest.mark.parametrize("backend", ["reference", pytest.param("compiled", marks=needs_compiled)])
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("nonfinite", [False, True])
 @pytest.mark.parametrize("pair", [("fixed16", "bfp8"), ("fixed8", "bfp3"), ("fixed24", "bfp6e5b8")])
 @pytest.mark.parametrize("scale", [1.0, 1e-36])
 def test_quantize_chain_equals_the_two_calls(backend, shape, nonfinite, pair, scale, monkeypatch):
     first, second = (parse_format(s) for s in pair)
-    x = _tensor(shape, nonfinite) * scale  # 1e-36: the tensor's power is near the subnormals
-    calls = _spy(monkeypatch, "bfp_quantize_chain")
+    x = _tensor(shape, nonfinite, backend) * scale  # 1e-36: the power is near the subnormals
+    calls = _spy(monkeypatch, backend, "bfp_quantize_chain")
     g, g2 = first.quantize_chain(x, 0, second, x.dim() - 1, backend=backend)
-    assert calls if backend == "compiled" else not calls
+    assert bool(calls) == (backend != "reference")
     expected = first.quantize(x, 0, backend="reference")
     assert_bitwise_equal(g, expected, "first")
     assert_bitwise_equal(g2, second.quantize(expected, x.dim() - 1, backend="reference"), "second")
@@ -95,7 +114,7 @@ def test_pairs_the_kernel_does_not_cover_run_as_two_calls(
 ):
     fmt, stash = parse_format(fmt), parse_format(stash)
     x = _tensor((40, 32), False)
-    calls = _spy(monkeypatch, "bfp_quantize_and_pack")
+    calls = _spy(monkeypatch, "compiled", "bfp_quantize_and_pack")
     values, packed = fmt.quantize_and_pack(x, axis, stash, stash_axis)
     assert not calls, why
     assert_bitwise_equal(values, fmt.quantize(x, axis))

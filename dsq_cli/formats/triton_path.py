@@ -31,6 +31,10 @@ __all__ = [
     "fixed_static_quantize",
     "fixed_static_pack",
     "fixed_static_unpack",
+    "fusable_quantize_and_pack",
+    "bfp_quantize_and_pack",
+    "fusable_quantize_chain",
+    "bfp_quantize_chain",
 ]
 
 
@@ -112,6 +116,53 @@ def bfp_unpack(mantissas, exponents, man_bits, exp_bits, block, shape, axis, dty
         mantissas.device,
     )
     return _restore(out.reshape(moved_shape), shape, axis).to(dtype)
+
+
+# ----------------------------------------------------------------------------- fused pairs
+def fusable_quantize_and_pack(x, q_args, axis, p_args, pack_axis) -> bool:
+    """Whether `bfp_quantize_and_pack` runs ``x``: both formats per-block BFP, the quantizer's
+    blocks a power of two tiling the last axis, the stash's along the axis before it."""
+    (_, _, q_block), (_, _, p_block) = q_args, p_args
+    return (
+        x.dim() >= 2
+        and axis == x.dim() - 1
+        and pack_axis == x.dim() - 2
+        and q_block is not None
+        and p_block is not None
+        and q_block & (q_block - 1) == 0
+        and x.shape[-1] % q_block == 0
+        and x.numel() > 0
+    )
+
+
+def bfp_quantize_and_pack(x, q_args, axis, p_args, pack_axis):
+    """(bfp_quantize(x, *q_args, axis), *bfp_pack(x, *p_args, pack_axis)), nearest rounding,
+    from one read of x (docs/formats.md, "Fused pairs")."""
+    x32 = x.to(torch.float32).contiguous()
+    rows = x32.reshape(-1, x.shape[-2], x.shape[-1])
+    values, mantissas, exponents = kernels.bfp_quantize_and_pack(rows, q_args, p_args)
+    return values.reshape(x.shape).to(x.dtype), mantissas, exponents
+
+
+def fusable_quantize_chain(x, first_args, second_args, second_axis) -> bool:
+    """Whether `bfp_quantize_chain` runs ``x``: fixed<w> then per-block BFP along the last axis,
+    whose blocks tile it."""
+    (_, _, f_block), (_, _, s_block) = first_args, second_args
+    return (
+        f_block is None
+        and s_block is not None
+        and x.dim() >= 1
+        and second_axis == x.dim() - 1
+        and x.shape[-1] % s_block == 0
+        and x.numel() > 0
+    )
+
+
+def bfp_quantize_chain(x, first_args, second_args):
+    """(g = bfp_quantize(x, *first_args), bfp_quantize(g, *second_args, last axis)), nearest
+    rounding, in one pass after the tensor's maximum."""
+    first, second = kernels.bfp_quantize_chain(_flat(x.to(torch.float32)), first_args, second_args)
+    return first.reshape(x.shape).to(x.dtype), second.reshape(x.shape).to(x.dtype)
 
 
 # ----------------------------------------------------------------------------- static fixed
