@@ -1,0 +1,38 @@
+"""The committed study records (results/) are what docs/results.md shows: its Table 1 block is
+`dsq table results/table1-cpu` of those records, byte for byte."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from dsq_cli.cli import app
+
+REPO = Path(__file__).resolve().parents[1]
+MARKER = "<!-- dsq table results/table1-cpu -->"
+
+
+def documented_table() -> str:
+    text = (REPO / "docs" / "results.md").read_text()
+    match = re.search(re.escape(MARKER) + r"\n```\n(.*?)```\n", text, re.DOTALL)
+    assert match, f"docs/results.md has no fenced block after {MARKER}"
+    return match.group(1)
+
+
+def test_docs_table1_is_dsq_table_of_the_committed_records():
+    records = sorted((REPO / "results" / "table1-cpu").rglob("result.json"))
+    assert records, "results/table1-cpu holds no result.json"
+    result = CliRunner().invoke(app, ["table", str(REPO / "results" / "table1-cpu")])
+    assert result.exit_code == 0, result.output
+    assert result.stdout == documented_table()
+
+
+def test_the_records_are_the_small_files_only():
+    """Checkpoints, logs and wandb files stay out of the repository."""
+    allowed = {"result.json", "metrics.jsonl", "schedule.jsonl", "config.yaml"}
+    for root in ("table1-cpu", "ablations"):
+        for path in (REPO / "results" / root).rglob("*"):
+            if path.is_file():
+                assert path.name in allowed, path
