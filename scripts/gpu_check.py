@@ -6,7 +6,8 @@ On a CUDA machine:
   (b) timings (torch.cuda.Event, warmup then REPEATS runs) for 2^24 and 2^26 float32 values:
       bfp4 / bfp8 / fixed16 quantize, pack, unpack next to a device copy (``y.copy_(x)``) and
       ``x.clone()``, with GB/s counted as the bytes the op reads plus writes, and each op's GB/s
-      relative to the copy's.
+      relative to the copy's; the engine's fused pairs (q0 plus the stash, q3 plus q2) against
+      their two calls; a training step per preset against fp32, and fp32 under bf16 autocast.
 Without CUDA it sets TRITON_INTERPRET=1 and runs (a) on tiny CPU tensors, skipping (b).
 
 Prints PASS/FAIL lines; exits 1 if any bit-exact check fails.
@@ -150,6 +151,36 @@ def exactness() -> None:
             check_fixed(f"fixed{w}f{f} {rounding} random", x, w, f, rounding)
             check_fixed(f"fixed{w}f{f} {rounding} edges", edges, w, f, rounding)
     check_bfp("bfp4 0-dim", torch.tensor(-2.75, device=DEVICE), 4, 8, 16, 0, "nearest")
+    # the fused pairs, on tensors whose last axis the quantizer's blocks tile
+    tiled = [random_tensor((1031, 256) if CUDA else (37, 64), 2), random_tensor((3, 21, 32), 3),
+             edges]  # fmt: skip
+    for q, p in [((8, 8, 16), (2, 8, 16)), ((8, 8, 16), (4, 8, 16)), ((4, 6, 8), (11, 8, 4))]:
+        for t in tiled:
+            check_quantize_and_pack(f"fused q{q} + stash{p} {tuple(t.shape)}", t, q, p)
+    for f, s in [((16, 8, None), (8, 8, 16)), ((8, 8, None), (3, 8, 16))]:
+        for t in tiled:
+            check_quantize_chain(f"fused {f} then {s} {tuple(t.shape)}", t, f, s)
+
+
+def check_quantize_and_pack(name, x, q_args, p_args):
+    last, before = x.dim() - 1, x.dim() - 2
+    if not tp.fusable_quantize_and_pack(x, q_args, last, p_args, before):
+        return report(name, "not fusable")
+    values, man, exps = tp.bfp_quantize_and_pack(x, q_args, last, p_args, before)
+    problem = same(values, ref.bfp_quantize(x, *q_args, last))
+    rm, re_ = ref.bfp_pack(x, *p_args, before)
+    if problem is None and not (torch.equal(man, rm) and torch.equal(exps, re_)):
+        problem = "stash streams differ"
+    report(name, problem)
+
+
+def check_quantize_chain(name, x, first_args, second_args):
+    if not tp.fusable_quantize_chain(x, first_args, second_args, x.dim() - 1):
+        return report(name, "not fusable")
+    first, second = tp.bfp_quantize_chain(x, first_args, second_args)
+    want = ref.bfp_quantize(x, *first_args, 0)
+    problem = same(first, want) or same(second, ref.bfp_quantize(want, *second_args, x.dim() - 1))
+    report(name, problem)
 
 
 # ----------------------------------------------------------------------------- (b) timings
@@ -194,6 +225,45 @@ def time_size(n: int, repeats: int) -> list[tuple[str, float, int]]:
         rows.append((f"{name} pack", cuda_ms(pack, repeats), 4 * n + packed))
         rows.append((f"{name} unpack", cuda_ms(unpack, repeats), packed + 4 * n))
     return rows
+
+
+def fused_pairs(repeats: int) -> None:
+    """The engine's fused pairs against their two calls, on a linear layer's [tokens, width]."""
+    print(f"\nfused pairs, [16384, 1024] float32, median of {repeats} runs")
+    x = torch.randn(16384, 1024, device=DEVICE)
+    q0, q1, q2, q3 = (8, 8, 16), (2, 8, 16), (8, 8, 16), (16, 8, None)
+    pairs = [
+        ("q0(x) + stash, two calls",
+         lambda: (tp.bfp_quantize(x, *q0, 1), tp.bfp_pack(x, *q1, 0))),
+        ("q0(x) + stash, fused", lambda: tp.bfp_quantize_and_pack(x, q0, 1, q1, 0)),
+        ("q3(dy) + q2(g), two calls",
+         lambda: tp.bfp_quantize(tp.bfp_quantize(x, *q3, 0), *q2, 1)),
+        ("q3(dy) + q2(g), fused", lambda: tp.bfp_quantize_chain(x, q3, q2)),
+        ("x.clone()", lambda: x.clone()),
+    ]  # fmt: skip
+    for name, fn in pairs:
+        print(f"{name:<28}{cuda_ms(fn, repeats):>9.3f} ms")
+
+
+def bf16_step(repeats: int) -> None:
+    """The fp32 step of training_step's model under bf16 autocast, beside plain fp32."""
+    try:
+        from dsq_cli.bench import step
+    except ImportError as err:
+        print(f"bf16 step skipped: {err}")
+        return
+    dev = torch.device("cuda")
+    setup = step.Setup.build("fp32", "gemm", 6, 512, 8000, dev)
+    batch = step.Batch.random(4096 // 32, 32, 8000, dev)
+
+    def bf16():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            setup.step(batch)
+
+    fp32_ms = cuda_ms(lambda: setup.step(batch), repeats)
+    bf16_ms = cuda_ms(bf16, repeats)
+    print(f"\nstep of the same model: fp32 {fp32_ms:.2f} ms, bf16 autocast {bf16_ms:.2f} ms "
+          f"({bf16_ms / fp32_ms:.2f}x fp32)")  # fmt: skip
 
 
 def timings(log2_sizes, repeats: int) -> None:
@@ -245,7 +315,9 @@ def main() -> int:
         print("timings skipped: they need a CUDA device")
     elif not args.skip_timing:
         timings([int(s) for s in args.sizes.split(",")], args.repeats)
+        fused_pairs(args.repeats)
         training_step()
+        bf16_step(10)
     if FAILS:
         print(f"FAIL: {len(FAILS)} bit-exact check(s) failed: {', '.join(FAILS[:10])}")
         return 1
