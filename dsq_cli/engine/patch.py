@@ -1,5 +1,6 @@
-"""Patching real models: every Linear through ``dsq_linear``, attention products through
-``dsq_matmul``, and (``stash_scope="all"``) every other saved activation packed in q1.
+"""Patching real models: every Linear (and ``transformers``' Conv1D) through ``dsq_linear``,
+attention products through ``dsq_matmul``, and (``stash_scope="all"``) every other saved
+activation packed in q1. ``transformers`` models route their attention through ``hf.py``.
 
 fairseq's ``MultiheadAttention`` has a fast path that hands the q/k/v/out projection weights to
 ``F.multi_head_attention_forward``: swapped Linear modules would never run there. Patching forces
@@ -22,6 +23,7 @@ import types
 import torch
 from torch import nn
 
+from . import hf
 from .config import QuantConfig
 from .functions import dsq_linear, dsq_matmul
 
@@ -71,11 +73,15 @@ def _fairseq_attention():
 class PatchReport:
     """What ``quantize_model`` patched and what it left as it was."""
 
-    linears: list[str] = dataclasses.field(default_factory=list)
+    linears: list[str] = dataclasses.field(default_factory=list)  # Linear and Conv1D layers
     attention: list[str] = dataclasses.field(default_factory=list)
     excluded: list[str] = dataclasses.field(default_factory=list)
     left: dict[str, int] = dataclasses.field(default_factory=dict)  # module type -> count
     stash_scope: str = "gemm"
+    #: GEMMs that will run unquantized: "name (why)", for layers and attention left as they were
+    unquantized: list[str] = dataclasses.field(default_factory=list)
+    #: how the attention products are computed, where that is not fairseq's own path
+    notes: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def attention_products(self) -> int:
@@ -83,11 +89,14 @@ class PatchReport:
 
     def summary(self) -> str:
         left = ", ".join(f"{n} x{c}" for n, c in sorted(self.left.items())) or "nothing"
+        unquantized = "; ".join(self.unquantized) or "none"
+        notes = "".join(f"; {note}" for note in self.notes)
         return (
             f"DSQ patched {len(self.linears)} Linear layers and {self.attention_products} "
             f"attention products in {len(self.attention)} attention modules; excluded "
             f"{len(self.excluded)} ({', '.join(self.excluded) or 'none'}); stash_scope="
-            f"{self.stash_scope}; left unquantized: {left}"
+            f"{self.stash_scope}; left unquantized: {left}; GEMMs left unquantized: "
+            f"{unquantized}{notes}"
         )
 
     def as_dict(self) -> dict:
@@ -98,22 +107,48 @@ def _excluded(name: str, patterns) -> bool:
     return any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
-def quantize_model(model: nn.Module, cfg: QuantConfig, exclude=()) -> nn.Module:
+# Leaf modules with a weight that do no GEMM: lookups and normalisations.
+_NO_GEMM = (
+    nn.Embedding,
+    nn.EmbeddingBag,
+    nn.LayerNorm,
+    nn.GroupNorm,
+    nn.modules.batchnorm._NormBase,
+)
+
+
+def _does_gemm(module: nn.Module) -> bool:
+    """A leaf holding a matrix (or larger) weight that is not a lookup or a norm: a custom
+    linear, a convolution."""
+    if list(module.children()) or isinstance(module, _NO_GEMM) or "Norm" in type(module).__name__:
+        return False
+    return any(p.dim() >= 2 for p in module.parameters(False))
+
+
+def quantize_model(
+    model: nn.Module, cfg: QuantConfig, exclude=(), strict: bool = False
+) -> nn.Module:
     """Patch ``model`` in place for DSQ training and return it; ``model.dsq_report`` tells what
     was patched. ``exclude`` holds glob patterns of module names (``decoder.output_projection``,
-    ``*.out_proj``)."""
+    ``*.out_proj``). Works on plain PyTorch, fairseq and ``transformers`` models (docs/hf.md).
+    ``strict=True``: a GEMM that would run unquantized (an unknown layer holding a matrix, an
+    attention implementation dsq cannot route) is an error instead of a line of the report."""
     if not isinstance(cfg, QuantConfig):
         raise TypeError(f"cfg must be a QuantConfig, got {type(cfg).__name__}")
     attention_cls, attention_module = _fairseq_attention()
+    conv1d = hf.conv1d_class()
     report = PatchReport(stash_scope=cfg.stash_scope)
     for name, module in model.named_modules():
         if not name:
             continue
-        if isinstance(module, nn.Linear):
+        if isinstance(module, nn.Linear) or (conv1d is not None and isinstance(module, conv1d)):
             if _excluded(name, exclude):
                 report.excluded.append(name)
                 continue
-            module.__class__ = DSQLinear if type(module) is nn.Linear else _dsq_subclass(module)
+            if isinstance(module, nn.Linear):
+                module.__class__ = DSQLinear if type(module) is nn.Linear else _dsq_subclass(module)
+            else:
+                module.__class__ = hf.dsq_conv1d_class(module)
             module.dsq_cfg = cfg
             report.linears.append(name)
         elif attention_cls is not None and isinstance(module, attention_cls):
@@ -127,12 +162,27 @@ def quantize_model(model: nn.Module, cfg: QuantConfig, exclude=()) -> nn.Module:
         elif not list(module.children()) and any(True for _ in module.parameters(False)):
             kind = type(module).__name__
             report.left[kind] = report.left.get(kind, 0) + 1
+            if _does_gemm(module) and not _excluded(name, exclude):
+                report.unquantized.append(f"{name} ({kind}: not a layer dsq knows)")
+    if hf.is_transformers_model(model):
+        try:
+            routed, excluded, note = hf.route_attention(model, cfg, lambda n: _excluded(n, exclude))
+            report.attention += routed
+            report.excluded += excluded
+            report.notes.append(note)
+        except ValueError as err:
+            report.unquantized.append(f"attention products ({err})")
+    if strict and report.unquantized:
+        raise ValueError(
+            "quantize_model(strict=True): GEMMs would run unquantized: "
+            + "; ".join(report.unquantized)
+        )
     if not report.linears and not report.attention:
         raise ValueError(
             f"quantize_model found nothing to patch in {type(model).__name__}: no nn.Linear or "
             f"attention module outside the excluded patterns {list(exclude)}"
         )
-    if report.attention:
+    if report.attention and attention_module is not None:
         attention_module.torch = _TorchWithDSQBmm()
     if cfg.stash_scope == "all":
         model.register_forward_pre_hook(_enter_stash_all(cfg))

@@ -1,0 +1,181 @@
+"""DSQ in Hugging Face ``transformers`` models (docs/hf.md): GPT-2's ``Conv1D`` projections and
+the two attention products, under the eager and the SDPA attention implementations.
+
+``transformers`` models call their attention through ``ALL_ATTENTION_FUNCTIONS`` under the name in
+``config._attn_implementation``, and build their masks through ``ALL_MASK_ATTENTION_FUNCTIONS``
+under the same name. Patching registers two implementations, ``dsq_eager`` and ``dsq_sdpa``, and
+switches the model to the one matching what it used: each receives the masks its original would
+(eager's additive float mask, SDPA's boolean mask or none with a causal flag) and computes
+
+    scores = dsq_matmul(q, k^T) * scaling  (+ mask, or a causal mask)
+    out    = dsq_matmul(dropout(softmax(scores)), v)
+
+with grouped-query attention expanded first (``repeat_kv``). An SDPA model is thus computed
+explicitly, with SDPA's masking, causal flag, scaling and dropout probability (not its fused
+kernel, nor its dropout's random stream); the report says so. Other implementations (flash, flex)
+cannot be replicated and are reported as left unquantized.
+
+``Conv1D`` (``y = x W + b`` with ``W [in, out]``) is the linear layer ``dsq_linear(x, W^T, b)``:
+the same GEMMs and block axes as ``DSQLinearFunction``, on the transposed weight.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+from torch import nn
+
+from .config import QuantConfig
+from .functions import dsq_linear, dsq_matmul
+
+#: The attention implementations patching replaces, and what replaces them.
+REPLACED = {"eager": "dsq_eager", "sdpa": "dsq_sdpa"}
+
+
+def transformers_module():
+    """``transformers``, or None where it is not installed (``pip install dsq[hf]``)."""
+    try:
+        return importlib.import_module("transformers")
+    except ImportError:
+        return None
+
+
+def conv1d_class() -> type | None:
+    module = transformers_module()
+    return None if module is None else module.pytorch_utils.Conv1D
+
+
+def is_transformers_model(model: nn.Module) -> bool:
+    module = transformers_module()
+    return module is not None and isinstance(model, module.PreTrainedModel)
+
+
+class DSQConv1D(nn.Module):
+    """Mixed into ``transformers``' ``Conv1D`` by re-classing: ``y = dsq_linear(x, W^T, b)``."""
+
+    dsq_cfg: QuantConfig
+
+    def forward(self, x):
+        y = dsq_linear(x, self.weight.t(), self.bias, self.dsq_cfg)
+        return y.reshape(*x.shape[:-1], self.nf)
+
+
+_CONV1D_SUBCLASSES: dict[type, type] = {}
+
+
+def dsq_conv1d_class(module: nn.Module) -> type:
+    cls = type(module)
+    if cls not in _CONV1D_SUBCLASSES:
+        _CONV1D_SUBCLASSES[cls] = type(f"DSQ{cls.__name__}", (DSQConv1D, cls), {})
+    return _CONV1D_SUBCLASSES[cls]
+
+
+def _repeat_kv(states: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """[batch, kv heads, len, dim] -> [batch, kv heads * n_rep, len, dim] (grouped queries)."""
+    if n_rep == 1:
+        return states
+    batch, heads, length, dim = states.shape
+    expanded = states[:, :, None].expand(batch, heads, n_rep, length, dim)
+    return expanded.reshape(batch, heads * n_rep, length, dim)
+
+
+def _attention(sdpa: bool):
+    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                  is_causal=None, **kwargs):  # fmt: skip
+        cfg = getattr(module, "dsq_cfg", None)
+        if cfg is None and sdpa:  # an excluded attention module: SDPA itself
+            sdpa_forward = transformers_module().integrations.sdpa_attention.sdpa_attention_forward
+            return sdpa_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                scaling=scaling, is_causal=is_causal, **kwargs)  # fmt: skip
+        # an excluded module under eager: the same computation in plain torch.matmul
+        matmul = torch.matmul if cfg is None else (lambda a, b: dsq_matmul(a, b, cfg))
+        n_rep = getattr(module, "num_key_value_groups", 1)
+        key, value = _repeat_kv(key, n_rep), _repeat_kv(value, n_rep)
+        if scaling is None:
+            scaling = query.shape[-1] ** -0.5
+        scores = matmul(query, key.transpose(-1, -2)) * scaling
+        q_len, kv_len = query.shape[-2], key.shape[-2]
+        keep = None  # where a boolean mask (SDPA's, or its causal rule) lets a query attend
+        if attention_mask is not None:
+            mask = attention_mask[..., :kv_len]
+            if mask.dtype == torch.bool:
+                keep = mask
+            else:  # eager's additive mask
+                scores = scores + mask
+        elif sdpa:
+            # SDPA's own rule: causal when the module is, with no mask and more than one query
+            causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+            if causal and q_len > 1:
+                keep = torch.ones(q_len, kv_len, dtype=torch.bool, device=scores.device).tril()
+        if keep is not None:
+            # as SDPA: a query with nothing to attend to (a padded row) gets zeros, not NaN
+            nothing = ~keep.any(-1, keepdim=True)
+            scores = scores.masked_fill(~keep, -torch.inf).masked_fill(nothing, 0.0)
+        probs = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+        if keep is not None:
+            probs = probs.masked_fill(nothing, 0.0)
+        probs = nn.functional.dropout(probs, p=dropout, training=module.training)
+        out = matmul(probs, value).transpose(1, 2).contiguous()
+        return out, (None if sdpa else probs)
+
+    return attention
+
+
+_REGISTERED = False
+
+
+def register_attention() -> None:
+    """Register ``dsq_eager`` and ``dsq_sdpa`` (attention and mask functions) once."""
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    module = transformers_module()
+    masks = importlib.import_module("transformers.masking_utils")
+    for original, replacement in REPLACED.items():
+        module.AttentionInterface.register(replacement, _attention(sdpa=original == "sdpa"))
+        masks.AttentionMaskInterface.register(
+            replacement, masks.AttentionMaskInterface._global_mapping[original]
+        )
+    _REGISTERED = True
+
+
+def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The modules of ``model`` that call the attention interface: those holding the model's
+    config and a scaling or head count, in the transformers models' convention."""
+    found = []
+    for name, module in model.named_modules():
+        config = getattr(module, "config", None)
+        if name and config is not None and not list(module.parameters(False)):
+            if any(hasattr(module, a) for a in ("scaling", "num_key_value_groups", "head_dim")):
+                found.append((name, module))
+    return found
+
+
+def route_attention(model: nn.Module, cfg: QuantConfig, exclude) -> tuple[list, list, str]:
+    """Switch ``model`` to the DSQ attention implementation matching its own; returns the
+    routed and the excluded attention modules' names and a line for the report. Raises
+    ValueError naming an implementation that cannot be routed."""
+    implementation = model.config._attn_implementation
+    if implementation not in REPLACED:
+        if implementation in REPLACED.values():
+            raise ValueError(f"this model is already patched ({implementation})")
+        raise ValueError(
+            f"attention implementation {implementation!r} cannot run through dsq_matmul; load the "
+            "model with attn_implementation='eager' or 'sdpa'"
+        )
+    register_attention()
+    routed, excluded = [], []
+    for name, module in attention_modules(model):
+        if exclude(name):
+            excluded.append(name)
+        else:
+            module.dsq_cfg = cfg
+            routed.append(name)
+    model.set_attn_implementation(REPLACED[implementation])
+    how = "as written" if implementation == "eager" else (
+        "explicitly, with SDPA's masking, causal flag, scaling and dropout probability (not its "
+        "fused kernel)"
+    )  # fmt: skip
+    note = f"attention: {implementation} -> {REPLACED[implementation]}, computed {how}"
+    return routed, excluded, note

@@ -1,0 +1,179 @@
+"""``quantize_model`` on Hugging Face ``transformers`` models (docs/hf.md): BERT, GPT-2 (Conv1D)
+and a Llama-style decoder (rotary embeddings, grouped-query attention), each under the eager and
+the SDPA attention implementation. Small random configurations: nothing is downloaded."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from dsq_cli.engine import QuantConfig, quantize_model
+from dsq_cli.engine.functions import DSQLinearFunction, DSQMatmulFunction
+
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+warnings.filterwarnings("ignore", module="transformers")
+
+KINDS = ["bert", "gpt2", "llama"]
+IMPLEMENTATIONS = ["eager", "sdpa"]
+DSQ = QuantConfig(q0="bfp8", q1="bfp4", q2="bfp8", q3="fixed16")
+
+
+def build(kind: str, implementation: str) -> nn.Module:
+    torch.manual_seed(0)
+    small = {"vocab_size": 100, "attn_implementation": implementation}
+    if kind == "bert":
+        config = transformers.BertConfig(
+            num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128,
+            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **small,
+        )  # fmt: skip
+        return transformers.BertModel(config)
+    if kind == "gpt2":
+        config = transformers.GPT2Config(
+            n_layer=2, n_embd=64, n_head=4, bos_token_id=0, eos_token_id=0, resid_pdrop=0.0,
+            embd_pdrop=0.0, attn_pdrop=0.0, **small,
+        )  # fmt: skip
+        return transformers.GPT2LMHeadModel(config)
+    config = transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, **small,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config)
+
+
+def batch():
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 100, (2, 9), generator=g)
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[0, :3] = 0  # padding: rows with nothing to attend to under causal masks
+    return ids, mask
+
+
+def output_and_grads(model):
+    ids, mask = batch()
+    out = model(ids, attention_mask=mask)[0]
+    (out.float() ** 2).mean().backward()
+    return out.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_under_fp32_formats_the_patched_model_is_the_model(kind, implementation):
+    model = build(kind, implementation).eval()
+    patched = quantize_model(copy.deepcopy(model), QuantConfig())  # every point fp32
+    want, want_grads = output_and_grads(model)
+    got, got_grads = output_and_grads(patched)
+    exact = implementation == "eager"
+    tolerance = {"rtol": 0, "atol": 0} if exact else {"rtol": 1e-5, "atol": 1e-6}
+    torch.testing.assert_close(got, want, **tolerance)
+    assert got_grads.keys() == want_grads.keys()
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_report_names_every_layer_and_attention_module(kind, implementation):
+    model = quantize_model(build(kind, implementation), DSQ)
+    report = model.dsq_report
+    layers = {"bert": 2 * 6 + 1, "gpt2": 2 * 4 + 1, "llama": 2 * 7 + 1}[kind]  # + pooler / head
+    assert len(report.linears) == layers
+    assert len(report.attention) == 2 and report.attention_products == 4
+    assert report.unquantized == []
+    assert f"{implementation} -> dsq_{implementation}" in report.notes[0]
+    if implementation == "sdpa":
+        assert "computed explicitly" in report.summary()
+
+
+class GemmSpy(TorchFunctionMode):
+    """Records the GEMM-like torch calls made while a block of ``blocks`` runs, except those made
+    by the DSQ autograd functions themselves."""
+
+    GEMMS = {
+        torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.mm,
+        torch.addmm, torch.baddbmm, torch.einsum, nn.functional.linear,
+        nn.functional.scaled_dot_product_attention,
+    }  # fmt: skip
+
+    def __init__(self, blocks, monkeypatch):
+        super().__init__()
+        self.calls: list[str] = []
+        self.depth = {"block": 0, "dsq": 0}
+        for block in blocks:
+            block.register_forward_pre_hook(lambda *_: self._enter("block"))
+            block.register_forward_hook(lambda *_: self._leave("block"))
+        for function in (DSQLinearFunction, DSQMatmulFunction):
+            original = function.apply
+
+            def apply(*args, _original=original):
+                self._enter("dsq")
+                try:
+                    return _original(*args)
+                finally:
+                    self._leave("dsq")
+
+            monkeypatch.setattr(function, "apply", apply)
+
+    def _enter(self, what):
+        self.depth[what] += 1
+
+    def _leave(self, what):
+        self.depth[what] -= 1
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.GEMMS and self.depth["block"] and not self.depth["dsq"]:
+            self.calls.append(getattr(func, "__name__", str(func)))
+        return func(*args, **(kwargs or {}))
+
+
+def blocks_of(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks: the entries of the model's ModuleLists."""
+    return [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst]
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_no_unquantized_gemm_runs_inside_a_patched_block(kind, implementation, monkeypatch):
+    ids, mask = batch()
+    plain = build(kind, implementation)
+    with GemmSpy(blocks_of(plain), monkeypatch) as spy:
+        plain(ids, attention_mask=mask)
+    assert spy.calls  # the spy sees the GEMMs of an unpatched model
+    patched = quantize_model(build(kind, implementation), DSQ)
+    with GemmSpy(blocks_of(patched), monkeypatch) as spy:
+        patched(ids, attention_mask=mask)[0].sum().backward()
+    assert spy.calls == []
+
+
+def test_a_layer_dsq_does_not_know_is_named_and_strict_refuses_it():
+    model = build("bert", "eager")
+    model.encoder.layer[0].custom = nn.Conv1d(64, 64, 3)  # a GEMM dsq does not patch
+    report = quantize_model(copy.deepcopy(model), DSQ).dsq_report
+    assert report.unquantized == ["encoder.layer.0.custom (Conv1d: not a layer dsq knows)"]
+    with pytest.raises(ValueError, match="strict=True.*encoder.layer.0.custom"):
+        quantize_model(copy.deepcopy(model), DSQ, strict=True)
+
+
+def test_an_attention_implementation_dsq_cannot_route_is_named():
+    model = build("llama", "eager")
+    model.config._attn_implementation = "flex_attention"
+    report = quantize_model(copy.deepcopy(model), DSQ).dsq_report
+    assert report.attention == []
+    assert "'flex_attention' cannot run through dsq_matmul" in report.unquantized[0]
+    with pytest.raises(ValueError, match="flex_attention"):
+        quantize_model(copy.deepcopy(model), DSQ, strict=True)
+
+
+def test_excluded_attention_modules_keep_their_own_computation():
+    for implementation in IMPLEMENTATIONS:
+        model = build("llama", implementation).eval()
+        want = model(*batch())[0]
+        patched = quantize_model(copy.deepcopy(model), QuantConfig(), exclude=["*self_attn"])
+        assert patched.dsq_report.attention == []
+        assert "model.layers.0.self_attn" in patched.dsq_report.excluded
+        torch.testing.assert_close(patched(*batch())[0], want, rtol=1e-5, atol=1e-6)
