@@ -1,0 +1,107 @@
+"""``DSQCallback``: DSQ's time-adaptive stash inside a Hugging Face ``transformers.Trainer``
+(docs/hf.md, "Training with the Trainer"). Needs ``pip install dsq[hf]``.
+
+    model = quantize_model(model, cfg, exclude=["classifier"])
+    trainer = Trainer(model=model, args=args, ...)
+    DSQCallback.attach(trainer, cfg)
+    trainer.train()                      # or trainer.train(resume_from_checkpoint=True)
+
+* After each evaluation the schedule steps on its ``eval_loss`` (docs/spec.md §3, as
+  ``dsq train`` steps it on the validation loss), at ``state.global_step``.
+* Every log line the Trainer sends to its loggers carries the bits per value in force at each
+  point (``dsq/q1_bits``) and the number of level changes so far (``dsq/level_changes``); each
+  change is also logged (logger ``dsq.hf``) and kept in ``callback.changes``.
+* Each Trainer checkpoint gets ``dsq_schedule.pt`` (the schedules and the rounding noise's
+  state); resuming from a checkpoint restores it, so the run continues at the same level.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+import torch
+from transformers import Trainer, TrainerCallback
+
+from dsq_cli.engine import POINTS, QuantConfig
+
+log = logging.getLogger("dsq.hf")
+CHECKPOINT_FILE = "dsq_schedule.pt"
+
+
+class DSQCallback(TrainerCallback):
+    """Steps ``cfg`` on evaluations, reports it to the Trainer's loggers, checkpoints it."""
+
+    def __init__(self, cfg: QuantConfig) -> None:
+        if not isinstance(cfg, QuantConfig):
+            raise TypeError(f"cfg must be the model's QuantConfig, got {type(cfg).__name__}")
+        self.cfg = cfg
+        self.changes: list[dict] = []
+
+    @classmethod
+    def attach(cls, trainer: Trainer, cfg: QuantConfig) -> DSQCallback:
+        """Add a DSQCallback to ``trainer`` first in its list, so that the bits it adds to a log
+        line are there before the logging integrations (wandb, TensorBoard) send it."""
+        callback = cls(cfg)
+        trainer.callback_handler.callbacks.insert(0, callback)
+        return callback
+
+    # -- the schedule ---------------------------------------------------------------------------
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        loss = (metrics or {}).get("eval_loss")
+        if loss is None:
+            raise ValueError(
+                "DSQCallback steps the schedule on eval_loss, and this evaluation has none; "
+                "give the Trainer an eval_dataset with labels"
+            )
+        for point, change in self.cfg.step(float(loss), state.global_step):
+            record = {"point": point, **dataclasses.asdict(change)}
+            self.changes.append(record)
+            log.info(
+                "dsq: %s %s -> %s at step %d (eval_loss %.4f)",
+                point, change.from_spec, change.to_spec, state.global_step, loss,
+            )  # fmt: skip
+        return control
+
+    def bits_in_force(self) -> dict[str, float]:
+        return {f"dsq/{p}_bits": self.cfg.format(p).bits_per_value for p in POINTS}
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is not None:
+            added = {**self.bits_in_force(), "dsq/level_changes": len(self.changes)}
+            logs.update(added)  # the dict every later callback (the loggers) receives
+            if state.log_history:  # the Trainer's copy of this line, appended just before
+                state.log_history[-1].update(added)
+        return control
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def on_save(self, args, state, control, **kwargs):
+        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        if folder.is_dir():  # the Trainer wrote its checkpoint there just before
+            state_dict = {
+                "schedule": self.cfg.state_dict(),
+                "noise": self.cfg.noise_state(),
+                "changes": self.changes,
+            }
+            torch.save(state_dict, folder / CHECKPOINT_FILE)
+        return control
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.global_step == 0:
+            return control  # a fresh run
+        candidates = [Path(args.output_dir) / f"checkpoint-{state.global_step}" / CHECKPOINT_FILE]
+        if isinstance(args.resume_from_checkpoint, str):
+            candidates.insert(0, Path(args.resume_from_checkpoint) / CHECKPOINT_FILE)
+        found = next((p for p in candidates if p.is_file()), None)
+        if found is None:
+            raise FileNotFoundError(
+                f"resuming at step {state.global_step} without the DSQ schedule: no "
+                f"{candidates[-1]}; resume from a checkpoint saved with DSQCallback attached"
+            )
+        saved = torch.load(found, weights_only=False)
+        self.cfg.load_state_dict(saved["schedule"])
+        self.cfg.load_noise_state(saved["noise"])
+        self.changes = list(saved["changes"])
+        log.info("dsq: schedule restored from %s: %s", found, self.cfg.current())
+        return control

@@ -1,0 +1,120 @@
+"""``DSQCallback`` in a ``transformers.Trainer``: the schedule steps on eval_loss, the loggers see
+the bits in force, and a run resumed from a Trainer checkpoint continues at the same level."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")  # the Trainer's own requirement
+transformers.logging.set_verbosity_error()
+warnings.filterwarnings("ignore")
+
+from dsq_cli.engine import QuantConfig, Schedule, quantize_model  # noqa: E402
+from dsq_cli.train.hf_callback import CHECKPOINT_FILE, DSQCallback  # noqa: E402
+
+pytestmark = pytest.mark.slow  # trains (a few seconds)
+
+
+class Pairs(torch.utils.data.Dataset):
+    """Random token sequences labelled by whether token 1 appears: learnable, fixed by a seed."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(2, 50, (n, 12), generator=g)
+        self.ids[: n // 2, 3] = 1
+        self.labels = (self.ids == 1).any(1).long()
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.labels[i]}
+
+
+def config() -> QuantConfig:
+    # min_delta far above any improvement: every evaluation after the first is "no better", so
+    # with patience 1 the stash rises one level per evaluation from the second on
+    ladder = Schedule(["bfp2", "bfp3", "bfp4", "bfp6", "bfp8"], patience=1, min_delta=1e9)
+    return QuantConfig(q0="bfp8", q1=ladder, q2="bfp8", q3="fixed16")
+
+
+def trainer(out, cfg, max_steps: int):
+    torch.manual_seed(0)
+    bert = transformers.BertConfig(
+        num_hidden_layers=1, hidden_size=32, num_attention_heads=2, intermediate_size=64,
+        vocab_size=50, num_labels=2, attn_implementation="eager",
+    )  # fmt: skip
+    model = quantize_model(
+        transformers.BertForSequenceClassification(bert), cfg, exclude=["classifier"]
+    )
+    args = transformers.TrainingArguments(
+        output_dir=str(out), max_steps=max_steps, per_device_train_batch_size=8,
+        eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2,
+        logging_steps=1, report_to=[], seed=0, data_seed=0, use_cpu=True,
+        learning_rate=1e-3, lr_scheduler_type="constant", disable_tqdm=True,
+    )  # fmt: skip
+    t = transformers.Trainer(
+        model=model, args=args, train_dataset=Pairs(64, 0), eval_dataset=Pairs(16, 1)
+    )
+    return t, DSQCallback.attach(t, cfg)
+
+
+class Logger(transformers.TrainerCallback):
+    """Stands for a logging integration (wandb, TensorBoard): keeps what it is sent."""
+
+    def __init__(self):
+        self.lines = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.lines.append(dict(logs))
+
+
+def test_the_schedule_rises_through_the_callback_and_the_logs_carry_the_bits(tmp_path):
+    cfg = config()
+    t, callback = trainer(tmp_path, cfg, max_steps=6)
+    logger = Logger()
+    t.add_callback(logger)
+    t.train()
+    # evaluations at steps 2, 4, 6: the second and third find no improvement
+    assert [(c["update"], c["from_spec"], c["to_spec"]) for c in callback.changes] == [
+        (4, "bfp2e8b16", "bfp3e8b16"),
+        (6, "bfp3e8b16", "bfp4e8b16"),
+    ]
+    assert cfg.format("q1").spec == "bfp4e8b16"
+    logged = [entry for entry in t.state.log_history if "loss" in entry]
+    assert logged and all(entry["dsq/q0_bits"] == 8.5 for entry in logged)
+    assert [e["dsq/q1_bits"] for e in logged if e["step"] in (1, 5)] == [2.5, 3.5]
+    sent = [line for line in logger.lines if "loss" in line]
+    assert len(sent) == len(logged) and all("dsq/q1_bits" in line for line in sent)
+    assert logger.lines[-1]["dsq/level_changes"] == 2  # the run's closing line
+    assert (tmp_path / "checkpoint-4" / CHECKPOINT_FILE).is_file()
+
+
+def test_resuming_from_a_trainer_checkpoint_continues_at_the_same_level(tmp_path):
+    straight_cfg = config()
+    straight, straight_callback = trainer(tmp_path / "straight", straight_cfg, max_steps=6)
+    straight.train()
+
+    first_cfg = config()
+    first, _ = trainer(tmp_path / "stopped", first_cfg, max_steps=4)
+    first.train()  # "interrupted" after step 4, its checkpoint saved
+    assert first_cfg.format("q1").spec == "bfp3e8b16"
+
+    resumed_cfg = config()  # a fresh process: the schedule starts at bfp2 until restored
+    resumed, resumed_callback = trainer(tmp_path / "stopped", resumed_cfg, max_steps=6)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "stopped" / "checkpoint-4"))
+    assert resumed_callback.changes == straight_callback.changes
+    assert resumed_cfg.state_dict() == straight_cfg.state_dict()
+
+
+def test_resuming_without_the_schedule_is_refused(tmp_path):
+    first, _ = trainer(tmp_path, config(), max_steps=2)
+    first.train()
+    (tmp_path / "checkpoint-2" / CHECKPOINT_FILE).unlink()
+    again, _ = trainer(tmp_path, config(), max_steps=4)
+    with pytest.raises(FileNotFoundError, match="without the DSQ schedule"):
+        again.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
