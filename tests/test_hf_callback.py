@@ -14,6 +14,7 @@ transformers.logging.set_verbosity_error()
 warnings.filterwarnings("ignore")
 
 from dsq_cli.engine import QuantConfig, Schedule, quantize_model  # noqa: E402
+from dsq_cli.run_result import RunResult  # noqa: E402
 from dsq_cli.train.hf_callback import CHECKPOINT_FILE, DSQCallback  # noqa: E402
 
 pytestmark = pytest.mark.slow  # trains (a few seconds)
@@ -92,6 +93,19 @@ def test_the_schedule_rises_through_the_callback_and_the_logs_carry_the_bits(tmp
     assert len(sent) == len(logged) and all("dsq/q1_bits" in line for line in sent)
     assert logger.lines[-1]["dsq/level_changes"] == 2  # the run's closing line
     assert (tmp_path / "checkpoint-4" / CHECKPOINT_FILE).is_file()
+    # the run's result.json, priced like dsq train's: first step's GEMMs, steps per level
+    assert len(callback.gemm_shapes) == 7 + 2  # 6 in the layer, the pooler, 2 products
+    ladder = {"levels": ["bfp2", "bfp3", "bfp4", "bfp6", "bfp8"], "patience": 1, "min_delta": 1e9}
+    points = {"q0": "bfp8", "q1": ladder, "q2": "bfp8", "q3": "fixed16"}
+    result = callback.result(task="pairs", preset="dsq", points=points, metric="accuracy",
+                             value=0.5, valid_loss=0.69, model="bert-tiny", seed=0,
+                             wall_seconds=1.0)  # fmt: skip
+    result.write(tmp_path)
+    read = RunResult.read(tmp_path)
+    assert read.updates == 6 and read.status == "completed"
+    assert read.quant["modified"] is True  # min_delta differs from the dsq preset's
+    assert 0 < read.cost["arith_ratio"] < 1 and 0 < read.cost["dram_ratio"] < 1
+    assert read.stash_bits_mean == pytest.approx((2.5 * 4 + 3.5 * 2) / 6)  # bfp4: from step 6 on
 
 
 def test_resuming_from_a_trainer_checkpoint_continues_at_the_same_level(tmp_path):
@@ -109,6 +123,8 @@ def test_resuming_from_a_trainer_checkpoint_continues_at_the_same_level(tmp_path
     resumed.train(resume_from_checkpoint=str(tmp_path / "stopped" / "checkpoint-4"))
     assert resumed_callback.changes == straight_callback.changes
     assert resumed_cfg.state_dict() == straight_cfg.state_dict()
+    assert resumed_callback.segments == straight_callback.segments  # steps per level
+    assert [n for _, n in straight_callback.segments] == [4, 2]  # bfp2 to step 4, then bfp3
 
 
 def test_resuming_without_the_schedule_is_refused(tmp_path):

@@ -13,18 +13,28 @@
   change is also logged (logger ``dsq.hf``) and kept in ``callback.changes``.
 * Each Trainer checkpoint gets ``dsq_schedule.pt`` (the schedules and the rounding noise's
   state); resuming from a checkpoint restores it, so the run continues at the same level.
+* ``callback.result(...)`` is the run's ``result.json`` (docs/spec.md §5) for ``dsq table``: the
+  callback records the GEMMs of the first training step and the steps trained at each level,
+  which price the run as ``dsq train`` prices its own (docs/cost-model.md).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 from transformers import Trainer, TrainerCallback
 
-from dsq_cli.engine import POINTS, QuantConfig
+from dsq_cli import runs
+from dsq_cli.engine import POINTS, QuantConfig, record_gemms
+from dsq_cli.presets import quant_differences
+from dsq_cli.run_result import RunResult
+
+from .rank_run import run_cost, stash_bits_mean
 
 log = logging.getLogger("dsq.hf")
 CHECKPOINT_FILE = "dsq_schedule.pt"
@@ -38,6 +48,10 @@ class DSQCallback(TrainerCallback):
             raise TypeError(f"cfg must be the model's QuantConfig, got {type(cfg).__name__}")
         self.cfg = cfg
         self.changes: list[dict] = []
+        self.segments: list[list] = []  # [points in force, steps trained with them], in order
+        self.gemm_shapes: list[dict] = []  # the first training step's GEMMs (GemmRecord dicts)
+        self._recording: contextlib.ExitStack | None = None
+        self._recorder = None
 
     @classmethod
     def attach(cls, trainer: Trainer, cfg: QuantConfig) -> DSQCallback:
@@ -75,6 +89,54 @@ class DSQCallback(TrainerCallback):
                 state.log_history[-1].update(added)
         return control
 
+    # -- what the run did, for its result ----------------------------------------------------
+    def on_step_begin(self, args, state, control, **kwargs):
+        if not self.gemm_shapes and self._recording is None:
+            self._recording = contextlib.ExitStack()
+            self._recorder = self._recording.enter_context(record_gemms())
+        return control
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self._recording is not None:
+            self._recording.close()
+            self.gemm_shapes = [g.to_dict() for g in self._recorder.gemms]
+            self._recording = self._recorder = None
+        points = self.cfg.current()
+        if self.segments and self.segments[-1][0] == points:
+            self.segments[-1][1] += 1
+        else:
+            self.segments.append([points, 1])
+        return control
+
+    def result(self, *, task: str, preset: str, points: Mapping, metric: str, value: float,
+               valid_loss: float | None, model: str, seed: int, wall_seconds: float,
+               evaluation: Mapping | None = None) -> RunResult:  # fmt: skip
+        """The completed run's result.json (write it with ``.write(run_dir)``): ``preset`` and
+        ``points`` are the conf/quant preset the QuantConfig was made from, as in ``dsq train``."""
+        steps = sum(n for _, n in self.segments)
+        return RunResult(
+            status="completed",
+            task=task,
+            quant={
+                "preset": preset,
+                **points,
+                "modified": quant_differences({"preset": preset, **points}) != [],
+            },
+            metric=metric,
+            value=value,
+            valid_loss=valid_loss,
+            updates=steps,
+            wall_seconds=round(wall_seconds, 3),
+            cost=run_cost(self.gemm_shapes, self.segments),
+            stash_bits_mean=stash_bits_mean(self.segments),
+            versions=runs.versions(),
+            model=model,
+            seed=seed,
+            bits_final=self.cfg.current(),
+            precision_segments=[{"points": p, "updates": n} for p, n in self.segments],
+            evaluation=dict(evaluation or {}) | {"level_changes": self.changes},
+        )
+
     # -- checkpoints ----------------------------------------------------------------------------
     def on_save(self, args, state, control, **kwargs):
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
@@ -83,6 +145,8 @@ class DSQCallback(TrainerCallback):
                 "schedule": self.cfg.state_dict(),
                 "noise": self.cfg.noise_state(),
                 "changes": self.changes,
+                "segments": self.segments,
+                "gemm_shapes": self.gemm_shapes,
             }
             torch.save(state_dict, folder / CHECKPOINT_FILE)
         return control
@@ -103,5 +167,7 @@ class DSQCallback(TrainerCallback):
         self.cfg.load_state_dict(saved["schedule"])
         self.cfg.load_noise_state(saved["noise"])
         self.changes = list(saved["changes"])
+        self.segments = [list(segment) for segment in saved["segments"]]
+        self.gemm_shapes = list(saved["gemm_shapes"])
         log.info("dsq: schedule restored from %s: %s", found, self.cfg.current())
         return control
