@@ -175,9 +175,10 @@ def check_quantize_and_pack(name, x, q_args, p_args):
 
 
 def check_quantize_chain(name, x, first_args, second_args):
-    if not tp.fusable_quantize_chain(x, first_args, second_args, x.dim() - 1):
+    last = x.dim() - 1
+    if not tp.fusable_quantize_chain(x, first_args, 0, second_args, last):
         return report(name, "not fusable")
-    first, second = tp.bfp_quantize_chain(x, first_args, second_args)
+    first, second = tp.bfp_quantize_chain(x, first_args, 0, second_args, last)
     want = ref.bfp_quantize(x, *first_args, 0)
     problem = same(first, want) or same(second, ref.bfp_quantize(want, *second_args, x.dim() - 1))
     report(name, problem)
@@ -238,7 +239,7 @@ def fused_pairs(repeats: int) -> None:
         ("q0(x) + stash, fused", lambda: tp.bfp_quantize_and_pack(x, q0, 1, q1, 0)),
         ("q3(dy) + q2(g), two calls",
          lambda: tp.bfp_quantize(tp.bfp_quantize(x, *q3, 0), *q2, 1)),
-        ("q3(dy) + q2(g), fused", lambda: tp.bfp_quantize_chain(x, q3, q2)),
+        ("q3(dy) + q2(g), fused", lambda: tp.bfp_quantize_chain(x, q3, 0, q2, 1)),
         ("x.clone()", lambda: x.clone()),
     ]  # fmt: skip
     for name, fn in pairs:

@@ -61,16 +61,6 @@ class DSQConv1D(nn.Module):
         return y.reshape(*x.shape[:-1], self.nf)
 
 
-_CONV1D_SUBCLASSES: dict[type, type] = {}
-
-
-def dsq_conv1d_class(module: nn.Module) -> type:
-    cls = type(module)
-    if cls not in _CONV1D_SUBCLASSES:
-        _CONV1D_SUBCLASSES[cls] = type(f"DSQ{cls.__name__}", (DSQConv1D, cls), {})
-    return _CONV1D_SUBCLASSES[cls]
-
-
 def _repeat_kv(states: torch.Tensor, n_rep: int) -> torch.Tensor:
     """[batch, kv heads, len, dim] -> [batch, kv heads * n_rep, len, dim] (grouped queries)."""
     if n_rep == 1:

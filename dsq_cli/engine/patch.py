@@ -145,10 +145,11 @@ def quantize_model(
             if _excluded(name, exclude):
                 report.excluded.append(name)
                 continue
-            if isinstance(module, nn.Linear):
-                module.__class__ = DSQLinear if type(module) is nn.Linear else _dsq_subclass(module)
-            else:
-                module.__class__ = hf.dsq_conv1d_class(module)
+            if type(module) is nn.Linear:
+                module.__class__ = DSQLinear
+            else:  # a Linear subclass, or Conv1D
+                mixin = DSQLinear if isinstance(module, nn.Linear) else hf.DSQConv1D
+                module.__class__ = _dsq_subclass(module, mixin)
             module.dsq_cfg = cfg
             report.linears.append(name)
         elif attention_cls is not None and isinstance(module, attention_cls):
@@ -195,11 +196,12 @@ def quantize_model(
 _SUBCLASSES: dict[type, type] = {}
 
 
-def _dsq_subclass(module: nn.Linear) -> type:
-    """A DSQ version of a Linear subclass (keeps its type for isinstance checks)."""
+def _dsq_subclass(module: nn.Module, mixin: type) -> type:
+    """``mixin`` (its DSQ forward) over the module's own class, which it keeps for isinstance
+    checks: a Linear subclass, or ``transformers``' Conv1D."""
     cls = type(module)
     if cls not in _SUBCLASSES:
-        _SUBCLASSES[cls] = type(f"DSQ{cls.__name__}", (DSQLinear, cls), {})
+        _SUBCLASSES[cls] = type(f"DSQ{cls.__name__}", (mixin, cls), {})
     return _SUBCLASSES[cls]
 
 

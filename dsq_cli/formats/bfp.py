@@ -56,35 +56,35 @@ class BFP(Format):
         payload = {"mantissas": mantissas, "exponents": exponents}
         return PackedTensor(self, tuple(x.shape), x.dtype, axis, payload)
 
-    def quantize_and_pack(self, x, axis, stash, stash_axis, *, backend=None):
+    def _fused(self, pair: str, x, axis, other, other_axis, backend):
+        """The path's ``bfp_<pair>`` run on x (``fusable_<pair>`` says when it covers the
+        two formats and axes; both take (x, args, axis, other args, other axis)), or None."""
         axis = check_input(x, axis, "nearest", None)
-        stash_axis = check_input(x, stash_axis, "nearest", None)
+        other_axis = check_input(x, other_axis, "nearest", None)
         path = select_path(x, backend)
-        fused = getattr(path, "bfp_quantize_and_pack", None)
-        if (
-            fused is None
-            or not isinstance(stash, BFP)
-            or not path.fusable_quantize_and_pack(x, self._args(), axis, stash._args(), stash_axis)
-        ):
-            return super().quantize_and_pack(x, axis, stash, stash_axis, backend=backend)
+        fused = getattr(path, f"bfp_{pair}", None)
+        if fused is None or not isinstance(other, BFP):
+            return None
+        args = (x, self._args(), axis, other._args(), other_axis)
+        if not getattr(path, f"fusable_{pair}")(*args):
+            return None
         with torch.no_grad():
-            values, mantissas, exponents = fused(x, self._args(), axis, stash._args(), stash_axis)
+            return fused(*args)
+
+    def quantize_and_pack(self, x, axis, stash, stash_axis, *, backend=None):
+        out = self._fused("quantize_and_pack", x, axis, stash, stash_axis, backend)
+        if out is None:
+            return super().quantize_and_pack(x, axis, stash, stash_axis, backend=backend)
+        values, mantissas, exponents = out
         payload = {"mantissas": mantissas, "exponents": exponents}
+        stash_axis = check_input(x, stash_axis, "nearest", None)
         return values, PackedTensor(stash, tuple(x.shape), x.dtype, stash_axis, payload)
 
     def quantize_chain(self, x, axis, second, second_axis, *, backend=None):
-        axis = check_input(x, axis, "nearest", None)
-        second_axis = check_input(x, second_axis, "nearest", None)
-        path = select_path(x, backend)
-        fused = getattr(path, "bfp_quantize_chain", None)
-        if (
-            fused is None
-            or not isinstance(second, BFP)
-            or not path.fusable_quantize_chain(x, self._args(), second._args(), second_axis)
-        ):
+        out = self._fused("quantize_chain", x, axis, second, second_axis, backend)
+        if out is None:
             return super().quantize_chain(x, axis, second, second_axis, backend=backend)
-        with torch.no_grad():
-            return fused(x, self._args(), second._args())
+        return out
 
     def _unpack(self, packed, backend=None):
         p = packed.payload

@@ -514,19 +514,10 @@ def _quantize_and_codes_fn(rows, q_man: int, q_exp: int, q_block: int, p_man: in
 
 def fusable_quantize_and_pack(x, q_args, axis, p_args, pack_axis) -> bool:
     """Whether `bfp_quantize_and_pack` runs ``x`` (else the caller quantizes and packs apart):
-    nearest rounding is the caller's to check; here both formats are per-block BFP with E <= 8,
-    the quantizer's blocks tile the last axis, and the stash's run along the one before it."""
-    (_, q_exp, q_block), (_, p_exp, p_block) = q_args, p_args
-    return (
-        x.dim() >= 2
-        and axis == x.dim() - 1
-        and pack_axis == x.dim() - 2
-        and q_block is not None
-        and p_block is not None
-        and max(q_exp, p_exp) <= 8
-        and x.shape[-1] % q_block == 0
-        and x.numel() > 0
-    )
+    the pair's layout (`reference.quantize_and_pack_layout`) with E <= 8 for both formats."""
+    (_, q_exp, _), (_, p_exp, _) = q_args, p_args
+    layout = ref.quantize_and_pack_layout(x, q_args, axis, p_args, pack_axis)
+    return layout and max(q_exp, p_exp) <= 8
 
 
 def bfp_quantize_and_pack(x, q_args, axis, p_args, pack_axis):
@@ -560,24 +551,15 @@ def _by_power_then_bfp_fn(rows, p, finite, man_bits: int, s_man: int, s_exp: int
     return first, _bfp_quantize_fn(first, None, s_man, s_exp)
 
 
-def fusable_quantize_chain(x, first_args, second_args, second_axis) -> bool:
-    """Whether `bfp_quantize_chain` runs ``x``: the first format is fixed<w> (w <= 24, E <= 8),
-    the second per-block BFP (E <= 8) whose blocks tile the last axis."""
-    (f_man, f_exp, f_block), (_, s_exp, s_block) = first_args, second_args
-    return (
-        f_block is None
-        and f_man <= 24
-        and f_exp <= 8
-        and s_block is not None
-        and s_exp <= 8
-        and x.dim() >= 1
-        and second_axis == x.dim() - 1
-        and x.shape[-1] % s_block == 0
-        and x.numel() > 0
-    )
+def fusable_quantize_chain(x, first_args, axis, second_args, second_axis) -> bool:
+    """Whether `bfp_quantize_chain` runs ``x``: the pair's layout
+    (`reference.quantize_chain_layout`), the first format with w <= 24, both with E <= 8."""
+    (f_man, f_exp, _), (_, s_exp, _) = first_args, second_args
+    layout = ref.quantize_chain_layout(x, first_args, axis, second_args, second_axis)
+    return layout and f_man <= 24 and max(f_exp, s_exp) <= 8
 
 
-def bfp_quantize_chain(x, first_args, second_args):
+def bfp_quantize_chain(x, first_args, axis, second_args, second_axis):
     """(q = bfp_quantize(x, *first_args), bfp_quantize(q, *second_args, last axis)), nearest
     rounding, bit for bit, in one pass after the tensor's power; see `fusable_quantize_chain`."""
     f_man, f_exp, _ = first_args

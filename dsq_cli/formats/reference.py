@@ -287,6 +287,39 @@ def unpack_bits(stream: torch.Tensor, width: int, count: int) -> torch.Tensor:
     return (bits.reshape(count, width) * weights).sum(-1)
 
 
+# ----------------------------------------------------------------------------- fused pairs
+# A path may offer `bfp_quantize_and_pack` and `bfp_quantize_chain` with a `fusable_*` test each
+# (docs/formats.md, "Fused pairs"); these are the layouts every such path needs. The reference
+# has no fused functions: its pairs are the two calls.
+def quantize_and_pack_layout(x, q_args, axis, p_args, pack_axis) -> bool:
+    """A quantizer with per-block BFP along the last axis, its blocks tiling it, and a stash with
+    per-block BFP along the axis before it."""
+    (_, _, q_block), (_, _, p_block) = q_args, p_args
+    return (
+        x.dim() >= 2
+        and x.numel() > 0
+        and axis == x.dim() - 1
+        and pack_axis == x.dim() - 2
+        and q_block is not None
+        and p_block is not None
+        and x.shape[-1] % q_block == 0
+    )
+
+
+def quantize_chain_layout(x, first_args, axis, second_args, second_axis) -> bool:
+    """A whole-tensor first format (fixed<w>) and a second with per-block BFP along the last
+    axis, its blocks tiling it."""
+    f_block, s_block = first_args[2], second_args[2]
+    return (
+        x.dim() >= 1
+        and x.numel() > 0
+        and f_block is None
+        and s_block is not None
+        and second_axis == x.dim() - 1
+        and x.shape[-1] % s_block == 0
+    )
+
+
 # ----------------------------------------------------------------------------- path interface
 # Each path module (reference, compiled, triton_path) offers these six functions with these
 # signatures; the format classes call whichever path dispatch picked. Payload layouts are

@@ -120,19 +120,12 @@ def bfp_unpack(mantissas, exponents, man_bits, exp_bits, block, shape, axis, dty
 
 # ----------------------------------------------------------------------------- fused pairs
 def fusable_quantize_and_pack(x, q_args, axis, p_args, pack_axis) -> bool:
-    """Whether `bfp_quantize_and_pack` runs ``x``: both formats per-block BFP, the quantizer's
-    blocks a power of two tiling the last axis, the stash's along the axis before it."""
-    (_, _, q_block), (_, _, p_block) = q_args, p_args
-    return (
-        x.dim() >= 2
-        and axis == x.dim() - 1
-        and pack_axis == x.dim() - 2
-        and q_block is not None
-        and p_block is not None
-        and q_block & (q_block - 1) == 0
-        and x.shape[-1] % q_block == 0
-        and x.numel() > 0
-    )
+    """Whether `bfp_quantize_and_pack` runs ``x``: the pair's layout
+    (`reference.quantize_and_pack_layout`) with the quantizer's block a power of two (the
+    kernel reshapes its tile by it)."""
+    q_block = q_args[2]
+    layout = reference.quantize_and_pack_layout(x, q_args, axis, p_args, pack_axis)
+    return layout and q_block & (q_block - 1) == 0
 
 
 def bfp_quantize_and_pack(x, q_args, axis, p_args, pack_axis):
@@ -144,21 +137,13 @@ def bfp_quantize_and_pack(x, q_args, axis, p_args, pack_axis):
     return values.reshape(x.shape).to(x.dtype), mantissas, exponents
 
 
-def fusable_quantize_chain(x, first_args, second_args, second_axis) -> bool:
-    """Whether `bfp_quantize_chain` runs ``x``: fixed<w> then per-block BFP along the last axis,
-    whose blocks tile it."""
-    (_, _, f_block), (_, _, s_block) = first_args, second_args
-    return (
-        f_block is None
-        and s_block is not None
-        and x.dim() >= 1
-        and second_axis == x.dim() - 1
-        and x.shape[-1] % s_block == 0
-        and x.numel() > 0
-    )
+def fusable_quantize_chain(x, first_args, axis, second_args, second_axis) -> bool:
+    """Whether `bfp_quantize_chain` runs ``x``: the pair's layout
+    (`reference.quantize_chain_layout`)."""
+    return reference.quantize_chain_layout(x, first_args, axis, second_args, second_axis)
 
 
-def bfp_quantize_chain(x, first_args, second_args):
+def bfp_quantize_chain(x, first_args, axis, second_args, second_axis):
     """(g = bfp_quantize(x, *first_args), bfp_quantize(g, *second_args, last axis)), nearest
     rounding, in one pass after the tensor's maximum."""
     first, second = kernels.bfp_quantize_chain(_flat(x.to(torch.float32)), first_args, second_args)
