@@ -25,7 +25,7 @@ from dsq_cli import runs
 
 FILENAME = "result.json"
 STATUSES = ("completed", "interrupted", "diverged", "failed", "running")
-METRICS = ("bleu", "accuracy", "mcc", "f1", "pearson", "spearman")
+METRICS = ("bleu", "accuracy", "mcc", "f1", "pearson", "spearman", "perplexity")
 POINTS = ("q0", "q1", "q2", "q3")
 COST_KEYS = ("arith_ratio", "dram_ratio", "baseline")
 # What a reader cannot do without (the rest has defaults for result.json files of older runs).
