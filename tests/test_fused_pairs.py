@@ -17,6 +17,8 @@ from dsq_cli.formats.dispatch import (
     triton_unavailable_reason,
 )
 
+pytestmark = pytest.mark.slow  # compiles kernels and runs the Triton interpreter
+
 needs_compiled = pytest.mark.skipif(
     compiled_unavailable_reason() is not None, reason=str(compiled_unavailable_reason())
 )
