@@ -16,11 +16,9 @@ that ``dsq table OUT`` reads (metric: validation perplexity).
 from __future__ import annotations
 
 import argparse
-import logging
 import math
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -29,7 +27,7 @@ import transformers
 from dsq_cli.data import demo
 from dsq_cli.engine import QuantConfig, quantize_model
 from dsq_cli.presets import load_quant_preset
-from dsq_cli.train.hf_callback import DSQCallback
+from dsq_cli.train.hf_callback import DSQCallback, quiet_logs
 
 PAD, EOS = 0, 1
 
@@ -66,10 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-every", type=int, default=100, help="steps between evaluations")
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args(argv)
-    warnings.filterwarnings("ignore")
-    transformers.logging.set_verbosity_error()
-    logging.getLogger().setLevel(logging.WARNING)  # the libraries' chatter (fairseq sets INFO)
-    logging.getLogger("dsq").setLevel(logging.INFO)  # the schedule's level changes
+    quiet_logs()
     torch.manual_seed(args.seed)
 
     train_text, valid_text = demo.generate("train", 6000)[1], demo.generate("valid", 300)[1]

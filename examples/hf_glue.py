@@ -18,10 +18,8 @@ reads.
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -34,7 +32,7 @@ from dsq_cli.engine import QuantConfig, quantize_model
 from dsq_cli.models.encoders import minilm_folder
 from dsq_cli.presets import load_quant_preset
 from dsq_cli.train.glue_metrics import compute_metrics
-from dsq_cli.train.hf_callback import DSQCallback
+from dsq_cli.train.hf_callback import DSQCallback, quiet_logs
 
 
 class Examples(torch.utils.data.Dataset):
@@ -62,10 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="runs/hf-glue", help="output directory")
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args(argv)
-    warnings.filterwarnings("ignore")
-    transformers.logging.set_verbosity_error()
-    logging.getLogger().setLevel(logging.WARNING)  # the libraries' chatter (fairseq sets INFO)
-    logging.getLogger("dsq").setLevel(logging.INFO)  # the schedule's level changes
+    quiet_logs()
 
     task = get_glue_task(args.task)
     data = Path(args.data)

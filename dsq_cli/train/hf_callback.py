@@ -40,6 +40,19 @@ log = logging.getLogger("dsq.hf")
 CHECKPOINT_FILE = "dsq_schedule.pt"
 
 
+def quiet_logs() -> None:
+    """For a training script: the libraries' warnings and chatter off (fairseq sets the root
+    logger to INFO when imported), the schedule's level changes (logger ``dsq``) on."""
+    import warnings
+
+    import transformers
+
+    warnings.filterwarnings("ignore")
+    transformers.logging.set_verbosity_error()
+    logging.getLogger().setLevel(logging.WARNING)
+    logging.getLogger("dsq").setLevel(logging.INFO)
+
+
 class DSQCallback(TrainerCallback):
     """Steps ``cfg`` on evaluations, reports it to the Trainer's loggers, checkpoints it."""
 
