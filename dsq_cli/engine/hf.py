@@ -61,15 +61,6 @@ class DSQConv1D(nn.Module):
         return y.reshape(*x.shape[:-1], self.nf)
 
 
-def _repeat_kv(states: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """[batch, kv heads, len, dim] -> [batch, kv heads * n_rep, len, dim] (grouped queries)."""
-    if n_rep == 1:
-        return states
-    batch, heads, length, dim = states.shape
-    expanded = states[:, :, None].expand(batch, heads, n_rep, length, dim)
-    return expanded.reshape(batch, heads * n_rep, length, dim)
-
-
 def _attention(sdpa: bool):
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                   is_causal=None, **kwargs):  # fmt: skip
@@ -80,8 +71,10 @@ def _attention(sdpa: bool):
                                 scaling=scaling, is_causal=is_causal, **kwargs)  # fmt: skip
         # an excluded module under eager: the same computation in plain torch.matmul
         matmul = torch.matmul if cfg is None else (lambda a, b: dsq_matmul(a, b, cfg))
+        # grouped-query attention: keys and values expanded to the query heads, as eager does
+        repeat_kv = transformers_module().integrations.sdpa_attention.repeat_kv
         n_rep = getattr(module, "num_key_value_groups", 1)
-        key, value = _repeat_kv(key, n_rep), _repeat_kv(value, n_rep)
+        key, value = repeat_kv(key, n_rep), repeat_kv(value, n_rep)
         if scaling is None:
             scaling = query.shape[-1] ** -0.5
         scores = matmul(query, key.transpose(-1, -2)) * scaling

@@ -496,9 +496,16 @@ def bfp_pack(x, man_bits, exp_bits, block, axis, rounding="nearest", generator=N
         codes = _join_planes(codes)
         return _pack_codes(codes, man_bits), _pack_codes(exps.reshape(-1), exp_bits)
     codes, exps = _run_blocks(_bfp_codes_fn, blocks, u, man_bits, exp_bits)
-    codes = _join_planes(codes).reshape(blocks.shape[0], -1)
+    return _streams(codes, exps, blocks.shape[0], n, man_bits, exp_bits)
+
+
+def _streams(codes, exps, rows: int, n: int, man_bits: int, exp_bits: int):
+    """Stage 2 of a per-block pack: the mantissa and exponent streams of codes laid out as
+    ``rows`` padded rows of ``n`` (the padding of each row's partial last block is not
+    stored)."""
+    codes = _join_planes(codes).reshape(rows, -1)
     if codes.shape[1] != n:
-        codes = codes[:, :n]  # the padding of each row's partial last block is not stored
+        codes = codes[:, :n]
     return _pack_codes(codes.reshape(-1), man_bits), _pack_codes(exps.reshape(-1), exp_bits)
 
 
@@ -526,7 +533,7 @@ def bfp_quantize_and_pack(x, q_args, axis, p_args, pack_axis):
     Returns (values, mantissa stream, exponent stream)."""
     p_man, p_exp, p_block = p_args
     x32 = x.detach().to(torch.float32)
-    *lead, n, k = x32.shape
+    n, k = x32.shape[-2:]
     rows = x32.reshape(-1, n, k).contiguous()
     n_blocks = -(-n // p_block)
     if n_blocks * p_block != n:
@@ -536,11 +543,8 @@ def bfp_quantize_and_pack(x, q_args, axis, p_args, pack_axis):
     fn = _quantize_and_codes_fn
     values, codes, exps = _run(fn, rows, *q_args, p_man, p_exp, dynamic_dims=dyn)
     values = values.reshape(rows.shape[0], n_blocks * p_block, k)[:, :n].reshape(x.shape)
-    codes = _join_planes(codes).reshape(rows.shape[0] * k, n_blocks * p_block)
-    if codes.shape[1] != n:
-        codes = codes[:, :n]  # as bfp_pack: the padding of each partial last block is not stored
-    mantissas = _pack_codes(codes.reshape(-1), p_man)
-    return values.to(x.dtype), mantissas, _pack_codes(exps.reshape(-1), p_exp)
+    mantissas, exponents = _streams(codes, exps, rows.shape[0] * k, n, p_man, p_exp)
+    return values.to(x.dtype), mantissas, exponents
 
 
 def _by_power_then_bfp_fn(rows, p, finite, man_bits: int, s_man: int, s_exp: int):
