@@ -15,7 +15,7 @@ import json
 import os
 import statistics
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from dsq_cli.presets import TABLE1_ORDER, quant_differences
@@ -260,9 +260,40 @@ def _row_order(row: str) -> tuple:
     return (rank, preset, row != preset, row)
 
 
+def budget_rows(found: list[Run]) -> list[Run]:
+    """The runs, each one whose training budget (result.json's ``budget``: updates, validation
+    interval, warm-up) differs from the most common budget of its task moved to a row of its
+    own, named after what differs: ``dsq (validate_every=40)``. The budget is part of the recipe
+    (a scheduled stash moves only at validations), so such runs are never averaged with the
+    others. Runs without a budget yet (running, or stopped before training ended) stay."""
+    by_task: dict[str, dict[str, int]] = {}
+    for run in found:
+        if run.result.budget:
+            key = json.dumps(run.result.budget, sort_keys=True)
+            counts = by_task.setdefault(run.task, {})
+            counts[key] = counts.get(key, 0) + 1
+    common = {  # the most runs; a tie goes to the first in sorted order
+        task: json.loads(min(counts, key=lambda k: (-counts[k], k)))
+        for task, counts in by_task.items()
+    }
+    out = []
+    for run in found:
+        budget, usual = run.result.budget, common.get(run.task)
+        differences = [
+            f"{k}={budget.get(k)}"
+            for k in sorted(set(budget or {}) | set(usual or {}))
+            if budget and usual and budget.get(k) != usual.get(k)
+        ]
+        if differences:
+            run = replace(run, row=f"{run.row} ({', '.join(differences)})")
+        out.append(run)
+    return out
+
+
 def build_table(found: list[Run], warnings: list[str] | None = None) -> Table:
-    """Group runs into rows (quant) and columns (task; model and metric too where a task has
-    runs of several)."""
+    """Group runs into rows (quant, and the budget where it differs: `budget_rows`) and columns
+    (task; model and metric too where a task has runs of several)."""
+    found = budget_rows(found)
     models: dict[str, set] = {}
     metrics: dict[str, set] = {}
     for run in found:

@@ -385,3 +385,30 @@ def test_wandb_logs_the_table_offline(root, tmp_path, monkeypatch):
     assert rows[("stash_bfp", "multi30k")]["arith_ratio"] == 0.0705
     assert rows[("stash_bfp", "iwslt17")]["status"] == "diverged"
     assert glob.glob(f"{run_dir}/files/media/images/frontier_*.png")
+
+
+def test_a_run_on_another_budget_gets_its_own_row(tmp_path):
+    """The ablation of the validation interval: same quant, its own row, never averaged in."""
+    root = tmp_path / "runs"
+    budget = {"total_updates": 640, "updates_per_epoch": 256, "validate_every": 80,
+              "warmup_updates": 100}  # fmt: skip
+    for seed, value, every in [
+        (1, 26.0, 80),
+        (2, 27.0, 80),
+        (6, 28.0, 80),
+        (3, 20.0, 40),
+        (4, 22.0, 40),
+    ]:
+        run = result_json("dsq", "multi30k", seed, "completed", value, 0.05, 0.37, 2.5)
+        run["budget"] = {**budget, "validate_every": every}
+        write_run(root, run)
+    running = result_json("dsq", "multi30k", 5, "running", None, None, None, None)
+    write_run(root, running)  # no budget yet: stays in the quant's row
+    found = table.collect([root])
+    assert found.rows == ["dsq", "dsq (validate_every=40)"]
+    multi30k = found.columns[0]
+    assert found.cell("dsq", multi30k).metric_values == [26.0, 27.0, 28.0]
+    assert found.cell("dsq", multi30k).other_statuses == {"running": 1}
+    assert found.cell("dsq (validate_every=40)", multi30k).metric_values == [20.0, 22.0]
+    _, rows = parse_markdown(invoke("table", root).output)
+    assert rows["dsq (validate_every=40)"][0] == "21.00 ± 1.41 (n=2)"
