@@ -363,6 +363,12 @@ def table_cmd(
     ),
     wandb_project: str = typer.Option("dsq", help="wandb project for --wandb."),
     wandb_dir: str = typer.Option(".", help="Where --wandb writes its files (DIR/wandb)."),
+    moves: bool = typer.Option(
+        False,
+        "--moves",
+        help="After the table, list each scheduled run's formats over its updates and its mean "
+        "stash bits (markdown only).",
+    ),
 ):
     """Table 1 (docs/spec.md §6) from runs' result.json: presets as rows, tasks as columns
     (docs/table.md).
@@ -377,10 +383,19 @@ def table_cmd(
         raise ValueError(f"--format must be one of {', '.join(table.FORMATS)}, got {fmt!r}")
     if plot is not None and not plot.lower().endswith(".png"):
         raise ValueError(f"--plot writes a PNG; {plot!r} does not end in .png")
+    if moves and fmt != "markdown":
+        raise ValueError(
+            f"--moves adds a markdown list; drop it or use --format markdown, not {fmt}"
+        )
     result_table = table.collect(paths or ["runs"])
     for warning in result_table.warnings:
         typer.echo(f"dsq: warning: {warning}", err=True)
     text = table.render(result_table, fmt)
+    if moves:
+        lines = table.stash_moves(result_table) or ["(no run of a scheduled row)"]
+        text += "\nStash moves (scheduled points, per run):\n\n" + "".join(
+            f"- {m}\n" for m in lines
+        )
     if out is None:
         typer.echo(text, nl=False)
     else:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from dsq_cli.presets import TABLE1_ORDER, quant_differences
-from dsq_cli.run_result import RunResult
+from dsq_cli.run_result import POINTS, RunResult
 
 FORMATS = ("markdown", "csv", "latex", "json")
 METRIC_LABELS = {
@@ -609,6 +609,58 @@ RENDERERS = {
     "latex": render_latex,
     "json": render_json,
 }
+
+
+# -- schedules ------------------------------------------------------------------------------
+
+
+def stash_moves(table: Table) -> list[str]:
+    """One line per run of a row with a scheduled point (a ladder of levels, such as dsq's q1):
+    the format in force over each stretch of updates (result.json's ``precision_segments``),
+    where it moved, and the run's mean stash bits. Runs that have not ended say their status."""
+    lines = []
+    for row in table.rows:
+        scheduled = [p for p in POINTS if isinstance(table.row_quant[row].get(p), Mapping)]
+        if not scheduled:
+            continue
+        for column in table.columns:
+            cell = table.cell(row, column)
+            for run in cell.runs if cell else []:
+                seed = (
+                    f"seed {run.result.seed}"
+                    if run.result.seed is not None
+                    else run.path.parent.name
+                )
+                head = f"{row}, {column.label}, {seed}: "
+                segments = run.result.precision_segments
+                if run.status != "completed" or not segments:
+                    lines.append(head + run.status)
+                    continue
+                texts = [_point_stretches(segments, point) for point in scheduled]
+                bits = run.result.stash_bits_mean
+                lines.append(head + "; ".join(texts) + f"; {bits:.3g} stash bits")
+    return lines
+
+
+def _point_stretches(segments: list[Mapping], point: str) -> str:
+    """``q1 bfp2e8b16 for all 640 updates`` or ``q1 bfp2e8b16 1-240, bfp3e8b16 241-640 (moved
+    after update 240)``: consecutive segments with the same format at ``point`` merged."""
+    stretches: list[list] = []  # [format, first update, last update]
+    done = 0
+    for segment in segments:
+        fmt, count = segment["points"][point], int(segment["updates"])
+        if count == 0:
+            continue
+        if stretches and stretches[-1][0] == fmt:
+            stretches[-1][2] = done + count
+        else:
+            stretches.append([fmt, done + 1, done + count])
+        done += count
+    if len(stretches) == 1:
+        return f"{point} {stretches[0][0]} for all {done} updates"
+    parts = ", ".join(f"{fmt} {first}-{last}" for fmt, first, last in stretches)
+    moves = ", ".join(str(last) for _, _, last in stretches[:-1])
+    return f"{point} {parts} (moved after update {moves})"
 
 
 def render(table: Table, fmt: str) -> str:

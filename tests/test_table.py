@@ -412,3 +412,33 @@ def test_a_run_on_another_budget_gets_its_own_row(tmp_path):
     assert found.cell("dsq (validate_every=40)", multi30k).metric_values == [20.0, 22.0]
     _, rows = parse_markdown(invoke("table", root).output)
     assert rows["dsq (validate_every=40)"][0] == "21.00 ± 1.41 (n=2)"
+
+
+def test_moves_lists_each_scheduled_runs_formats_over_its_updates(tmp_path):
+    root = tmp_path / "runs"
+    fixed = {"q0": "bfp8e8b16", "q2": "bfp8e8b16", "q3": "fixed16"}
+    moved = result_json("dsq", "multi30k", 2, "completed", 26.0, 0.053, 0.37, 3.125)
+    moved["precision_segments"] = [
+        {"points": {**fixed, "q1": "bfp2e8b16"}, "updates": 240},
+        {"points": {**fixed, "q1": "bfp3e8b16"}, "updates": 160},
+        {"points": {**fixed, "q1": "bfp4e8b16"}, "updates": 240},
+    ]
+    still = result_json("dsq", "multi30k", 1, "completed", 26.4, 0.052, 0.366, 2.5)
+    still["precision_segments"] = [{"points": {**fixed, "q1": "bfp2e8b16"}, "updates": 640}]
+    static = result_json("stash_bfp", "multi30k", 1, "completed", 26.9, 0.07, 0.39, 4.5)
+    static["precision_segments"] = [{"points": {**fixed, "q1": "bfp4e8b16"}, "updates": 640}]
+    for run in (moved, still, static):
+        write_run(root, run)
+    write_run(root, result_json("dsq", "multi30k", 3, "running", None, None, None, None))
+    result = invoke("table", root, "--moves")
+    assert result.exit_code == 0, result.output
+    listed = result.output.split("Stash moves (scheduled points, per run):\n\n")[1]
+    assert listed.splitlines() == [
+        "- dsq, multi30k, seed 1: q1 bfp2e8b16 for all 640 updates; 2.5 stash bits",
+        "- dsq, multi30k, seed 2: q1 bfp2e8b16 1-240, bfp3e8b16 241-400, bfp4e8b16 401-640 "
+        "(moved after update 240, 400); 3.12 stash bits",
+        "- dsq, multi30k, seed 3: running",
+    ]  # stash_bfp's stash is static: not listed
+    refused = invoke("table", root, "--moves", "--format", "csv")
+    assert refused.exit_code == 2
+    assert "--moves adds a markdown list" in refused.output
