@@ -30,11 +30,10 @@ import torch
 from transformers import Trainer, TrainerCallback
 
 from dsq_cli import runs
+from dsq_cli.cost.run_cost import run_cost, stash_bits_mean
 from dsq_cli.engine import POINTS, QuantConfig, record_gemms
 from dsq_cli.presets import quant_differences
 from dsq_cli.run_result import RunResult
-
-from .rank_run import run_cost, stash_bits_mean
 
 log = logging.getLogger("dsq.hf")
 CHECKPOINT_FILE = "dsq_schedule.pt"

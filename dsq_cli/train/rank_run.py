@@ -20,9 +20,8 @@ import torch
 
 from dsq_cli import runs
 from dsq_cli.config import to_plain
-from dsq_cli.cost import scheduled_cost
-from dsq_cli.engine import GemmRecord, QuantConfig
-from dsq_cli.formats import parse_format
+from dsq_cli.cost.run_cost import COST_BASELINE, run_cost, stash_bits_mean
+from dsq_cli.engine import QuantConfig
 from dsq_cli.loggers import make_logger
 from dsq_cli.presets import quant_differences
 from dsq_cli.run_config import RunConfig
@@ -36,9 +35,6 @@ from .recorder import QuietRecorder, RunRecorder, load_checkpoint, run_log
 from .stop import EXIT_CODES, Diverged, Interrupted, StopRequest
 
 log = logging.getLogger(__name__)
-
-# The cost model prices a run against this baseline (docs/cost-model.md).
-COST_BASELINE = "fixed32"
 
 
 @dataclass
@@ -189,23 +185,3 @@ def trained_result(result: RunResult, trainer: Trainer) -> RunResult:
         patch=trainer.patch_report.as_dict() | {"summary": trainer.patch_report.summary()},
         memory=memory_record(progress["gemm_shapes"], cuda_peak),
     )
-
-
-def run_cost(gemm_shapes: list[dict] | None, segments: list) -> dict:
-    """docs/spec.md §4: the update-weighted cost over the levels used, priced on one recorded
-    training step's GEMMs."""
-    if not gemm_shapes or not segments:
-        return unpriced(COST_BASELINE)
-    records = [GemmRecord.from_dict(g) for g in gemm_shapes]
-    cost = scheduled_cost(records, [(points, n) for points, n in segments], COST_BASELINE)
-    cost["gemms_per_step"] = len(records) * 3  # the forward GEMM and two backward ones
-    return cost
-
-
-def stash_bits_mean(segments: list) -> float | None:
-    """Update-weighted mean bits per value of the stash format (q1) over the run."""
-    total = sum(updates for _, updates in segments)
-    if not total:
-        return None
-    bits = sum(parse_format(points["q1"]).bits_per_value * n for points, n in segments)
-    return bits / total

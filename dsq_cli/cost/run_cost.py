@@ -1,0 +1,34 @@
+"""What a run's result.json records of its cost (docs/spec.md §5): the cost model applied over
+the precision segments the run trained in, and the mean bits of its stash. `dsq train` and the
+Hugging Face callback both record these, so a table prices their runs alike."""
+
+from __future__ import annotations
+
+from dsq_cli.engine import GemmRecord
+from dsq_cli.formats import parse_format
+from dsq_cli.run_result import unpriced
+
+from .model import scheduled_cost
+
+# Runs are priced against this baseline (docs/cost-model.md).
+COST_BASELINE = "fixed32"
+
+
+def run_cost(gemm_shapes: list[dict] | None, segments: list) -> dict:
+    """docs/spec.md §4: the update-weighted cost over the levels used (``segments``: (points,
+    updates) pairs), priced on one recorded training step's GEMMs."""
+    if not gemm_shapes or not segments:
+        return unpriced(COST_BASELINE)
+    records = [GemmRecord.from_dict(g) for g in gemm_shapes]
+    cost = scheduled_cost(records, [(points, n) for points, n in segments], COST_BASELINE)
+    cost["gemms_per_step"] = len(records) * 3  # the forward GEMM and two backward ones
+    return cost
+
+
+def stash_bits_mean(segments: list) -> float | None:
+    """Update-weighted mean bits per value of the stash format (q1) over the run."""
+    total = sum(updates for _, updates in segments)
+    if not total:
+        return None
+    bits = sum(parse_format(points["q1"]).bits_per_value * n for points, n in segments)
+    return bits / total
