@@ -1,0 +1,77 @@
+"""Bring a study's finished runs into this checkout, then refresh docs/results.md's Table 1 block.
+
+The Table 1 study (scripts/table1_cpu.sh) is best run in a clone of its own, so that code
+edits in this checkout cannot change a run in the middle. This copies, from CLONE, the small
+records (result.json, metrics.jsonl, schedule.jsonl, config.yaml) of every run under
+results/table1-cpu and results/ablations that has ended (any status but running), and rewrites
+the block after ``<!-- dsq table results/table1-cpu -->`` in docs/results.md to the output of
+``dsq table results/table1-cpu`` (tests/test_results_records.py checks that they agree).
+
+Usage: python scripts/study_records.py CLONE      (from the repository root)
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+RECORDS = ("result.json", "metrics.jsonl", "schedule.jsonl", "config.yaml")
+ROOTS = ("results/table1-cpu", "results/ablations")
+MARKER = "<!-- dsq table results/table1-cpu -->"
+
+
+def ended_runs(clone: Path):
+    for root in ROOTS:
+        for result in sorted((clone / root).rglob("result.json")):
+            if ".old-" in str(result.parent):
+                continue  # a run the sweep moved aside before running it again
+            if json.loads(result.read_text()).get("status") != "running":
+                yield result.parent.relative_to(clone)
+
+
+def copy_runs(clone: Path, repo: Path) -> list[Path]:
+    copied = []
+    for run in ended_runs(clone):
+        changed = False
+        for name in RECORDS:
+            source, target = clone / run / name, repo / run / name
+            if source.exists() and (
+                not target.exists() or target.read_bytes() != source.read_bytes()
+            ):
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(source, target)
+                changed = True
+        if changed:
+            copied.append(run)
+    return copied
+
+
+def refresh_table_block(repo: Path) -> None:
+    table = subprocess.run(
+        [sys.executable, "-m", "dsq_cli.cli", "table", "results/table1-cpu"],
+        cwd=repo, check=True, capture_output=True, text=True,
+    ).stdout  # fmt: skip
+    doc = repo / "docs" / "results.md"
+    text = doc.read_text()
+    pattern = re.escape(MARKER) + r"\n```\n.*?```\n"
+    if not re.search(pattern, text, re.DOTALL):
+        raise SystemExit(f"docs/results.md has no fenced block after {MARKER}")
+    doc.write_text(re.sub(pattern, lambda _: f"{MARKER}\n```\n{table}```\n", text, flags=re.DOTALL))
+
+
+def main() -> None:
+    if len(sys.argv) != 2 or not Path(sys.argv[1], "results").is_dir():
+        raise SystemExit("usage: python scripts/study_records.py CLONE (a checkout with results/)")
+    repo = Path(__file__).resolve().parents[1]
+    for run in copy_runs(Path(sys.argv[1]).resolve(), repo):
+        print(f"copied {run}")
+    refresh_table_block(repo)
+    print("docs/results.md: Table 1 block refreshed")
+
+
+if __name__ == "__main__":
+    main()
