@@ -29,6 +29,7 @@ LAYERS = [
             "dsq_cli.run_result",
             "dsq_cli.runs",
             "dsq_cli.atomic_files",
+            "dsq_cli.cpu_allocator",
         ],
     ),  # fmt: skip
     ("root", ["dsq_cli"]),

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from dsq_cli.cpu_allocator import keep_freed_memory
 from dsq_cli.engine import QuantConfig, quantize_model
 from dsq_cli.presets import load_quant_preset
 
@@ -274,6 +275,8 @@ def run(
     scopes: tuple[str, ...] = ("gemm",),
 ) -> dict:
     dev = torch.device(device)
+    if dev.type == "cpu":
+        keep_freed_memory()  # as `dsq train` runs on CPU: steps reuse their pages
     batch = Batch.random(max(1, tokens // src_len), src_len, vocab, dev)
     setups: dict[tuple[str, str], Setup] = {}
     for name in presets:

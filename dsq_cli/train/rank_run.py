@@ -21,6 +21,7 @@ import torch
 from dsq_cli import runs
 from dsq_cli.config import to_plain
 from dsq_cli.cost.run_cost import COST_BASELINE, run_cost, stash_bits_mean
+from dsq_cli.cpu_allocator import keep_freed_memory
 from dsq_cli.engine import QuantConfig
 from dsq_cli.loggers import make_logger
 from dsq_cli.presets import quant_differences
@@ -61,6 +62,8 @@ def run_rank(
     state: dict | None = None,
 ) -> Outcome:
     """Train in this process, as ``rank`` of the data-parallel group."""
+    if device == "cpu":
+        keep_freed_memory()  # every update reuses the pages of the last (dsq_cli/cpu_allocator.py)
     if data is None:  # a spawned worker: the parent prepared the data; this reads the cache
         data = family_of(cfg).prepare(cfg)
     if state is None and resumed:
@@ -70,7 +73,6 @@ def run_rank(
         with run_log(run_dir / f"train.rank{rank.rank}.log"):
             return _train_and_evaluate(cfg, data, device, QuietRecorder(run_dir), state,
                                        started, rank)  # fmt: skip
-    started = started_result(cfg, data, device, resumed)
     with run_log(run_dir / "train.log"):
         experiment = make_logger(cfg.logger, run_dir, to_plain(cfg))
         recorder = RunRecorder(run_dir, experiment)
