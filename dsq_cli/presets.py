@@ -7,6 +7,8 @@ from pathlib import Path
 
 import yaml
 
+from dsq_cli.run_result import POINTS
+
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 TABLE1_ORDER = (
     "fp32",
@@ -19,7 +21,6 @@ TABLE1_ORDER = (
     "stash_bfp",
     "dsq",
 )
-POINTS = ("q0", "q1", "q2", "q3")
 QUANT_KEYS = (*POINTS, "stash_scope", "rounding")
 
 

@@ -26,7 +26,7 @@ from dsq_cli import runs
 FILENAME = "result.json"
 STATUSES = ("completed", "interrupted", "diverged", "failed", "running")
 METRICS = ("bleu", "accuracy", "mcc", "f1", "pearson", "spearman", "perplexity")
-POINTS = ("q0", "q1", "q2", "q3")
+POINTS = ("q0", "q1", "q2", "q3")  # the four quantization points (docs/dsq.md); defined once, here
 COST_KEYS = ("arith_ratio", "dram_ratio", "baseline")
 # What a reader cannot do without (the rest has defaults for result.json files of older runs).
 REQUIRED = ("status", "task", "quant", "metric", "value", "valid_loss", "updates",

@@ -40,8 +40,8 @@ from dsq_cli.formats.bfp import BFP
 from dsq_cli.formats.fixed import FixedStatic
 from dsq_cli.formats.floats import FloatCast
 from dsq_cli.presets import CONF_DIR, load_quant_preset
+from dsq_cli.run_result import POINTS
 
-POINTS = ("q0", "q1", "q2", "q3")
 DRAM_SWITCHES = ("stash_write_when_q1_equals_q0", "flush_activation_grads", "activations_fp32")
 ARITHMETIC_MODELS = ("bit_product", "additive")
 FLOAT_SPECS = ("fp32", "fp16", "bf16", "e4m3", "e5m2")  # every floating format needs a width

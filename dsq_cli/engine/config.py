@@ -15,10 +15,10 @@ import torch
 
 from dsq_cli.formats import Format
 from dsq_cli.formats.base import ROUNDINGS
+from dsq_cli.run_result import POINTS
 
 from .schedule import LevelChange, Schedule
 
-POINTS = ("q0", "q1", "q2", "q3")
 POINT_HELP = {
     "q0": "forward GEMM inputs x and W (blocks along K)",
     "q1": "the stash: activations saved for backward, stored packed (blocks along N)",
