@@ -33,6 +33,15 @@ def load_quant_preset(name: str) -> dict:
     return yaml.safe_load(path.read_text())
 
 
+def at_first_level(quant: Mapping) -> dict:
+    """``quant`` (a preset's mapping) with every scheduled point (``{levels: [...], ...}``) at
+    its first level: the formats a run starts with."""
+    return {
+        key: value["levels"][0] if isinstance(value, Mapping) and "levels" in value else value
+        for key, value in quant.items()
+    }
+
+
 def _every_point_rounding(rounding: Mapping | None) -> dict:
     return {point: (rounding or {}).get(point, "nearest") for point in POINTS}
 

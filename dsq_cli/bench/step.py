@@ -32,7 +32,9 @@ import torch
 
 from dsq_cli.cpu_allocator import keep_freed_memory
 from dsq_cli.engine import QuantConfig, quantize_model
-from dsq_cli.presets import load_quant_preset
+from dsq_cli.presets import at_first_level, load_quant_preset
+
+from .quant import machine_description  # one description of the machine for both benches
 
 MIB = 2**20
 
@@ -60,17 +62,6 @@ def build_model(layers: int, width: int, vocab: int, seed: int = 0):
     transformer_iwslt_de_en(args)
     task = types.SimpleNamespace(source_dictionary=dictionary, target_dictionary=dictionary)
     return TransformerModel.build_model(args, task)
-
-
-def first_level(preset: dict) -> dict:
-    """The preset with every schedule at its first level (what a run starts with)."""
-    return {
-        k: (v["levels"][0] if isinstance(v, dict) and "levels" in v else v)
-        for k, v in preset.items()
-    }
-
-
-from .quant import machine_description  # noqa: E402  (one description for both benches)
 
 
 def _sync(dev: torch.device) -> None:
@@ -117,7 +108,7 @@ class Setup:
     def build(
         cls, preset: str, scope: str, layers: int, width: int, vocab: int, dev: torch.device
     ) -> Setup:
-        points = first_level(load_quant_preset(preset)) | {"stash_scope": scope}
+        points = at_first_level(load_quant_preset(preset)) | {"stash_scope": scope}
         model = build_model(layers, width, vocab).to(dev)
         if preset != "fp32":
             quantize_model(

@@ -39,7 +39,7 @@ from dsq_cli.formats import Format, parse_format
 from dsq_cli.formats.bfp import BFP
 from dsq_cli.formats.fixed import FixedStatic
 from dsq_cli.formats.floats import FloatCast
-from dsq_cli.presets import CONF_DIR, load_quant_preset
+from dsq_cli.presets import CONF_DIR, at_first_level, load_quant_preset
 from dsq_cli.run_result import POINTS
 
 DRAM_SWITCHES = ("stash_write_when_q1_equals_q0", "flush_activation_grads", "activations_fp32")
@@ -262,12 +262,10 @@ def step_cost(
 
 def baseline_points(preset: str = DEFAULT_BASELINE) -> dict[str, str]:
     """q0..q3 of a conf/quant preset; a scheduled point counts at its first level."""
-    config = load_quant_preset(preset)  # ValueError listing the presets when unknown
-    points = {}
-    for point in POINTS:
-        value = config[point]
-        points[point] = value["levels"][0] if isinstance(value, Mapping) else value
-        parse_format(points[point])  # a bad spec fails here, naming the preset's format
+    config = at_first_level(load_quant_preset(preset))  # ValueError naming the presets if unknown
+    points = {point: config[point] for point in POINTS}
+    for spec in points.values():
+        parse_format(spec)  # a bad spec fails here, naming the preset's format
     return points
 
 
