@@ -57,8 +57,9 @@ class BFP(Format):
         return PackedTensor(self, tuple(x.shape), x.dtype, axis, payload)
 
     def _fused(self, pair: str, x, axis, other, other_axis, backend):
-        """The path's ``bfp_<pair>`` run on x (``fusable_<pair>`` says when it covers the
-        two formats and axes; both take (x, args, axis, other args, other axis)), or None."""
+        """(the path's ``bfp_<pair>`` run on x, ``other_axis`` made non-negative), or None when
+        the path has no such pair or ``fusable_<pair>`` says it does not cover the two formats
+        and axes (both take (x, args, axis, other args, other axis))."""
         axis = check_input(x, axis, "nearest", None)
         other_axis = check_input(x, other_axis, "nearest", None)
         path = select_path(x, backend)
@@ -69,22 +70,21 @@ class BFP(Format):
         if not getattr(path, f"fusable_{pair}")(*args):
             return None
         with torch.no_grad():
-            return fused(*args)
+            return fused(*args), other_axis
 
     def quantize_and_pack(self, x, axis, stash, stash_axis, *, backend=None):
         out = self._fused("quantize_and_pack", x, axis, stash, stash_axis, backend)
         if out is None:
             return super().quantize_and_pack(x, axis, stash, stash_axis, backend=backend)
-        values, mantissas, exponents = out
+        (values, mantissas, exponents), stash_axis = out
         payload = {"mantissas": mantissas, "exponents": exponents}
-        stash_axis = check_input(x, stash_axis, "nearest", None)
         return values, PackedTensor(stash, tuple(x.shape), x.dtype, stash_axis, payload)
 
     def quantize_chain(self, x, axis, second, second_axis, *, backend=None):
         out = self._fused("quantize_chain", x, axis, second, second_axis, backend)
         if out is None:
             return super().quantize_chain(x, axis, second, second_axis, backend=backend)
-        return out
+        return out[0]
 
     def _unpack(self, packed, backend=None):
         p = packed.payload
