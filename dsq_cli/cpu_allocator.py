@@ -5,34 +5,51 @@ A step allocates and frees the same large tensors every update (activations, the
 the quantizers' outputs). By default glibc maps large blocks afresh and hands the freed top of
 its heap back to the system, so each update touches new pages and the kernel faults every one
 in: about 76,000 page faults a step of `dsq bench step`'s model. With large blocks served from
-the heap, freed memory kept and the heap grown 256 MiB at a time, about 1,000 to 3,000 remain,
-and a CPU step runs 7% to 9% faster, fp32 and dsq alike, for about 3% more peak resident memory
-(docs/benchmarks.md). CUDA tensors have their own caching allocator and are unaffected.
-Imports only the standard library.
+the heap, freed memory kept and the heap grown 256 MiB at a time, 1,000 to 3,000 remain. Side by
+side, an fp32 step ran 5% to 8% faster with it and a dsq step 0.5% to 3.5%, for about 3% more
+peak resident memory (docs/benchmarks.md). CUDA tensors have their own caching allocator and are
+unaffected. ``DSQ_CPU_ALLOCATOR=default`` leaves glibc's settings alone. Imports only the
+standard library.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import logging
+import os
 import platform
+
+log = logging.getLogger(__name__)
 
 # mallopt parameters (malloc.h)
 M_TRIM_THRESHOLD = -1
 M_TOP_PAD = -2
 M_MMAP_THRESHOLD = -3
-SETTINGS = ((M_MMAP_THRESHOLD, 1 << 30), (M_TRIM_THRESHOLD, 1 << 30), (M_TOP_PAD, 256 << 20))
+KEEP_FREED = 1 << 30  # keep up to 1 GiB freed at the top of the heap
+TOP_PAD = 256 << 20  # grow the heap 256 MiB at a time
+# serve blocks up to this size from the heap; glibc documents 32 MiB as the most it accepts on
+# 64-bit machines, and newer versions take more, so the larger is tried first
+MMAP_THRESHOLDS = (1 << 30, 32 << 20)
+OPT_OUT = "DSQ_CPU_ALLOCATOR"
 
 
 def keep_freed_memory() -> bool:
-    """Set glibc's malloc to serve blocks up to 1 GiB from the heap, keep up to 1 GiB freed at
-    its top, and grow it 256 MiB at a time. True when applied; False (and nothing changed) off
-    glibc."""
+    """Set glibc's malloc to keep freed memory and serve large blocks from its heap (see the
+    module's text). True when applied; False, with nothing changed, off glibc or when
+    ``DSQ_CPU_ALLOCATOR=default``."""
+    if os.environ.get(OPT_OUT) == "default":
+        return False
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     except OSError:
         return False
-    results = [libc.mallopt(option, value) for option, value in SETTINGS]
-    return all(result == 1 for result in results)
+    kept = libc.mallopt(M_TRIM_THRESHOLD, KEEP_FREED) == 1
+    padded = libc.mallopt(M_TOP_PAD, TOP_PAD) == 1
+    served = any(libc.mallopt(M_MMAP_THRESHOLD, size) == 1 for size in MMAP_THRESHOLDS)
+    if not (kept and padded and served):
+        log.info("glibc refused part of the allocator setting: trim %s, top pad %s, mmap %s",
+                 kept, padded, served)  # fmt: skip
+    return kept and padded and served

@@ -254,40 +254,49 @@ def row_name(quant: Mapping) -> str:
 
 
 def _row_order(row: str) -> tuple:
-    preset = row.split("*", 1)[0]
+    preset = row.split("*", 1)[0].split(" (", 1)[0]  # dsq* (q1=bfp3), fp32 (validate_every=40)
     known = preset in TABLE1_ORDER
     rank = TABLE1_ORDER.index(preset) if known else len(TABLE1_ORDER)
     return (rank, preset, row != preset, row)
 
 
 def budget_rows(found: list[Run]) -> list[Run]:
-    """The runs, each one whose training budget (result.json's ``budget``: updates, validation
-    interval, warm-up) differs from the most common budget of its task moved to a row of its
-    own, named after what differs: ``dsq (validate_every=40)``. The budget is part of the recipe
-    (a scheduled stash moves only at validations), so such runs are never averaged with the
-    others. Runs without a budget yet (running, or stopped before training ended) stay."""
-    by_task: dict[str, dict[str, int]] = {}
+    """The runs, each one trained on another budget (result.json's ``budget``: updates,
+    validation interval, warm-up) than most runs of its column moved to a row of its own, named
+    after what differs: ``dsq (validate_every=40)``. The budget is part of the recipe (a
+    scheduled stash moves only at validations), so such runs are never averaged with the others.
+    When no budget has more runs than every other, each run is named after the budget keys that
+    vary in its column. Runs without a budget (running, failed before training began, or written
+    before result.json had one) stay in their quant's row."""
+    by_column: dict[tuple, dict[str, int]] = {}
     for run in found:
         if run.result.budget:
             key = json.dumps(run.result.budget, sort_keys=True)
-            counts = by_task.setdefault(run.task, {})
+            counts = by_column.setdefault(_column_key(run), {})
             counts[key] = counts.get(key, 0) + 1
-    common = {  # the most runs; a tie goes to the first in sorted order
-        task: json.loads(min(counts, key=lambda k: (-counts[k], k)))
-        for task, counts in by_task.items()
-    }
     out = []
     for run in found:
-        budget, usual = run.result.budget, common.get(run.task)
-        differences = [
-            f"{k}={budget.get(k)}"
-            for k in sorted(set(budget or {}) | set(usual or {}))
-            if budget and usual and budget.get(k) != usual.get(k)
-        ]
-        if differences:
-            run = replace(run, row=f"{run.row} ({', '.join(differences)})")
+        budget, counts = run.result.budget, by_column.get(_column_key(run), {})
+        if not budget or len(counts) < 2:
+            out.append(run)
+            continue
+        budgets = [json.loads(k) for k in counts]
+        ranked = sorted(counts.values(), reverse=True)
+        if ranked[0] > ranked[1]:  # one budget has the most runs: name the others after it
+            usual = json.loads(max(counts, key=counts.get))
+            keys = [k for k in sorted(set(budget) | set(usual)) if budget.get(k) != usual.get(k)]
+        else:  # no majority: every run is named after what varies in its column
+            keys = [k for k in sorted({k for b in budgets for k in b})
+                    if len({json.dumps(b.get(k)) for b in budgets}) > 1]  # fmt: skip
+        if keys:
+            named = ", ".join(f"{k}={budget.get(k, '-')}" for k in keys)
+            run = replace(run, row=f"{run.row} ({named})")
         out.append(run)
     return out
+
+
+def _column_key(run: Run) -> tuple:
+    return (run.task, run.model, run.metric)
 
 
 def build_table(found: list[Run], warnings: list[str] | None = None) -> Table:
@@ -489,7 +498,7 @@ def _cell_record(row: str, column: Column, cell: Cell, quant: Mapping) -> dict:
     return {
         "row": row,
         "preset": quant["preset"],
-        "modified": row != quant["preset"],
+        "modified": bool(quant.get("modified", "*" in row)),  # a budget row is not modified
         "task": column.task,
         "model": column.model,
         "metric": column.metric,
@@ -617,7 +626,8 @@ RENDERERS = {
 def stash_moves(table: Table) -> list[str]:
     """One line per run of a row with a scheduled point (a ladder of levels, such as dsq's q1):
     the format in force over each stretch of updates (result.json's ``precision_segments``),
-    where it moved, and the run's mean stash bits. Runs that have not ended say their status."""
+    where it moved, and the run's mean stash bits. A run that did not complete is named by its
+    status first; one that recorded no update says so."""
     lines = []
     for row in table.rows:
         scheduled = [p for p in POINTS if isinstance(table.row_quant[row].get(p), Mapping)]
@@ -626,25 +636,24 @@ def stash_moves(table: Table) -> list[str]:
         for column in table.columns:
             cell = table.cell(row, column)
             for run in cell.runs if cell else []:
-                seed = (
-                    f"seed {run.result.seed}"
-                    if run.result.seed is not None
-                    else run.path.parent.name
-                )
-                head = f"{row}, {column.label}, {seed}: "
-                segments = run.result.precision_segments
-                if run.status != "completed" or not segments:
-                    lines.append(head + run.status)
-                    continue
-                texts = [_point_stretches(segments, point) for point in scheduled]
-                bits = run.result.stash_bits_mean
-                lines.append(head + "; ".join(texts) + f"; {bits:.3g} stash bits")
+                result = run.result
+                seed = f"seed {result.seed}" if result.seed is not None else run.path.parent.name
+                parts = [] if run.status == "completed" else [run.status]
+                trained = sum(int(s["updates"]) for s in result.precision_segments or [])
+                if trained:
+                    parts += [_point_stretches(result.precision_segments, p) for p in scheduled]
+                    bits = result.stash_bits_mean
+                    parts.append(f"{bits:.3g} stash bits" if bits is not None else "stash bits -")
+                else:
+                    parts.append("no update recorded")
+                lines.append(f"{row}, {column.label}, {seed}: " + "; ".join(parts))
     return lines
 
 
 def _point_stretches(segments: list[Mapping], point: str) -> str:
     """``q1 bfp2e8b16 for all 640 updates`` or ``q1 bfp2e8b16 1-240, bfp3e8b16 241-640 (moved
-    after update 240)``: consecutive segments with the same format at ``point`` merged."""
+    after update 240)``: consecutive segments with the same format at ``point`` merged, segments
+    of no update left out. ``segments`` record at least one update."""
     stretches: list[list] = []  # [format, first update, last update]
     done = 0
     for segment in segments:

@@ -3,7 +3,8 @@
 The Table 1 study (scripts/table1_cpu.sh) is best run in a clone of its own, so that code
 edits in this checkout cannot change a run in the middle. This copies, from CLONE, the small
 records (result.json, metrics.jsonl, schedule.jsonl, config.yaml) of every run under
-results/table1-cpu and results/ablations that has ended (any status but running), and rewrites
+results/table1-cpu and results/ablations that has an outcome (completed or diverged; `dsq sweep`
+runs the others again), and rewrites
 the block after ``<!-- dsq table results/table1-cpu -->`` in docs/results.md to the output of
 ``dsq table results/table1-cpu`` (tests/test_results_records.py checks that they agree).
 
@@ -20,22 +21,24 @@ import sys
 from pathlib import Path
 
 RECORDS = ("result.json", "metrics.jsonl", "schedule.jsonl", "config.yaml")
+OUTCOMES = ("completed", "diverged")
 ROOTS = ("results/table1-cpu", "results/ablations")
 MARKER = "<!-- dsq table results/table1-cpu -->"
 
 
-def ended_runs(clone: Path):
+def finished_runs(clone: Path):
     for root in ROOTS:
         for result in sorted((clone / root).rglob("result.json")):
-            if ".old-" in str(result.parent):
+            run = result.parent.relative_to(clone)
+            if any(".old-" in part for part in run.parts):
                 continue  # a run the sweep moved aside before running it again
-            if json.loads(result.read_text()).get("status") != "running":
-                yield result.parent.relative_to(clone)
+            if json.loads(result.read_text()).get("status") in OUTCOMES:
+                yield run
 
 
 def copy_runs(clone: Path, repo: Path) -> list[Path]:
     copied = []
-    for run in ended_runs(clone):
+    for run in finished_runs(clone):
         changed = False
         for name in RECORDS:
             source, target = clone / run / name, repo / run / name

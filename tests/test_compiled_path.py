@@ -117,20 +117,23 @@ def test_new_batch_lengths_reuse_the_compiled_kernels(spec, axis):
     assert dynamo_utils.counters["stats"]["unique_graphs"] == before
 
 
-@pytest.mark.parametrize("width", [1, 2, 3, 4, 5, 6, 7, 9, 12])
+@pytest.mark.parametrize("width", [1, 2, 3, 4, 5, 6, 7, 8, 9, 12])
 def test_stream_stage_equals_reference_pack_bits(width):
     """The bit packing alone, every narrow width (one-byte codes read as int64 words below 8
     bits, the byte gather above), on counts that leave a partial word and a partial byte."""
     from dsq_cli.formats import compiled, reference
 
     g = torch.Generator().manual_seed(width)
-    dtype = torch.uint8 if width < 8 else torch.int16
+    dtype = torch.uint8 if width <= 8 else torch.int16
     for count in (1, 7, 8, 9, 4099):
         codes = torch.randint(0, 2**width, (count,), generator=g).to(dtype)
         stream = compiled._pack_codes(codes, width)
         assert torch.equal(stream, reference.pack_bits(codes, width)), (width, count)
         unpacked = compiled._unpack_codes(stream, width, count)
         assert torch.equal(unpacked.to(torch.int64), codes.to(torch.int64)), (width, count)
+    whole = torch.randint(0, 2**width, (17,), generator=g).to(dtype)
+    sliced = whole[1:9]  # 8 codes at an offset of 1: no int64 view of it in place
+    assert torch.equal(compiled._pack_codes(sliced, width), reference.pack_bits(sliced, width))
 
 
 def test_dispatch_picks_the_compiled_path_on_cpu():

@@ -33,6 +33,13 @@ def page_faults(mode: str) -> tuple[str, int]:
     return applied, int(faults)
 
 
+def test_the_opt_out_leaves_glibc_alone(monkeypatch):
+    from dsq_cli.cpu_allocator import keep_freed_memory
+
+    monkeypatch.setenv("DSQ_CPU_ALLOCATOR", "default")
+    assert keep_freed_memory() is False
+
+
 def test_freed_blocks_are_reused_without_faulting_pages_in_again():
     applied, kept = page_faults("keep")
     assert applied == "True"

@@ -387,47 +387,71 @@ def test_wandb_logs_the_table_offline(root, tmp_path, monkeypatch):
     assert glob.glob(f"{run_dir}/files/media/images/frontier_*.png")
 
 
+BUDGET = {"total_updates": 640, "updates_per_epoch": 256, "validate_every": 80,
+          "warmup_updates": 100}  # fmt: skip
+
+
+def budgeted(preset, seed, value, **budget):
+    run = result_json(preset, "multi30k", seed, "completed", value, 0.05, 0.37, 2.5)
+    run["budget"] = {**BUDGET, **budget}
+    return run
+
+
 def test_a_run_on_another_budget_gets_its_own_row(tmp_path):
-    """The ablation of the validation interval: same quant, its own row, never averaged in."""
+    """The ablation of the validation interval: same quant, its own row after its preset's, never
+    averaged in, and not marked modified (its quant points are the preset's)."""
     root = tmp_path / "runs"
-    budget = {"total_updates": 640, "updates_per_epoch": 256, "validate_every": 80,
-              "warmup_updates": 100}  # fmt: skip
-    for seed, value, every in [
-        (1, 26.0, 80),
-        (2, 27.0, 80),
-        (6, 28.0, 80),
-        (3, 20.0, 40),
-        (4, 22.0, 40),
-    ]:
-        run = result_json("dsq", "multi30k", seed, "completed", value, 0.05, 0.37, 2.5)
-        run["budget"] = {**budget, "validate_every": every}
-        write_run(root, run)
+    for seed, value, every in [(1, 26.0, 80), (2, 27.0, 80), (6, 28.0, 80), (3, 20.0, 40),
+                               (4, 22.0, 40)]:  # fmt: skip
+        write_run(root, budgeted("dsq", seed, value, validate_every=every))
+    write_run(root, budgeted("fp32", 1, 29.0))
+    write_run(root, budgeted("fp32", 2, 28.0, validate_every=40))
     running = result_json("dsq", "multi30k", 5, "running", None, None, None, None)
     write_run(root, running)  # no budget yet: stays in the quant's row
     found = table.collect([root])
-    assert found.rows == ["dsq", "dsq (validate_every=40)"]
+    assert found.rows == ["fp32", "fp32 (validate_every=40)", "dsq", "dsq (validate_every=40)"]
     multi30k = found.columns[0]
     assert found.cell("dsq", multi30k).metric_values == [26.0, 27.0, 28.0]
     assert found.cell("dsq", multi30k).other_statuses == {"running": 1}
     assert found.cell("dsq (validate_every=40)", multi30k).metric_values == [20.0, 22.0]
     _, rows = parse_markdown(invoke("table", root).output)
     assert rows["dsq (validate_every=40)"][0] == "21.00 ± 1.41 (n=2)"
+    records = list(csv.DictReader(io.StringIO(invoke("table", root, "--format", "csv").output)))
+    modified = {r["row"]: r["modified"] for r in records if r["kind"] == "result"}
+    assert modified["dsq (validate_every=40)"] == "False"
+
+
+def test_budgets_without_a_majority_each_name_what_varies(tmp_path):
+    """One run on each of two budgets: neither is the usual one, so both rows say theirs (values
+    compared as values, not as text: 1340 and 370 updates)."""
+    root = tmp_path / "runs"
+    write_run(root, budgeted("fp32", 1, 29.6, total_updates=1340, validate_every=67))
+    write_run(root, budgeted("fp32", 2, 3.1, total_updates=370, validate_every=0))
+    assert table.collect([root]).rows == [
+        "fp32 (total_updates=1340, validate_every=67)",
+        "fp32 (total_updates=370, validate_every=0)",
+    ]
 
 
 def test_moves_lists_each_scheduled_runs_formats_over_its_updates(tmp_path):
     root = tmp_path / "runs"
     fixed = {"q0": "bfp8e8b16", "q2": "bfp8e8b16", "q3": "fixed16"}
-    moved = result_json("dsq", "multi30k", 2, "completed", 26.0, 0.053, 0.37, 3.125)
-    moved["precision_segments"] = [
-        {"points": {**fixed, "q1": "bfp2e8b16"}, "updates": 240},
-        {"points": {**fixed, "q1": "bfp3e8b16"}, "updates": 160},
-        {"points": {**fixed, "q1": "bfp4e8b16"}, "updates": 240},
-    ]
+
+    def segments(*stretches):
+        return [{"points": {**fixed, "q1": f"bfp{m}e8b16"}, "updates": n} for m, n in stretches]
+
+    # stash bits: (240 * 2.5 + 160 * 3.5 + 240 * 4.5) / 640 = 3.5
+    moved = result_json("dsq", "multi30k", 2, "completed", 26.0, 0.053, 0.37, 3.5)
+    moved["precision_segments"] = segments((2, 240), (3, 0), (3, 160), (4, 240))
     still = result_json("dsq", "multi30k", 1, "completed", 26.4, 0.052, 0.366, 2.5)
-    still["precision_segments"] = [{"points": {**fixed, "q1": "bfp2e8b16"}, "updates": 640}]
+    still["precision_segments"] = segments((2, 640))
+    diverged = result_json("dsq", "multi30k", 4, "diverged", None, 0.052, 0.366, 2.75)
+    diverged["precision_segments"] = segments((2, 120), (3, 40))
+    seedless = result_json("dsq", "multi30k", None, "failed", None, 0.052, 0.366, None)
+    seedless["precision_segments"] = segments((2, 0))  # failed before its first update
     static = result_json("stash_bfp", "multi30k", 1, "completed", 26.9, 0.07, 0.39, 4.5)
-    static["precision_segments"] = [{"points": {**fixed, "q1": "bfp4e8b16"}, "updates": 640}]
-    for run in (moved, still, static):
+    static["precision_segments"] = segments((4, 640))
+    for run in (moved, still, diverged, seedless, static):
         write_run(root, run)
     write_run(root, result_json("dsq", "multi30k", 3, "running", None, None, None, None))
     result = invoke("table", root, "--moves")
@@ -436,8 +460,11 @@ def test_moves_lists_each_scheduled_runs_formats_over_its_updates(tmp_path):
     assert listed.splitlines() == [
         "- dsq, multi30k, seed 1: q1 bfp2e8b16 for all 640 updates; 2.5 stash bits",
         "- dsq, multi30k, seed 2: q1 bfp2e8b16 1-240, bfp3e8b16 241-400, bfp4e8b16 401-640 "
-        "(moved after update 240, 400); 3.12 stash bits",
-        "- dsq, multi30k, seed 3: running",
+        "(moved after update 240, 400); 3.5 stash bits",
+        "- dsq, multi30k, seed 3: running; no update recorded",
+        "- dsq, multi30k, seed 4: diverged; q1 bfp2e8b16 1-120, bfp3e8b16 121-160 "
+        "(moved after update 120); 2.75 stash bits",
+        "- dsq, multi30k, multi30k-dsq-seedNone: failed; no update recorded",
     ]  # stash_bfp's stash is static: not listed
     refused = invoke("table", root, "--moves", "--format", "csv")
     assert refused.exit_code == 2

@@ -10,7 +10,8 @@ baseline.
     [GemmRecord(...), ...]          # one training step's GEMMs, without building the model
 
 See ``dsq_cli/cost/model.py`` for the three GEMMs per record and the DRAM rule,
-``derive.py`` for the GEMMs of a fairseq transformer, ``report.py`` for ``dsq cost``.
+``derive.py`` for the GEMMs of a fairseq transformer, ``report.py`` for ``dsq cost``, and
+``run_cost.py`` for what a run's result.json records (its update-weighted cost, stash bits).
 """
 
 from .derive import DEFAULT_VOCAB, DerivedGemm, derive_gemms, derive_records, step_shape
