@@ -7,9 +7,9 @@ its heap back to the system, so each update touches new pages and the kernel fau
 in: about 76,000 page faults a step of `dsq bench step`'s model. With large blocks served from
 the heap, freed memory kept and the heap grown 256 MiB at a time, 1,000 to 3,000 remain. Multi30k
 trains 14% faster with it, fp32 and dsq alike (the bench step: fp32 5% to 8%, dsq 0.5% to 3.5%),
-for 11% (fp32) to 23% (dsq) more peak resident memory (docs/benchmarks.md). CUDA tensors have their own caching allocator and are
-unaffected. ``DSQ_CPU_ALLOCATOR=default`` leaves glibc's settings alone. Imports only the
-standard library.
+for 11% (fp32) to 23% (dsq) more peak resident memory (docs/benchmarks.md). CUDA tensors have
+their own caching allocator and are unaffected. ``DSQ_CPU_ALLOCATOR=default`` leaves glibc's
+settings alone. Imports only the standard library.
 """
 
 from __future__ import annotations

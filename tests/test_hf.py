@@ -179,6 +179,15 @@ def test_excluded_attention_modules_keep_their_own_computation():
         torch.testing.assert_close(patched(*batch())[0], want, rtol=1e-5, atol=1e-6)
 
 
+def test_an_attention_module_the_patching_missed_is_refused_not_run_unquantized():
+    for implementation in IMPLEMENTATIONS:
+        patched = quantize_model(build("llama", implementation), DSQ)
+        missed = patched.model.layers[0].self_attn
+        del missed.dsq_cfg  # as a module that neither rule of attention_modules recognises
+        with pytest.raises(RuntimeError, match="did not find it"):
+            patched(*batch())
+
+
 def test_hf_minilm_and_the_fairseq_path_minilm_are_the_same_quantized_model():
     """MiniLM through transformers (BertModel, patched here) and through dsq's GLUE path
     (fairseq, docs/glue.md): the same outputs in fp32, and the same GEMMs, shapes, formats and

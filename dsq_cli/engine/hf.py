@@ -65,6 +65,12 @@ def _attention(sdpa: bool):
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                   is_causal=None, **kwargs):  # fmt: skip
         cfg = getattr(module, "dsq_cfg", None)
+        if cfg is None and not getattr(module, "dsq_excluded", False):
+            # found by neither rule of `attention_modules`: refuse rather than run it unquantized
+            raise RuntimeError(
+                f"{type(module).__name__} calls the attention interface but quantize_model did "
+                "not find it (docs/hf.md); exclude it by name or report the model"
+            )
         if cfg is None and sdpa:  # an excluded attention module: SDPA itself
             sdpa_forward = transformers_module().integrations.sdpa_attention.sdpa_attention_forward
             return sdpa_forward(module, query, key, value, attention_mask, dropout=dropout,
@@ -151,6 +157,7 @@ def route_attention(model: nn.Module, cfg: QuantConfig, exclude) -> tuple[list, 
     routed, excluded = [], []
     for name, module in attention_modules(model):
         if exclude(name):
+            module.dsq_excluded = True
             excluded.append(name)
         else:
             module.dsq_cfg = cfg
