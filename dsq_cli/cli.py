@@ -517,6 +517,13 @@ def sweep_cmd(
     force: bool = typer.Option(
         False, "--force", help="Run jobs that completed earlier again (the old runs are kept)."
     ),
+    resume_unfinished: bool = typer.Option(
+        False,
+        "--resume-unfinished",
+        help="Continue each job whose run stopped unfinished (interrupted, or left 'running' by "
+        "a killed process) from its checkpoint instead of running it again. Only when no other "
+        "process still runs it.",
+    ),
 ):
     """Run a grid of dsq train jobs under one root, then print the dsq table of that root.
 
@@ -536,7 +543,7 @@ def sweep_cmd(
         for job in jobs:
             typer.echo(f"  {job.name}: dsq train {' '.join(job.overrides)} run.dir={job.run_dir}")
         return
-    root, jobs = sweep.run(overrides, force=force)
+    root, jobs = sweep.run(overrides, force=force, resume_unfinished=resume_unfinished)
     typer.echo(sweep.summary(jobs))
     from dsq_cli import table
 

@@ -38,6 +38,7 @@ class Job:
         "pending"  # pending | skipped | completed | diverged | interrupted | failed | invalid
     )
     detail: str = ""
+    resume: bool = False  # continue the job's unfinished run from its checkpoint
 
     @property
     def log(self) -> Path:
@@ -217,9 +218,13 @@ def _run_job(job: Job, dsq: Sequence[str], threads: int | None = None) -> Job:
     env = os.environ.copy()
     if threads is not None:
         env.setdefault("OMP_NUM_THREADS", str(threads))
-    with open(job.log, "w") as log:
+    if job.resume:  # its config is the run's own config.yaml; the log goes on
+        command, mode = [*dsq, "train", f"resume={job.run_dir}"], "a"
+    else:
+        command, mode = [*dsq, "train", *job.overrides, f"run.dir={job.run_dir}"], "w"
+    with open(job.log, mode) as log:
         proc = subprocess.run(
-            [*dsq, "train", *job.overrides, f"run.dir={job.run_dir}"],
+            command,
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,
@@ -237,7 +242,21 @@ def _set_aside(run_dir: Path) -> None:
     run_dir.rename(run_dir.with_name(f"{run_dir.name}.old-{stamp}"))
 
 
-def run(overrides: Sequence[str], *, force: bool = False) -> tuple[Path, list[Job]]:
+def resumable(run_dir: Path) -> bool:
+    """A run that stopped before completing (interrupted, or still ``running`` because its
+    process was killed) and holds a checkpoint to continue from."""
+    return (
+        RunResult.status_of(run_dir) in ("interrupted", "running")
+        and (run_dir / "checkpoints" / "checkpoint_last.pt").is_file()
+    )
+
+
+def run(
+    overrides: Sequence[str], *, force: bool = False, resume_unfinished: bool = False
+) -> tuple[Path, list[Job]]:
+    """Run the sweep's jobs, skipping those that completed earlier (unless ``force``). A job
+    whose run stopped unfinished is set aside and run again, or, with ``resume_unfinished``,
+    continued from its checkpoint (`resumable`): only when no other process runs it still."""
     root, launcher, options, jobs = plan(overrides)
     root.mkdir(parents=True, exist_ok=True)
     todo = []
@@ -246,7 +265,9 @@ def run(overrides: Sequence[str], *, force: bool = False) -> tuple[Path, list[Jo
         if status == "completed" and not force:
             job.status, job.detail = "skipped", "completed earlier"
             continue
-        if job.run_dir.exists():
+        if resume_unfinished and not force and job.run_dir.exists() and resumable(job.run_dir):
+            job.resume = True
+        elif job.run_dir.exists():
             _set_aside(job.run_dir)
         if _check_job(job):
             todo.append(job)

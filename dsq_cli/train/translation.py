@@ -144,6 +144,8 @@ class TranslationTrainer(Trainer):
         # its lr scheduler lazily, after this, with the planned warmup.
         self.epoch_itr = self.fairseq_trainer.get_train_iterator(epoch=1, load_dataset=True)
         self._lr_step_due = True  # a fresh start: lr_step(1) before the first update
+        self._loaded_iterator_state: dict | None = None  # what a resume restored
+        self._epoch_begun = False
         update_freq = self.train_cfg.update_freq
         budget = self.plan(-(-len(self.epoch_itr) // update_freq))
         with open_dict(self.fs_cfg):
@@ -168,8 +170,16 @@ class TranslationTrainer(Trainer):
         return {
             "optimizer": self.fairseq_trainer.optimizer.state_dict(),
             "lr_scheduler": self.fairseq_trainer.lr_scheduler.state_dict(),
-            "epoch_iterator": self.epoch_itr.state_dict(),
+            "epoch_iterator": self._epoch_iterator_state(),
         }
+
+    def _epoch_iterator_state(self) -> dict:
+        # fairseq's iterator describes itself only once an epoch has begun in this process; a
+        # run resumed at its budget (stopped during its last validation or evaluation) begins
+        # none, and keeps the state it was loaded with
+        if self._loaded_iterator_state is not None and not self._epoch_begun:
+            return self._loaded_iterator_state
+        return self.epoch_itr.state_dict()
 
     def load_own_state(self, state: dict) -> None:
         self.fairseq_trainer.optimizer.load_state_dict(state["optimizer"])
@@ -180,6 +190,7 @@ class TranslationTrainer(Trainer):
             epoch=itr_state["epoch"], load_dataset=True
         )
         self.epoch_itr.load_state_dict(itr_state)
+        self._loaded_iterator_state = itr_state
         self._lr_step_due = False
 
     # -- the update ---------------------------------------------------------------------------
@@ -197,6 +208,7 @@ class TranslationTrainer(Trainer):
             epoch_batches = iterators.GroupedIterator(
                 self.epoch_itr.next_epoch_itr(shuffle=True), self.train_cfg.update_freq
             )
+            self._epoch_begun = True
             self.fairseq_trainer.begin_epoch(self.epoch_itr.epoch)
             for samples in epoch_batches:
                 yield samples, not epoch_batches.has_next()
