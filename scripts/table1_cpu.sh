@@ -6,6 +6,8 @@
 # continues an interrupted study; keep the argument order, it names the jobs.
 # Usage: scripts/table1_cpu.sh [multi30k|sst2|ablations|all]   (from the repository root)
 set -euo pipefail
+# this checkout's dsq, also when the study runs in a clone beside an installed one
+dsq() { "${PYTHON:-python}" -m dsq_cli.cli "$@"; }
 data=${DSQ_SHARED_DATA:-../shared/data}
 presets=fp32,dsq,fixed32,fixed16,bfp16,bfp8,bfp6,stash_fixed,stash_bfp
 multi30k=(task=multi30k "data.raw_dir=$data/multi30k" model=transformer_tiny)
