@@ -60,6 +60,11 @@ def exact_run_dir(path: str | os.PathLike) -> Path:
     return path
 
 
+def last_checkpoint(run_dir: str | os.PathLike) -> Path:
+    """Where a run keeps the checkpoint it resumes from."""
+    return Path(run_dir) / "checkpoints" / "checkpoint_last.pt"
+
+
 def write_json(path: str | os.PathLike, obj) -> None:
     write_atomic(path, json.dumps(scrub_secrets(obj), indent=2, sort_keys=True) + "\n")
 

@@ -24,6 +24,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from dsq_cli import runs
 from dsq_cli.run_result import RunResult
 
 LAUNCHERS = ("local", "joblib", "slurm")
@@ -242,13 +243,10 @@ def _set_aside(run_dir: Path) -> None:
     run_dir.rename(run_dir.with_name(f"{run_dir.name}.old-{stamp}"))
 
 
-def resumable(run_dir: Path) -> bool:
-    """A run that stopped before completing (interrupted, or still ``running`` because its
-    process was killed) and holds a checkpoint to continue from."""
-    return (
-        RunResult.status_of(run_dir) in ("interrupted", "running")
-        and (run_dir / "checkpoints" / "checkpoint_last.pt").is_file()
-    )
+def resumable(run_dir: Path, status: str | None) -> bool:
+    """A run (its result.json ``status``) that stopped before completing (interrupted, or still
+    ``running`` because its process was killed) and holds a checkpoint to continue from."""
+    return status in ("interrupted", "running") and runs.last_checkpoint(run_dir).is_file()
 
 
 def run(
@@ -265,7 +263,7 @@ def run(
         if status == "completed" and not force:
             job.status, job.detail = "skipped", "completed earlier"
             continue
-        if resume_unfinished and not force and job.run_dir.exists() and resumable(job.run_dir):
+        if resume_unfinished and not force and resumable(job.run_dir, status):
             job.resume = True
         elif job.run_dir.exists():
             _set_aside(job.run_dir)

@@ -312,7 +312,7 @@ def build_table(found: list[Run], warnings: list[str] | None = None) -> Table:
     cells: dict[tuple[str, str], Cell] = {}
     row_quant: dict[str, dict] = {}
     for run in found:
-        key = (run.task, run.model, run.metric)
+        key = _column_key(run)
         if key not in columns:
             extra = []
             if len(models[run.task]) > 1:

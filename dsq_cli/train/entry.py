@@ -179,7 +179,7 @@ def load_resume(run_dir: str, overrides: list[str]) -> tuple[RunConfig, Path, di
         raise ConfigError(f"resume={run_dir}: no config.yaml there; is it a dsq run directory?")
     if RunResult.status_of(path) == "completed":
         raise ConfigError(f"resume={run_dir}: that run already completed; start a new run")
-    checkpoint = path / "checkpoints" / "checkpoint_last.pt"
+    checkpoint = runs.last_checkpoint(path)
     if not checkpoint.is_file():
         raise ConfigError(
             f"resume={run_dir}: no checkpoints/checkpoint_last.pt (the run stopped before its "

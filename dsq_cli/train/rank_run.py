@@ -67,7 +67,7 @@ def run_rank(
     if data is None:  # a spawned worker: the parent prepared the data; this reads the cache
         data = family_of(cfg).prepare(cfg)
     if state is None and resumed:
-        state = load_checkpoint(run_dir / "checkpoints" / "checkpoint_last.pt")
+        state = load_checkpoint(runs.last_checkpoint(run_dir))
     started = started_result(cfg, data, device, resumed)
     if not rank.is_main:
         with run_log(run_dir / f"train.rank{rank.rank}.log"):

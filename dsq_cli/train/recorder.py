@@ -69,7 +69,7 @@ class RunRecorder:
 
     @property
     def last_checkpoint(self) -> Path:
-        return self.checkpoint_dir / "checkpoint_last.pt"
+        return runs.last_checkpoint(self.dir)
 
     def metrics(self, record: Mapping) -> None:
         runs.append_jsonl(self.metrics_path, record)
