@@ -134,9 +134,11 @@ def bench_quant(
     numel: int = typer.Option(2**24, help="Number of fp32 values."),
     formats: str = typer.Option(DEFAULT_BENCH_FORMATS, help="Comma-separated format specs."),
     paths: str = typer.Option(
-        "compiled,triton,eager,reference",
-        help="Comma-separated: compiled, triton, reference, eager (plain PyTorch float32, "
-        "quantize only). Paths that cannot run here are listed as skipped.",
+        "compiled,torch.compile,triton,eager,reference",
+        help="Comma-separated: compiled (the fused CPU path: C kernels where they apply, "
+        "torch.compile kernels elsewhere), torch.compile (the same path with the C kernels "
+        "off), triton, reference, eager (plain PyTorch float32, quantize only). Paths that "
+        "cannot run here are listed as skipped.",
     ),
     repeats: int = typer.Option(7, min=1, help="Timed repetitions (median reported)."),
     device: str = typer.Option("cpu", help="cpu or cuda."),
@@ -149,9 +151,10 @@ def bench_quant(
     if numel < 1:
         raise ValueError(f"--numel must be positive, got {numel}")
     path_list = [p.strip() for p in paths.split(",") if p.strip()]
-    bad = [p for p in path_list if p not in ("compiled", "triton", "reference", "eager")]
+    known = ("compiled", "torch.compile", "triton", "reference", "eager")
+    bad = [p for p in path_list if p not in known]
     if bad:
-        raise ValueError(f"unknown path(s) {bad}; choose from compiled, triton, reference, eager")
+        raise ValueError(f"unknown path(s) {bad}; choose from {', '.join(known)}")
     _check_device(device)
     result = quant.run(
         numel,

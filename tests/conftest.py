@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -29,3 +30,17 @@ def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor, msg: str 
     e = expected.masked_fill(nan_e, 0).to(torch.float64)
     torch.testing.assert_close(a, e, rtol=0, atol=0, msg=msg or None)
     assert torch.equal(torch.signbit(a), torch.signbit(e)), f"{msg}: signs of zero differ"
+
+
+@pytest.fixture
+def backend(request):
+    """The path to pass as ``backend=`` for a test parametrized indirectly over path names;
+    ``torch.compile`` is the compiled path with its C kernels switched off, so that the
+    torch.compile kernels they replace stay tested."""
+    if request.param != "torch.compile":
+        yield request.param
+        return
+    from dsq_kernels import cpu
+
+    with cpu.switched_off():
+        yield "compiled"

@@ -1,11 +1,13 @@
-"""The fused CPU path (torch.compile) against the reference, bit for bit: quantize, the packed
-bytes themselves, and unpack."""
+"""The fused CPU path against the reference, bit for bit: quantize, the packed bytes themselves,
+and unpack; every test runs twice, with the C kernels where they apply and with the torch.compile
+kernels alone (tests/test_c_kernels.py covers the C kernels' edges)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from conftest import assert_bitwise_equal
+from dsq_kernels import cpu as c_kernels
 from test_packing import edge_tensor, with_nonfinite
 
 from dsq_cli.formats import parse_format
@@ -37,6 +39,15 @@ SPECS = [
     "fixed32f30",
     "fixed2f0",
 ]
+
+
+@pytest.fixture(autouse=True, params=["c-kernels", "torch.compile"])
+def kernels(request):
+    if request.param == "c-kernels":
+        yield
+        return
+    with c_kernels.switched_off():
+        yield
 
 
 def both(fn):

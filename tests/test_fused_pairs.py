@@ -29,6 +29,7 @@ needs_triton = pytest.mark.skipif(
 BACKENDS = [
     "reference",
     pytest.param("compiled", marks=needs_compiled),
+    pytest.param("torch.compile", marks=needs_compiled),  # the compiled path, C kernels off
     pytest.param("triton", marks=needs_triton),
 ]
 
@@ -60,7 +61,7 @@ def _spy(monkeypatch, backend: str, name: str) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("nonfinite", [False, True])
 @pytest.mark.parametrize("pair", [("bfp8", "bfp2"), ("bfp8", "bfp4"), ("bfp4e6b8", "bfp11b4")])
@@ -84,7 +85,7 @@ def test_quantize_and_pack_equals_the_two_calls(backend, shape, nonfinite, pair,
     assert_bitwise_equal(packed.unpack(), stash.quantize(x, before, backend="reference"))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("nonfinite", [False, True])
 @pytest.mark.parametrize("pair", [("fixed16", "bfp8"), ("fixed8", "bfp3"), ("fixed24", "bfp6e5b8")])

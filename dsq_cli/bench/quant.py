@@ -7,6 +7,7 @@ the table reports medians. GB/s counts the bytes an operation must read plus wri
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import platform
@@ -15,10 +16,14 @@ import time
 from collections.abc import Callable
 
 import torch
+from dsq_kernels import cpu as c_kernels
 
 from dsq_cli.formats import compiled as compiled_path
 from dsq_cli.formats import parse_format
 from dsq_cli.formats.dispatch import unavailable_reason
+
+# The compiled path with its C kernels switched off: the torch.compile kernels alone
+TORCH_COMPILE = "torch.compile"
 
 
 @dataclasses.dataclass
@@ -58,6 +63,11 @@ def measure(fn, x, device, repeats: int, warmup: int = 2) -> tuple[float, float,
         clones.append(clone)
         ratios.append(op / clone)
     return statistics.median(ops), statistics.median(clones), statistics.median(ratios)
+
+
+def _kernels_for(path: str):
+    """The context a path's rows are timed in: the C kernels off for TORCH_COMPILE."""
+    return c_kernels.switched_off() if path == TORCH_COMPILE else contextlib.nullcontext()
 
 
 def _eager(fmt, x):
@@ -115,8 +125,11 @@ def run(
     skipped = []
     for fmt in formats:
         for path in paths:
+            backend = "compiled" if path == TORCH_COMPILE else path
             reason = (
-                unavailable_reason(path, x) if path in ("reference", "compiled", "triton") else None
+                unavailable_reason(backend, x)
+                if backend in ("reference", "compiled", "triton")
+                else None
             )
             if reason is not None:
                 skipped.append(f"{path}: {reason}")
@@ -139,21 +152,23 @@ def run(
                         )
                     )
                 continue
-            packed = fmt.pack(x, backend=path)
+            with _kernels_for(path):
+                packed = fmt.pack(x, backend=backend)
             for op in ops:
                 if op == "quantize":
-                    fn, moved = (lambda f=fmt, p=path: f.quantize(x, backend=p)), 2 * value_bytes
+                    fn, moved = (lambda f=fmt, p=backend: f.quantize(x, backend=p)), 2 * value_bytes
                 elif op == "pack":
                     fn, moved = (
-                        (lambda f=fmt, p=path: f.pack(x, backend=p)),
+                        (lambda f=fmt, p=backend: f.pack(x, backend=p)),
                         value_bytes + packed.nbytes,
                     )
                 else:
                     fn, moved = (
-                        (lambda p=path, pk=packed: pk.unpack(backend=p)),
+                        (lambda p=backend, pk=packed: pk.unpack(backend=p)),
                         value_bytes + packed.nbytes,
                     )
-                op_s, c_s, r = measure(fn, x, dev, reps)
+                with _kernels_for(path):
+                    op_s, c_s, r = measure(fn, x, dev, reps)
                 rows.append(
                     Row(fmt.spec, path, op, op_s * 1e3, moved / op_s / 1e9, c_s * 1e3, r, moved)
                 )
@@ -209,12 +224,12 @@ def format_table(result: dict) -> str:
         f"({result['numel'] * 4 / 2**20:.1f} MiB) on {result['device']} ({result['machine']}), "
         f"torch {result['torch']}, median of {result['repeats']}",
         "",
-        f"{'format':<12} {'path':<10} {'op':<22} {'ms':>9} {'GB/s':>7} {'x clone':>8}",
-        "-" * 72,
+        f"{'format':<12} {'path':<13} {'op':<22} {'ms':>9} {'GB/s':>7} {'x clone':>8}",
+        "-" * 75,
     ]
     for r in result["rows"]:
         lines.append(
-            f"{r['format']:<12} {r['path']:<10} {r['op']:<22} {r['ms']:>9.2f} "
+            f"{r['format']:<12} {r['path']:<13} {r['op']:<22} {r['ms']:>9.2f} "
             f"{r['gbps']:>7.2f} {r['x_clone']:>8.2f}"
         )
     for s in result["skipped"]:

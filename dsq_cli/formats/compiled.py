@@ -24,11 +24,13 @@ Index arithmetic never divides by a symbolic size (that costs 3x in unpack).
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import struct
 import sys
 
 import torch
+from dsq_kernels import cpu as c_kernels
 
 from . import reference as ref
 
@@ -254,6 +256,9 @@ def _pack_codes(codes: torch.Tensor, width: int) -> torch.Tensor:
     if width in (8, 16, 32) and sys.byteorder == "little":
         return codes.view(torch.uint8)
     count = codes.shape[0]
+    kernels = _c_kernels(codes.dtype == torch.uint8 and width <= 8)
+    if kernels is not None:
+        return kernels.pack_codes(codes, width)
     if width < 8 and codes.dtype == torch.uint8 and sys.byteorder == "little":
         if count % 8:
             codes = torch.nn.functional.pad(codes, (0, 8 - count % 8))
@@ -504,6 +509,32 @@ def _run_whole_tensor(fn, blocks, u, man_bits: int, exp_bits: int):
     return _run(fn, flat, u_flat, man_bits, exp_bits, exponent, dynamic_dims=dyn)
 
 
+# ----------------------------------------------------------------------------- C kernels
+def _c_kernels(covered: bool):
+    """``dsq_kernels.cpu`` when its C kernels cover the call (``covered``) and run on this
+    machine, else None: the torch.compile kernels run (why the C kernels cannot is logged
+    once)."""
+    if not covered:
+        return None
+    reason = c_kernels.unavailable_reason()
+    if reason is not None:
+        _log_once(f"C kernels not used ({reason}); the torch.compile kernels run")
+        return None
+    return c_kernels
+
+
+def _c_format(man_bits: int, exp_bits: int, most: int = 23) -> bool:
+    """Whether the C kernels hold BFP(man_bits, exp_bits) with nearest rounding: E <= 8 (every
+    block power a float32) and 2 <= m <= ``most`` (23: their rounding needs |v| < 2^22; 8 for
+    codes, one byte each)."""
+    return 2 <= man_bits <= most and exp_bits <= 8
+
+
+@functools.cache
+def _log_once(message: str) -> None:
+    logging.getLogger("dsq.formats").info(message)
+
+
 # ----------------------------------------------------------------------------- interface
 def eager_bfp_quantizer(x: torch.Tensor, man_bits: int, exp_bits: int, block: int | None):
     """A function of no arguments that runs this path's BFP quantization of ``x`` (blocks along
@@ -514,6 +545,14 @@ def eager_bfp_quantizer(x: torch.Tensor, man_bits: int, exp_bits: int, block: in
 
 
 def bfp_quantize(x, man_bits, exp_bits, block, axis, rounding="nearest", generator=None):
+    kernels = _c_kernels(rounding == "nearest" and _c_format(man_bits, exp_bits))
+    if kernels is not None and block is None:
+        flat = x.detach().to(torch.float32).reshape(-1)
+        return kernels.fixed_quantize(flat, man_bits, exp_bits).reshape(x.shape).to(x.dtype)
+    if kernels is not None:
+        blocks, n, moved_shape = _rows(x, block, axis)
+        values = kernels.bfp_quantize(blocks.reshape(-1, block), man_bits, exp_bits)
+        return _restore(values.reshape(blocks.shape), n, moved_shape, x.shape, axis, x.dtype)
     if block is None and rounding == "nearest" and exp_bits <= 8 and man_bits <= 24:
         # fixed<w>: its power first, then one elementwise pass (`_rounded`, `_from_power`)
         flat = x.detach().to(torch.float32).reshape(-1)
@@ -572,7 +611,7 @@ def bfp_quantize_and_pack(x, q_args, axis, p_args, pack_axis):
     """``bfp_quantize(x, *q_args, axis)`` and ``bfp_pack(x, *p_args, pack_axis)`` (nearest
     rounding), bit for bit, reading x once; see `fusable_quantize_and_pack` for when it applies.
     Returns (values, mantissa stream, exponent stream)."""
-    p_man, p_exp, p_block = p_args
+    (q_man, q_exp, _), (p_man, p_exp, p_block) = q_args, p_args
     x32 = x.detach().to(torch.float32)
     n, k = x32.shape[-2:]
     rows = x32.reshape(-1, n, k).contiguous()
@@ -580,6 +619,12 @@ def bfp_quantize_and_pack(x, q_args, axis, p_args, pack_axis):
     if n_blocks * p_block != n:
         rows = torch.nn.functional.pad(rows, (0, 0, 0, n_blocks * p_block - n))
     rows = rows.reshape(rows.shape[0], n_blocks, p_block, k)
+    kernels = _c_kernels(_c_format(q_man, q_exp) and _c_format(p_man, p_exp, most=8))
+    if kernels is not None:
+        values, codes, exps = kernels.bfp_quantize_and_codes(rows, *q_args, p_man, p_exp)
+        values = values[:, :n].reshape(x.shape)
+        mantissas, exponents = _streams(codes, exps, rows.shape[0] * k, n, p_man, p_exp)
+        return values.to(x.dtype), mantissas, exponents
     dyn = ((rows, 0), (rows, 1))
     fn = _quantize_and_codes_fn
     values, codes, exps = _run(fn, rows, *q_args, p_man, p_exp, dynamic_dims=dyn)
@@ -610,6 +655,10 @@ def bfp_quantize_chain(x, first_args, axis, second_args, second_axis):
     f_man, f_exp, _ = first_args
     s_man, s_exp, s_block = second_args
     flat = x.detach().to(torch.float32).reshape(-1)
+    kernels = _c_kernels(_c_format(f_man, f_exp) and _c_format(s_man, s_exp))
+    if kernels is not None:
+        first, second = kernels.fixed_then_bfp(flat, f_man, f_exp, s_man, s_exp, s_block)
+        return first.reshape(x.shape).to(x.dtype), second.reshape(x.shape).to(x.dtype)
     p, finite = _run(_power_fn, flat, f_exp, dynamic_dims=((flat, 0),))
     rows = flat.reshape(-1, s_block)
     first, second = _run(
@@ -630,6 +679,10 @@ def bfp_unpack(mantissas, exponents, man_bits, exp_bits, block, shape, axis, dty
     n = moved_shape[-1]
     n_blocks = -(-n // block)
     rows = numel // n
+    kernels = _c_kernels(_c_format(man_bits, exp_bits, most=8))
+    if kernels is not None:
+        values = kernels.bfp_decode(mantissas, exponents, rows, n, block, man_bits, exp_bits)
+        return _restore(values, n, moved_shape, shape, axis, dtype)
     codes = _unpack_codes(mantissas, man_bits, numel).reshape(rows, n)
     if n_blocks * block != n:
         codes = torch.nn.functional.pad(codes, (0, n_blocks * block - n))

@@ -1,0 +1,394 @@
+/* C kernels for block floating point on the CPU, nearest rounding (docs/formats.md).
+ *
+ * They compute, bit for bit, what dsq_cli/formats/reference.py defines, for the formats the
+ * training loop quantizes with every step: BFP(m, E, B) with E <= 8 and 2 <= m <= 23, and
+ * fixed<w> (one block spanning the tensor) with w <= 23. The host glue (dsq_kernels/cpu.py and
+ * dsq_cli/formats/compiled.py) lays the tensor out as float32 with the block axis last and
+ * contiguous, and sends every other case to the torch.compile kernels. Every pointer is to
+ * contiguous memory owned by the caller. Built with OpenMP, large calls run on the caller's
+ * threads; every result is the same for any number of threads (blocks are independent, and a
+ * max does not depend on its order).
+ *
+ * Why float32 is exact here (the reference works in float64):
+ *   - e = floor(log2 max|x|) comes from the bits: the integer max of (bits & 0x7FFFFFFF) over a
+ *     block is the bit pattern of max|x|, and is >= 0x7F800000 iff the block holds a NaN or an
+ *     infinity. Its exponent field minus 127 is e for a normal max; a subnormal or zero max reads
+ *     -127, which the clamp to [-emax, emax] (emax <= 127 for E <= 8) turns into the reference's
+ *     -emax, as it does for every e below -emax.
+ *   - p = 2^e and 1/p = 2^-e are float32 values for e in [-127, 127] (2^-127 is subnormal), so
+ *     x * (1/p) is the correctly rounded x / p, and multiplying by 2^(m-2) afterwards is exact
+ *     (or overflows to infinity only where the clamp takes the value to the limit anyway).
+ *   - Rounding half to even: after the clamp to [-(2^(m-1) - 1), 2^(m-1) - 1] (the same as
+ *     clamping after rounding, the limit being an integer), |v| < 2^22, and (|v| + 1.5 * 2^23)
+ *     - 1.5 * 2^23 rounds it to an integer under the default rounding mode, the sign restored
+ *     afterwards (a negative value rounding to zero gives -0.0, as the reference's round does).
+ *     This needs IEEE arithmetic: the build uses no -ffast-math and no contraction.
+ *   - q * 2^(2-m) is exact (|q| < 2^22), and one product by p rounds once, to the reference's
+ *     value (a multiple of 2^-149, representable).
+ *
+ * Codes (the pack payload): sign-magnitude mantissas, the sign bit m-1 taken from x's sign bit
+ * (rounding and clamping keep the sign, -0.0 included); exponent codes e + emax, and 2^E - 1
+ * with all-zero mantissas for a block holding NaN or infinity. Streams hold code i at bits
+ * [i * w, (i + 1) * w), least significant bit first.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+static int threads(void) { return omp_get_max_threads(); }
+static int thread_index(void) { return omp_get_thread_num(); }
+#else
+static int threads(void) { return 1; }
+static int thread_index(void) { return 0; }
+#endif
+
+static inline uint32_t bits_of(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+
+static inline float float_of(uint32_t u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static const uint32_t NONFINITE = 0x7F800000u; /* |x| bits at or above: inf or NaN */
+/* Work (values) below which one thread beats waking the others (OpenMP, when built with it:
+ * the pragmas use the caller's thread pool, torch's own libgomp, and its thread count). */
+#define PARALLEL_MIN 32768
+#define CHUNK 4096 /* values per task of an elementwise pass */
+static const float ROUNDER = 12582912.0f;      /* 1.5 * 2^23 */
+
+/* 2^k as float32 for integer k in [-127, 127] (2^-127 is the one subnormal). */
+static inline float pow2(int k) {
+    return k > -127 ? float_of((uint32_t)(k + 127) << 23) : float_of(1u << 22);
+}
+
+/* The block exponent e of a finite block whose integer max of |x| bits is amax. */
+static inline int block_exponent(uint32_t amax, int emax) {
+    int e = (int)(amax >> 23) - 127;
+    return e < -emax ? -emax : (e > emax ? emax : e);
+}
+
+/* round(clamp(v, -limit, limit)), half to even, sign of v kept. */
+static inline float round_clamped(float v, float limit) {
+    float c = v < -limit ? -limit : (v > limit ? limit : v);
+    float magnitude = (__builtin_fabsf(c) + ROUNDER) - ROUNDER;
+    return __builtin_copysignf(magnitude, v);
+}
+
+static inline uint32_t abs_max_bits(const float *x, int64_t count) {
+    uint32_t amax = 0;
+    for (int64_t i = 0; i < count; i++) {
+        uint32_t a = bits_of(x[i]) & 0x7FFFFFFFu;
+        amax = a > amax ? a : amax;
+    }
+    return amax;
+}
+
+/* abs_max_bits of a whole tensor, on every thread (the max is the same in any order). */
+static uint32_t abs_max_bits_parallel(const float *x, int64_t count) {
+    uint32_t amax = 0;
+#pragma omp parallel for simd reduction(max : amax) schedule(static) if (count >= PARALLEL_MIN)
+    for (int64_t i = 0; i < count; i++) {
+        uint32_t a = bits_of(x[i]) & 0x7FFFFFFFu;
+        amax = a > amax ? a : amax;
+    }
+    return amax;
+}
+
+/* The scale constants of BFP(m, E) (or fixed<m>) for one block. */
+typedef struct {
+    int emax;
+    float limit; /* 2^(m-1) - 1 */
+    float up;    /* 2^(m-2) */
+    float down;  /* 2^(2-m) */
+} Format;
+
+static inline Format format_of(int man_bits, int exp_bits) {
+    Format f;
+    f.emax = (1 << (exp_bits - 1)) - 1;
+    f.limit = (float)((1 << (man_bits - 1)) - 1);
+    f.up = pow2(man_bits - 2);
+    f.down = pow2(2 - man_bits);
+    return f;
+}
+
+/* out = the values of `count` floats of one block whose integer max of |x| bits is amax. */
+static inline void quantize_run(const float *restrict x, float *restrict out, int64_t count,
+                                uint32_t amax, Format f) {
+    if (amax >= NONFINITE) {
+        for (int64_t i = 0; i < count; i++) out[i] = __builtin_nanf("");
+        return;
+    }
+    int e = block_exponent(amax, f.emax);
+    float p = pow2(e), inverse = pow2(-e);
+    for (int64_t i = 0; i < count; i++)
+        out[i] = round_clamped(x[i] * inverse * f.up, f.limit) * f.down * p;
+}
+
+/* The blocks of `count` floats, one at a time; inlined with count = 16 for the common case. */
+static inline void quantize_blocks(const float *x, float *out, int64_t n_blocks, int64_t count,
+                                   Format f) {
+    for (int64_t b = 0; b < n_blocks; b++) {
+        const float *xb = x + b * count;
+        quantize_run(xb, out + b * count, count, abs_max_bits(xb, count), f);
+    }
+}
+
+static void quantize_blocks_serial(const float *x, float *out, int64_t n_blocks, int64_t block,
+                                   Format f) {
+    if (block == 16)
+        quantize_blocks(x, out, n_blocks, 16, f);
+    else
+        quantize_blocks(x, out, n_blocks, block, f);
+}
+
+/* BFP(man_bits, exp_bits, block) quantize of n_blocks contiguous blocks: x, out [n_blocks, block]. */
+void dsq_bfp_quantize(const float *x, float *out, int64_t n_blocks, int64_t block, int man_bits,
+                      int exp_bits) {
+    const Format f = format_of(man_bits, exp_bits);
+    const int64_t per_task = CHUNK / block + 1;
+#pragma omp parallel for schedule(static) if (n_blocks * block >= PARALLEL_MIN)
+    for (int64_t start = 0; start < n_blocks; start += per_task) {
+        int64_t count = n_blocks - start < per_task ? n_blocks - start : per_task;
+        quantize_blocks_serial(x + start * block, out + start * block, count, block, f);
+    }
+}
+
+/* fixed<man_bits> quantize (one block of n values, exponent width exp_bits). */
+void dsq_fixed_quantize(const float *x, float *out, int64_t n, int man_bits, int exp_bits) {
+    const uint32_t amax = abs_max_bits_parallel(x, n);
+    const Format f = format_of(man_bits, exp_bits);
+#pragma omp parallel for schedule(static) if (n >= PARALLEL_MIN)
+    for (int64_t start = 0; start < n; start += CHUNK)
+        quantize_run(x + start, out + start, n - start < CHUNK ? n - start : CHUNK, amax, f);
+}
+
+/* first = fixed<f_man> quantize of x [n], and second = BFP(s_man, s_exp, s_block) quantize of
+ * first in contiguous blocks (n a multiple of s_block): the engine's q3 then q2 of a gradient.
+ * After the tensor's max, one pass: each block of `first` is quantized again while in cache. */
+void dsq_fixed_then_bfp(const float *x, float *first, float *second, int64_t n, int f_man,
+                        int f_exp, int s_man, int s_exp, int64_t s_block) {
+    const uint32_t amax = abs_max_bits_parallel(x, n);
+    const Format f = format_of(f_man, f_exp), s = format_of(s_man, s_exp);
+    const int64_t n_blocks = n / s_block;
+#pragma omp parallel for schedule(static) if (n >= PARALLEL_MIN)
+    for (int64_t b = 0; b < n_blocks; b++) {
+        const int64_t at = b * s_block;
+        if (s_block == 16) {
+            quantize_run(x + at, first + at, 16, amax, f);
+            quantize_run(first + at, second + at, 16, abs_max_bits(first + at, 16), s);
+        } else {
+            quantize_run(x + at, first + at, s_block, amax, f);
+            quantize_run(first + at, second + at, s_block, abs_max_bits(first + at, s_block), s);
+        }
+    }
+}
+
+/* Scratch of `tile_codes` for tiles of `rows` x `k`. */
+typedef struct {
+    uint32_t *amax;   /* [k] column maxima (bits of |x|) */
+    float *inverse;   /* [k] 1/p of each column, 0 for a column holding NaN or inf */
+    uint8_t *keep;    /* [k] 0xFF, or 0 for a column holding NaN or inf */
+    uint8_t *by_row;  /* [rows, k] the codes before the transpose */
+} TileScratch;
+
+/* The stash codes of one tile x [rows, k] (rows = one block of the pack format, `row_stride`
+ * floats apart): codes[kk * code_stride + r] for column kk, row r, and one exponent code per
+ * column at exps[kk * exp_stride]. Everything runs along k (vectorised); the codes are then
+ * transposed into the stream's order. */
+static void tile_codes(const float *x, int64_t rows, int64_t k, int64_t row_stride,
+                       TileScratch s, uint8_t *codes, int64_t code_stride, uint8_t *exps,
+                       int64_t exp_stride, int man_bits, int exp_bits) {
+    Format f = format_of(man_bits, exp_bits);
+    const uint8_t nonfinite_code = (uint8_t)((1u << exp_bits) - 1);
+    const int sign_shift = man_bits - 1;
+    memset(s.amax, 0, (size_t)k * sizeof *s.amax);
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t kk = 0; kk < k; kk++) {
+            uint32_t a = bits_of(x[r * row_stride + kk]) & 0x7FFFFFFFu;
+            s.amax[kk] = a > s.amax[kk] ? a : s.amax[kk];
+        }
+    for (int64_t kk = 0; kk < k; kk++) {
+        int finite = s.amax[kk] < NONFINITE;
+        int e = block_exponent(finite ? s.amax[kk] : 0, f.emax);
+        s.inverse[kk] = finite ? pow2(-e) : 0.0f;
+        s.keep[kk] = finite ? 0xFF : 0;
+        exps[kk * exp_stride] = finite ? (uint8_t)(e + f.emax) : nonfinite_code;
+    }
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t kk = 0; kk < k; kk++) {
+            float v = x[r * row_stride + kk];
+            float q = round_clamped(v * s.inverse[kk] * f.up, f.limit);
+            q = s.keep[kk] ? q : 0.0f; /* no NaN reaches the conversion to an integer */
+            uint8_t code = (uint8_t)((bits_of(v) >> 31) << sign_shift) | (uint8_t)(int32_t)__builtin_fabsf(q);
+            s.by_row[r * k + kk] = code & s.keep[kk];
+        }
+    for (int64_t kk = 0; kk < k; kk++)
+        for (int64_t r = 0; r < rows; r++) codes[kk * code_stride + r] = s.by_row[r * k + kk];
+}
+
+/* The engine's q0 and q1 of one activation, reading it once: x [L, N, K] (N = n_blocks * p_block
+ * rows, padded by the caller):
+ *   values = BFP(q_man, q_exp, q_block) quantize along K (K a multiple of q_block), [L, N, K];
+ *   codes  = BFP(p_man, p_exp, p_block) mantissa codes along N, p_man <= 8, in the stream's
+ *            order [L, K, N]; exps = its exponent codes [L, K, n_blocks].
+ * Returns 0, or -1 when scratch memory could not be allocated (nothing is written then). */
+int dsq_bfp_quantize_and_codes(const float *x, float *values, uint8_t *codes, uint8_t *exps,
+                               int64_t L, int64_t n_blocks, int64_t p_block, int64_t K,
+                               int q_man, int q_exp, int64_t q_block, int p_man, int p_exp) {
+    const int64_t N = n_blocks * p_block, tiles = L * n_blocks;
+    const Format q = format_of(q_man, q_exp);
+    const size_t words = (size_t)K * 2, bytes = (size_t)K * (1 + p_block);
+    const size_t per_thread = (words * 4 + bytes + 63) / 64 * 64;
+    const int team = threads();
+    char *memory = malloc(per_thread * (size_t)team);
+    if (!memory) return -1;
+#pragma omp parallel for schedule(static) if (L * N * K >= PARALLEL_MIN)
+    for (int64_t t = 0; t < tiles; t++) {
+        char *mine = memory + per_thread * (size_t)thread_index();
+        TileScratch s = {(uint32_t *)mine, (float *)(mine + K * 4), (uint8_t *)(mine + words * 4),
+                         (uint8_t *)(mine + words * 4) + K};
+        const int64_t l = t / n_blocks, nb = t % n_blocks, row = l * N + nb * p_block;
+        /* the values first: the tile is then in cache for the codes */
+        quantize_blocks_serial(x + row * K, values + row * K, p_block * K / q_block, q_block, q);
+        tile_codes(x + row * K, p_block, K, K, s, codes + (l * K * N + nb * p_block), N,
+                   exps + (l * K * n_blocks + nb), n_blocks, p_man, p_exp);
+    }
+    free(memory);
+    return 0;
+}
+
+/* ---------------------------------------------------------------------------- bit streams
+ * A group is the fewest codes that fill whole bytes: 8 / gcd(width, 8) codes, width / gcd bytes
+ * (at most 8 codes in 7 bytes), held as one little-endian 64-bit word. The loops over groups
+ * are instantiated per width (WIDTHS), so that shifts are constants the compiler unrolls. */
+static inline int group_codes(int width) {
+    int low = width & -width; /* gcd(width, 8) for width <= 8 */
+    return 8 / low;
+}
+
+static inline void pack_groups(const uint8_t *codes, int64_t groups, const int width,
+                               uint8_t *stream) {
+    const int per = group_codes(width), bytes = per * width / 8;
+    const uint64_t mask = (1u << width) - 1;
+    for (int64_t g = 0; g < groups; g++) {
+        uint64_t word = 0;
+        for (int c = 0; c < per; c++) word |= ((uint64_t)codes[g * per + c] & mask) << (width * c);
+        for (int j = 0; j < bytes; j++) stream[g * bytes + j] = (uint8_t)(word >> (8 * j));
+    }
+}
+
+static inline void unpack_groups(const uint8_t *stream, int64_t groups, const int width,
+                                 uint8_t *codes) {
+    const int per = group_codes(width), bytes = per * width / 8;
+    const uint64_t mask = (1u << width) - 1;
+    for (int64_t g = 0; g < groups; g++) {
+        uint64_t word = 0;
+        for (int j = 0; j < bytes; j++) word |= (uint64_t)stream[g * bytes + j] << (8 * j);
+        for (int c = 0; c < per; c++) codes[g * per + c] = (uint8_t)((word >> (width * c)) & mask);
+    }
+}
+
+#define WIDTHS(CALL) \
+    switch (width) { \
+        case 1: CALL(1); break; \
+        case 2: CALL(2); break; \
+        case 3: CALL(3); break; \
+        case 4: CALL(4); break; \
+        case 5: CALL(5); break; \
+        case 6: CALL(6); break; \
+        case 7: CALL(7); break; \
+        default: CALL(8); break; \
+    }
+
+/* The stream of `count` codes of `width` bits (1 <= width <= 8), one code per byte in `codes`:
+ * ceil(count * width / 8) bytes, the last one zero-padded. */
+void dsq_pack_codes(const uint8_t *codes, int64_t count, int width, uint8_t *stream) {
+    const int per = group_codes(width);
+    const int64_t whole = count / per;
+#define PACK(W) pack_groups(codes, whole, W, stream)
+    WIDTHS(PACK)
+#undef PACK
+    int64_t rest = count - whole * per;
+    if (rest) { /* a partial group: its bytes up to the last code's, zero-padded */
+        uint64_t word = 0;
+        for (int64_t c = 0; c < rest; c++)
+            word |= ((uint64_t)codes[whole * per + c] & ((1u << width) - 1)) << (width * c);
+        uint8_t *tail = stream + whole * per * width / 8;
+        for (int64_t j = 0; j < (rest * width + 7) / 8; j++) tail[j] = (uint8_t)(word >> (8 * j));
+    }
+}
+
+/* Code i of a stream of `width` <= 8 bits, `size` bytes long. */
+static inline uint8_t code_at(const uint8_t *stream, int64_t size, int64_t i, int width) {
+    int64_t bit = i * width, byte = bit >> 3;
+    uint32_t pair = stream[byte];
+    if (byte + 1 < size) pair |= (uint32_t)stream[byte + 1] << 8;
+    return (uint8_t)((pair >> (bit & 7)) & ((1u << width) - 1));
+}
+
+/* Codes [first, first + count) of a `width`-bit stream of `size` bytes, one byte each. */
+static void unpack_run(const uint8_t *stream, int64_t size, int64_t first, int64_t count,
+                       int width, uint8_t *codes) {
+    const int per = group_codes(width);
+    int64_t i = 0;
+    for (; i < count && (first + i) % per; i++) codes[i] = code_at(stream, size, first + i, width);
+    const int64_t groups = (count - i) / per;
+    const uint8_t *aligned = stream + (first + i) / per * (per * width / 8);
+#define UNPACK(W) unpack_groups(aligned, groups, W, codes + i)
+    WIDTHS(UNPACK)
+#undef UNPACK
+    for (i += groups * per; i < count; i++) codes[i] = code_at(stream, size, first + i, width);
+}
+
+/* The values of blocks of codes: out[j] for j < count, codes sign-magnitude of man_bits, the
+ * block's exponent code ecode. */
+static inline void decode_run(const uint8_t *restrict codes, float *restrict out, int64_t count,
+                              uint32_t ecode, int man_bits, int exp_bits) {
+    const int emax = (1 << (exp_bits - 1)) - 1;
+    if (ecode == (1u << exp_bits) - 1) { /* the block held NaN or an infinity */
+        for (int64_t j = 0; j < count; j++) out[j] = __builtin_nanf("");
+        return;
+    }
+    const uint32_t magnitude_mask = (1u << (man_bits - 1)) - 1;
+    const float scale = pow2(2 - man_bits), p = pow2((int)ecode - emax);
+    for (int64_t j = 0; j < count; j++) {
+        float magnitude = (float)(codes[j] & magnitude_mask) * scale * p;
+        uint32_t sign = (uint32_t)(codes[j] >> (man_bits - 1)) << 31;
+        out[j] = float_of(bits_of(magnitude) | sign);
+    }
+}
+
+/* BFP(man_bits <= 8, exp_bits, block) unpack into out [rows, n] (the block axis last): codes
+ * from the mantissa stream (m_size bytes) and the exponent stream (e_size bytes). Returns 0, or
+ * -1 when scratch memory could not be allocated (nothing is written then). */
+int dsq_bfp_decode(const uint8_t *mantissas, int64_t m_size, const uint8_t *exponents,
+                   int64_t e_size, float *out, int64_t rows, int64_t n, int64_t block,
+                   int man_bits, int exp_bits) {
+    const int64_t n_blocks = (n + block - 1) / block;
+    const size_t per_thread = (size_t)(n + n_blocks + 63) / 64 * 64;
+    uint8_t *memory = malloc(per_thread * (size_t)threads());
+    if (!memory) return -1;
+#pragma omp parallel for schedule(static) if (rows * n >= PARALLEL_MIN)
+    for (int64_t r = 0; r < rows; r++) {
+        uint8_t *codes = memory + per_thread * (size_t)thread_index(), *exps = codes + n;
+        unpack_run(mantissas, m_size, r * n, n, man_bits, codes);
+        unpack_run(exponents, e_size, r * n_blocks, n_blocks, exp_bits, exps);
+        float *o = out + r * n;
+        int64_t nb = 0;
+        if (block == 16)
+            for (; (nb + 1) * 16 <= n; nb++)
+                decode_run(codes + nb * 16, o + nb * 16, 16, exps[nb], man_bits, exp_bits);
+        for (; nb < n_blocks; nb++) {
+            int64_t start = nb * block, stop = start + block < n ? start + block : n;
+            decode_run(codes + start, o + start, stop - start, exps[nb], man_bits, exp_bits);
+        }
+    }
+    free(memory);
+    return 0;
+}

@@ -1,0 +1,218 @@
+"""The C kernels of the compiled path (kernels/bfp_cpu.c) against the reference, bit for bit,
+over the formats they cover (nearest rounding, E <= 8, 2 <= m <= 23; codes for m <= 8), with
+values at every edge of float32; the same results on any number of threads; and the loader:
+its cache, a failed build and the switch that turns them off (the torch.compile kernels then
+run, still exact)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import assert_bitwise_equal
+from dsq_kernels import cpu as c_kernels
+
+from dsq_cli.formats import compiled, parse_format
+from dsq_cli.formats.dispatch import compiled_unavailable_reason
+
+pytestmark = pytest.mark.skipif(
+    c_kernels.unavailable_reason() is not None or compiled_unavailable_reason() is not None,
+    reason=str(c_kernels.unavailable_reason() or compiled_unavailable_reason()),
+)
+
+
+def wide_tensor(shape, seed: int) -> torch.Tensor:
+    """Magnitudes from subnormal to the largest float32, zeros of both signs, blocks whose max
+    sits at 2^127 (the top block exponent) and at the bottom of the normal range."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g, dtype=torch.float64)
+    x = x * torch.pow(2.0, torch.randint(-150, 128, shape, generator=g).to(torch.float64))
+    x = x.clamp(-3.4e38, 3.4e38).to(torch.float32)
+    flat = x.view(-1)
+    flat[:20] = torch.tensor([0.0, -0.0, 1e-45, -1e-45, 1.2e-38, -1.1e-38, 3.4e38, -3.3e38] * 2
+                             + [2.0**-127, -(2.0**-126), 5e-39, 1.0])  # fmt: skip
+    flat[40:56] = -0.0
+    flat[60] = 1.7e38  # a block whose max is in [2^126, 2^127)
+    flat[80] = 2.0**127
+    return x
+
+
+def with_nonfinite(x: torch.Tensor) -> torch.Tensor:
+    x = x.clone()
+    flat = x.view(-1)
+    flat[33], flat[97], flat[130] = math.nan, math.inf, -math.inf
+    return x
+
+
+# (m, E, B): every width of a code, a few exponent widths, long, short and odd blocks
+FORMATS = [(2, 8, 16), (3, 8, 16), (4, 8, 16), (5, 4, 3), (6, 5, 16), (7, 2, 1), (8, 8, 16),
+           (8, 3, 33), (12, 8, 16), (16, 6, 7), (23, 8, 16), (2, 2, 64)]  # fmt: skip
+
+
+def spy(monkeypatch) -> list[str]:
+    """Record which C kernels run (a test must know the C code, not the fallback, ran)."""
+    ran: list[str] = []
+    for name in ("bfp_quantize", "fixed_quantize", "fixed_then_bfp", "bfp_quantize_and_codes",
+                 "pack_codes", "bfp_decode"):  # fmt: skip
+        original = getattr(c_kernels, name)
+
+        def wrapper(*args, _original=original, _name=name):
+            ran.append(_name)
+            return _original(*args)
+
+        monkeypatch.setattr(c_kernels, name, wrapper)
+    return ran
+
+
+@pytest.mark.parametrize("m,E,B", FORMATS)
+@pytest.mark.parametrize("nonfinite", [False, True])
+@pytest.mark.parametrize("axis", [-1, 0])
+def test_bfp_equals_reference(m, E, B, nonfinite, axis, monkeypatch):
+    fmt = parse_format(f"bfp{m}e{E}b{B}")
+    x = wide_tensor((37, 70), seed=m * 100 + E * 10 + B)
+    x = with_nonfinite(x) if nonfinite else x
+    ran = spy(monkeypatch)
+    expected = fmt.quantize(x, axis, backend="reference")
+    assert_bitwise_equal(fmt.quantize(x, axis, backend="compiled"), expected, "quantize")
+    packed, reference = (
+        fmt.pack(x, axis, backend="compiled"),
+        fmt.pack(x, axis, backend="reference"),
+    )
+    for name, stream in reference.payload.items():
+        assert torch.equal(packed.payload[name], stream), name
+    assert_bitwise_equal(packed.unpack(backend="compiled"), expected, "unpack")
+    assert "bfp_quantize" in ran
+    assert ("bfp_decode" in ran) == (m <= 8)
+
+
+@pytest.mark.parametrize("width", [2, 4, 8, 12, 16, 23])
+@pytest.mark.parametrize("nonfinite", [False, True])
+def test_fixed_equals_reference(width, nonfinite, monkeypatch):
+    fmt = parse_format(f"fixed{width}")
+    ran = spy(monkeypatch)
+    for seed, scale in ((1, 1.0), (2, 2.0**-140), (3, 2.0**120)):
+        x = torch.randn(3, 50, generator=torch.Generator().manual_seed(seed)) * scale
+        x = with_nonfinite(x) if nonfinite else x
+        ran.clear()
+        assert_bitwise_equal(
+            fmt.quantize(x, backend="compiled"), fmt.quantize(x, backend="reference"), str(seed)
+        )
+        assert ran == ["fixed_quantize"]
+
+
+@pytest.mark.parametrize("q,p", [((8, 8, 16), (2, 8, 16)), ((8, 8, 16), (4, 8, 16)),
+                                 ((6, 5, 8), (7, 3, 4)), ((23, 8, 16), (3, 8, 5))])  # fmt: skip
+@pytest.mark.parametrize("shape", [(64, 32), (2, 37, 48), (1, 160)])
+@pytest.mark.parametrize("nonfinite", [False, True])
+def test_quantize_and_pack_equals_reference(q, p, shape, nonfinite, monkeypatch):
+    fmt, stash = parse_format("bfp{}e{}b{}".format(*q)), parse_format("bfp{}e{}b{}".format(*p))
+    x = wide_tensor(shape, seed=sum(shape))
+    x = with_nonfinite(x) if nonfinite and x.numel() > 130 else x
+    ran = spy(monkeypatch)
+    last, before = x.dim() - 1, x.dim() - 2
+    values, packed = fmt.quantize_and_pack(x, last, stash, before, backend="compiled")
+    assert "bfp_quantize_and_codes" in ran
+    assert_bitwise_equal(values, fmt.quantize(x, last, backend="reference"), "values")
+    expected = stash.pack(x, before, backend="reference")
+    for name, stream in expected.payload.items():
+        assert torch.equal(packed.payload[name], stream), name
+
+
+@pytest.mark.parametrize("first,second", [("fixed16", "bfp8"), ("fixed8", "bfp3e4b8"),
+                                          ("fixed23", "bfp23")])  # fmt: skip
+def test_chain_equals_reference(first, second, monkeypatch):
+    f, s = parse_format(first), parse_format(second)
+    ran = spy(monkeypatch)
+    for x in (wide_tensor((24, 64), seed=3), with_nonfinite(torch.randn(24, 64))):
+        ran.clear()
+        a, b = f.quantize_chain(x, -1, s, -1, backend="compiled")
+        assert ran == ["fixed_then_bfp"]
+        expected = f.quantize(x, backend="reference")
+        assert_bitwise_equal(a, expected, "first")
+        assert_bitwise_equal(b, s.quantize(expected, -1, backend="reference"), "second")
+
+
+def test_results_do_not_depend_on_the_thread_count():
+    """Tensors above the kernels' parallel threshold (32,768 values), on 1 and on 2 threads."""
+    x = wide_tensor((512, 256), seed=11)
+    bfp8, bfp2, fixed16 = parse_format("bfp8"), parse_format("bfp2"), parse_format("fixed16")
+    runs = []
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            values, packed = bfp8.quantize_and_pack(x, 1, bfp2, 0, backend="compiled")
+            runs.append(
+                [bfp8.quantize(x, backend="compiled"), fixed16.quantize(x, backend="compiled"),
+                 values, *packed.payload.values(), packed.unpack(backend="compiled"),
+                 *fixed16.quantize_chain(x, -1, bfp8, -1, backend="compiled")]
+            )  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    for one, two in zip(*runs):
+        assert torch.equal(one.contiguous().view(torch.uint8), two.contiguous().view(torch.uint8))
+
+
+def test_switched_off_runs_the_torch_compile_kernels(monkeypatch):
+    fmt = parse_format("bfp4")
+    x = wide_tensor((8, 48), seed=5)
+    ran = spy(monkeypatch)
+    with c_kernels.switched_off():
+        out = fmt.quantize(x, backend="compiled")
+    assert ran == []
+    assert_bitwise_equal(out, fmt.quantize(x, backend="reference"))
+    monkeypatch.setenv("DSQ_DISABLE_C_KERNELS", "1")
+    assert c_kernels.unavailable_reason() == "DSQ_DISABLE_C_KERNELS is set"
+    fmt.quantize(x, backend="compiled")
+    assert ran == []
+
+
+def test_a_failed_build_names_the_compiler(monkeypatch, tmp_path, caplog):
+    """No compiler: the reason says which and how to set one, and the compiled path falls back
+    to the torch.compile kernels (still exact); nothing is left in the cache."""
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("DSQ_CACHE", str(tmp_path / "cache"))
+    c_kernels.library.cache_clear()
+    c_kernels._build_failure.cache_clear()
+    compiled._log_once.cache_clear()
+    try:
+        reason = c_kernels.unavailable_reason()
+        assert reason is not None and "no-such-cc" in reason and "CC" in reason
+        x = wide_tensor((4, 32), seed=6)
+        with caplog.at_level("INFO", logger="dsq.formats"):
+            out = parse_format("bfp8").quantize(x, backend="compiled")
+        assert_bitwise_equal(out, parse_format("bfp8").quantize(x, backend="reference"))
+        assert any("C kernels not used" in r.message for r in caplog.records)
+        assert not (tmp_path / "cache").exists()
+    finally:
+        c_kernels.library.cache_clear()
+        c_kernels._build_failure.cache_clear()
+        compiled._log_once.cache_clear()
+
+
+def test_the_build_is_cached_by_content(monkeypatch, tmp_path):
+    """A first use builds one library into $DSQ_CACHE/c-kernels, leaving no temporary file; a
+    second process state loads it without building."""
+    monkeypatch.setenv("DSQ_CACHE", str(tmp_path))
+    c_kernels.library.cache_clear()
+    try:
+        c_kernels.library()
+        built = sorted((tmp_path / "c-kernels").iterdir())
+        assert len(built) == 1 and built[0].name.startswith("bfp_cpu-") and built[0].suffix == ".so"
+        stamp = built[0].stat().st_mtime_ns
+        c_kernels.library.cache_clear()
+        c_kernels.library()
+        assert sorted((tmp_path / "c-kernels").iterdir()) == built
+        assert built[0].stat().st_mtime_ns == stamp
+    finally:
+        c_kernels.library.cache_clear()
+
+
+def test_decode_refuses_a_short_stream():
+    packed = parse_format("bfp4").pack(torch.randn(4, 32))
+    mantissas, exponents = packed.payload["mantissas"], packed.payload["exponents"]
+    with pytest.raises(ValueError, match="fewer than 128 codes of 4 bits"):
+        c_kernels.bfp_decode(mantissas[:-1], exponents, 4, 32, 16, 4, 8)
+    with pytest.raises(ValueError, match="fewer than 8 codes of 8 bits"):
+        c_kernels.bfp_decode(mantissas, exponents[:-1], 4, 32, 16, 4, 8)
