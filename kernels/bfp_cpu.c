@@ -189,75 +189,152 @@ void dsq_fixed_then_bfp(const float *x, float *first, float *second, int64_t n, 
     }
 }
 
-/* Scratch of `tile_codes` for tiles of `rows` x `k`. */
+/* Scratch of one tile of `rows` x `k` (per thread). */
 typedef struct {
-    uint32_t *amax;   /* [k] column maxima (bits of |x|) */
-    float *inverse;   /* [k] 1/p of each column, 0 for a column holding NaN or inf */
-    uint8_t *keep;    /* [k] 0xFF, or 0 for a column holding NaN or inf */
-    uint8_t *by_row;  /* [rows, k] the codes before the transpose */
+    uint32_t *amax;  /* [k] column maxima (bits of |x|) */
+    float *inverse;  /* [k] 1/p of each column, 0 for a column holding NaN or inf */
+    uint8_t *keep;   /* [k] 0xFF, or 0 for a column holding NaN or inf */
+    uint8_t *exps;   /* [k] the exponent codes */
+    uint64_t *words; /* [k] one group of each column's codes, bit-packed */
+    uint8_t *by_row; /* [rows, k] the codes before the transpose (`tile_codes`) */
 } TileScratch;
 
-/* The stash codes of one tile x [rows, k] (rows = one block of the pack format, `row_stride`
- * floats apart): codes[kk * code_stride + r] for column kk, row r, and one exponent code per
- * column at exps[kk * exp_stride]. Everything runs along k (vectorised); the codes are then
- * transposed into the stream's order. */
-static void tile_codes(const float *x, int64_t rows, int64_t k, int64_t row_stride,
-                       TileScratch s, uint8_t *codes, int64_t code_stride, uint8_t *exps,
-                       int64_t exp_stride, int man_bits, int exp_bits) {
-    Format f = format_of(man_bits, exp_bits);
+static size_t tile_scratch_bytes(int64_t rows, int64_t k) {
+    return ((size_t)k * (8 + 4 + 4 + 1 + 1 + (size_t)rows) + 63) / 64 * 64;
+}
+
+static TileScratch tile_scratch(char *memory, int64_t k) {
+    TileScratch s;
+    s.words = (uint64_t *)memory; /* the 8-byte array first: aligned */
+    s.amax = (uint32_t *)(memory + k * 8);
+    s.inverse = (float *)(memory + k * 12);
+    s.keep = (uint8_t *)(memory + k * 16);
+    s.exps = (uint8_t *)(memory + k * 17);
+    s.by_row = (uint8_t *)(memory + k * 18);
+    return s;
+}
+
+/* The block of each column of a tile x [rows, k] (`row_stride` floats apart): its max, 1/p and
+ * finiteness into the scratch, its exponent code to exps[kk * exp_stride]. */
+static void column_scales(const float *x, int64_t rows, int64_t k, int64_t row_stride,
+                          TileScratch s, uint8_t *exps, int64_t exp_stride, Format f,
+                          int exp_bits) {
     const uint8_t nonfinite_code = (uint8_t)((1u << exp_bits) - 1);
-    const int sign_shift = man_bits - 1;
     memset(s.amax, 0, (size_t)k * sizeof *s.amax);
-    for (int64_t r = 0; r < rows; r++)
+    for (int64_t r = 0; r < rows; r++) /* vectorised along k */
         for (int64_t kk = 0; kk < k; kk++) {
             uint32_t a = bits_of(x[r * row_stride + kk]) & 0x7FFFFFFFu;
             s.amax[kk] = a > s.amax[kk] ? a : s.amax[kk];
         }
-    for (int64_t kk = 0; kk < k; kk++) {
+    for (int64_t kk = 0; kk < k; kk++) { /* branch-free, so that it is vectorised too */
         int finite = s.amax[kk] < NONFINITE;
-        int e = block_exponent(finite ? s.amax[kk] : 0, f.emax);
+        int e = block_exponent(s.amax[kk], f.emax); /* any value for a non-finite column */
         s.inverse[kk] = finite ? pow2(-e) : 0.0f;
         s.keep[kk] = finite ? 0xFF : 0;
-        exps[kk * exp_stride] = finite ? (uint8_t)(e + f.emax) : nonfinite_code;
+        s.exps[kk] = finite ? (uint8_t)(e + f.emax) : nonfinite_code;
     }
+    for (int64_t kk = 0; kk < k; kk++) exps[kk * exp_stride] = s.exps[kk];
+}
+
+/* The sign-magnitude code of v in column kk (0 for a column holding NaN or inf). */
+static inline uint32_t column_code(float v, int64_t kk, TileScratch s, Format f, int man_bits) {
+    float q = round_clamped(v * s.inverse[kk] * f.up, f.limit);
+    q = s.keep[kk] ? q : 0.0f; /* no NaN reaches the conversion to an integer */
+    uint32_t code = ((bits_of(v) >> 31) << (man_bits - 1)) | (uint32_t)(int32_t)__builtin_fabsf(q);
+    return code & s.keep[kk];
+}
+
+/* The stash codes of one tile x [rows, k] (rows = one block of the pack format): one byte per
+ * code at codes[kk * code_stride + r] for column kk, row r; computed along k (vectorised), then
+ * transposed into the stream's order. */
+static void tile_codes(const float *x, int64_t rows, int64_t k, int64_t row_stride,
+                       TileScratch s, uint8_t *codes, int64_t code_stride, Format f,
+                       int man_bits) {
     for (int64_t r = 0; r < rows; r++)
-        for (int64_t kk = 0; kk < k; kk++) {
-            float v = x[r * row_stride + kk];
-            float q = round_clamped(v * s.inverse[kk] * f.up, f.limit);
-            q = s.keep[kk] ? q : 0.0f; /* no NaN reaches the conversion to an integer */
-            uint8_t code = (uint8_t)((bits_of(v) >> 31) << sign_shift) | (uint8_t)(int32_t)__builtin_fabsf(q);
-            s.by_row[r * k + kk] = code & s.keep[kk];
-        }
+        for (int64_t kk = 0; kk < k; kk++)
+            s.by_row[r * k + kk] = (uint8_t)column_code(x[r * row_stride + kk], kk, s, f, man_bits);
     for (int64_t kk = 0; kk < k; kk++)
         for (int64_t r = 0; r < rows; r++) codes[kk * code_stride + r] = s.by_row[r * k + kk];
+}
+
+static inline int group_codes(int width);
+
+/* Rows of a tile whose codes one 64-bit word holds in whole bytes: the most (up to 64 / width)
+ * that divide `rows` and fill whole bytes. */
+static int64_t rows_per_word(int64_t rows, int width) {
+    for (int64_t r = rows < 64 / width ? rows : 64 / width; r > 1; r--)
+        if (rows % r == 0 && r % group_codes(width) == 0) return r;
+    return group_codes(width);
+}
+
+/* The low `count` bytes of `word` to out, least significant first. */
+static inline void store_bytes(uint8_t *out, uint64_t word, int count) {
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    if (count == 8) { /* one store (a variable-length byte loop dominated the tile) */
+        memcpy(out, &word, 8);
+        return;
+    }
+    if (count == 4) {
+        uint32_t half = (uint32_t)word;
+        memcpy(out, &half, 4);
+        return;
+    }
+#endif
+    for (int j = 0; j < count; j++) out[j] = (uint8_t)(word >> (8 * j));
+}
+
+/* The stash stream of one tile x [rows, k] whose columns each start on a byte of the stream:
+ * column kk's rows * width bits go to stream[kk * column_bytes ...]. The codes of a group of
+ * rows are packed into one 64-bit word per column along k (vectorised), then stored bytewise:
+ * no byte transpose, no separate packing pass. */
+static void tile_stream(const float *x, int64_t rows, int64_t k, int64_t row_stride,
+                        TileScratch s, uint8_t *stream, int64_t column_bytes, Format f,
+                        int man_bits) {
+    const int64_t per_word = rows_per_word(rows, man_bits);
+    const int word_bytes = (int)(per_word * man_bits / 8);
+    for (int64_t g = 0; g < rows / per_word; g++) {
+        memset(s.words, 0, (size_t)k * sizeof *s.words);
+        for (int64_t c = 0; c < per_word; c++) {
+            const float *row = x + (g * per_word + c) * row_stride;
+            for (int64_t kk = 0; kk < k; kk++)
+                s.words[kk] |= (uint64_t)column_code(row[kk], kk, s, f, man_bits) << (man_bits * c);
+        }
+        for (int64_t kk = 0; kk < k; kk++)
+            store_bytes(stream + kk * column_bytes + g * word_bytes, s.words[kk], word_bytes);
+    }
 }
 
 /* The engine's q0 and q1 of one activation, reading it once: x [L, N, K] (N = n_blocks * p_block
  * rows, padded by the caller):
  *   values = BFP(q_man, q_exp, q_block) quantize along K (K a multiple of q_block), [L, N, K];
- *   codes  = BFP(p_man, p_exp, p_block) mantissa codes along N, p_man <= 8, in the stream's
- *            order [L, K, N]; exps = its exponent codes [L, K, n_blocks].
+ *   the stash: BFP(p_man <= 8, p_exp, p_block) along N, in the stream's order (rows (l, k) of N
+ *   codes), written to `out` as
+ *     - stream = 0: one byte per mantissa code, [L, K, N] (the caller packs them);
+ *     - stream = 1: the mantissa stream itself; needs p_block * p_man a multiple of 8 and no
+ *       padding in N (each tile's column starts on a byte);
+ *   and its exponent codes to exps [L, K, n_blocks], one byte each.
  * Returns 0, or -1 when scratch memory could not be allocated (nothing is written then). */
-int dsq_bfp_quantize_and_codes(const float *x, float *values, uint8_t *codes, uint8_t *exps,
-                               int64_t L, int64_t n_blocks, int64_t p_block, int64_t K,
-                               int q_man, int q_exp, int64_t q_block, int p_man, int p_exp) {
+int dsq_bfp_quantize_and_pack(const float *x, float *values, uint8_t *out, uint8_t *exps,
+                              int64_t L, int64_t n_blocks, int64_t p_block, int64_t K, int q_man,
+                              int q_exp, int64_t q_block, int p_man, int p_exp, int stream) {
     const int64_t N = n_blocks * p_block, tiles = L * n_blocks;
-    const Format q = format_of(q_man, q_exp);
-    const size_t words = (size_t)K * 2, bytes = (size_t)K * (1 + p_block);
-    const size_t per_thread = (words * 4 + bytes + 63) / 64 * 64;
-    const int team = threads();
-    char *memory = malloc(per_thread * (size_t)team);
+    const Format q = format_of(q_man, q_exp), p = format_of(p_man, p_exp);
+    const size_t per_thread = tile_scratch_bytes(p_block, K);
+    char *memory = malloc(per_thread * (size_t)threads());
     if (!memory) return -1;
 #pragma omp parallel for schedule(static) if (L * N * K >= PARALLEL_MIN)
     for (int64_t t = 0; t < tiles; t++) {
-        char *mine = memory + per_thread * (size_t)thread_index();
-        TileScratch s = {(uint32_t *)mine, (float *)(mine + K * 4), (uint8_t *)(mine + words * 4),
-                         (uint8_t *)(mine + words * 4) + K};
+        TileScratch s = tile_scratch(memory + per_thread * (size_t)thread_index(), K);
         const int64_t l = t / n_blocks, nb = t % n_blocks, row = l * N + nb * p_block;
-        /* the values first: the tile is then in cache for the codes */
-        quantize_blocks_serial(x + row * K, values + row * K, p_block * K / q_block, q_block, q);
-        tile_codes(x + row * K, p_block, K, K, s, codes + (l * K * N + nb * p_block), N,
-                   exps + (l * K * n_blocks + nb), n_blocks, p_man, p_exp);
+        const float *tile = x + row * K;
+        /* the values first: the tile is then in cache for the stash */
+        quantize_blocks_serial(tile, values + row * K, p_block * K / q_block, q_block, q);
+        column_scales(tile, p_block, K, K, s, exps + (l * K * n_blocks + nb), n_blocks, p, p_exp);
+        if (stream)
+            tile_stream(tile, p_block, K, K, s, out + (l * K * N + nb * p_block) * p_man / 8,
+                        N * p_man / 8, p, p_man);
+        else
+            tile_codes(tile, p_block, K, K, s, out + (l * K * N + nb * p_block), N, p, p_man);
     }
     free(memory);
     return 0;

@@ -53,7 +53,7 @@ FORMATS = [(2, 8, 16), (3, 8, 16), (4, 8, 16), (5, 4, 3), (6, 5, 16), (7, 2, 1),
 def spy(monkeypatch) -> list[str]:
     """Record which C kernels run (a test must know the C code, not the fallback, ran)."""
     ran: list[str] = []
-    for name in ("bfp_quantize", "fixed_quantize", "fixed_then_bfp", "bfp_quantize_and_codes",
+    for name in ("bfp_quantize", "fixed_quantize", "fixed_then_bfp", "bfp_quantize_and_pack",
                  "pack_codes", "bfp_decode"):  # fmt: skip
         original = getattr(c_kernels, name)
 
@@ -101,18 +101,32 @@ def test_fixed_equals_reference(width, nonfinite, monkeypatch):
         assert ran == ["fixed_quantize"]
 
 
-@pytest.mark.parametrize("q,p", [((8, 8, 16), (2, 8, 16)), ((8, 8, 16), (4, 8, 16)),
-                                 ((6, 5, 8), (7, 3, 4)), ((23, 8, 16), (3, 8, 5))])  # fmt: skip
-@pytest.mark.parametrize("shape", [(64, 32), (2, 37, 48), (1, 160)])
+# (q0 format, stash format): the stash written as its stream straight from the tiles (block
+# codes filling whole bytes: 2 x 16, 4 x 16, 8 x 16, 3 x 8, 5 x 8, 6 x 4) or as one byte per code
+# first (7 x 4, 3 x 5, and any stash whose rows are padded: 37 and 1 rows)
+PAIRS = [((8, 8, 16), (2, 8, 16)), ((8, 8, 16), (4, 8, 16)), ((8, 8, 16), (8, 8, 16)),
+         ((4, 8, 16), (3, 8, 8)), ((8, 8, 16), (5, 2, 8)), ((8, 8, 16), (6, 5, 4)),
+         ((6, 5, 8), (7, 3, 4)), ((23, 8, 16), (3, 8, 5))]  # fmt: skip
+
+
+@pytest.mark.parametrize("q,p", PAIRS)
+@pytest.mark.parametrize("shape", [(64, 32), (2, 48, 48), (2, 37, 48), (1, 160)])
 @pytest.mark.parametrize("nonfinite", [False, True])
 def test_quantize_and_pack_equals_reference(q, p, shape, nonfinite, monkeypatch):
     fmt, stash = parse_format("bfp{}e{}b{}".format(*q)), parse_format("bfp{}e{}b{}".format(*p))
     x = wide_tensor(shape, seed=sum(shape))
     x = with_nonfinite(x) if nonfinite and x.numel() > 130 else x
-    ran = spy(monkeypatch)
+    routes = []
+    original = c_kernels.bfp_quantize_and_pack
+    monkeypatch.setattr(
+        c_kernels,
+        "bfp_quantize_and_pack",
+        lambda *args: routes.append(args[-1]) or original(*args),
+    )
     last, before = x.dim() - 1, x.dim() - 2
     values, packed = fmt.quantize_and_pack(x, last, stash, before, backend="compiled")
-    assert "bfp_quantize_and_codes" in ran
+    direct = shape[-2] % p[2] == 0 and p[0] * p[2] % 8 == 0
+    assert routes == [direct]
     assert_bitwise_equal(values, fmt.quantize(x, last, backend="reference"), "values")
     expected = stash.pack(x, before, backend="reference")
     for name, stream in expected.payload.items():

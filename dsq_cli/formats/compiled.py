@@ -621,9 +621,14 @@ def bfp_quantize_and_pack(x, q_args, axis, p_args, pack_axis):
     rows = rows.reshape(rows.shape[0], n_blocks, p_block, k)
     kernels = _c_kernels(_c_format(q_man, q_exp) and _c_format(p_man, p_exp, most=8))
     if kernels is not None:
-        values, codes, exps = kernels.bfp_quantize_and_codes(rows, *q_args, p_man, p_exp)
+        # the stream straight from the tiles when every block's codes start on a byte
+        direct = n == n_blocks * p_block and (p_block * p_man) % 8 == 0
+        values, stash, exps = kernels.bfp_quantize_and_pack(rows, *q_args, p_man, p_exp, direct)
         values = values[:, :n].reshape(x.shape)
-        mantissas, exponents = _streams(codes, exps, rows.shape[0] * k, n, p_man, p_exp)
+        if direct:
+            mantissas, exponents = stash, _pack_codes(exps.reshape(-1), p_exp)
+        else:
+            mantissas, exponents = _streams(stash, exps, rows.shape[0] * k, n, p_man, p_exp)
         return values.to(x.dtype), mantissas, exponents
     dyn = ((rows, 0), (rows, 1))
     fn = _quantize_and_codes_fn
