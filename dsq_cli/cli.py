@@ -10,7 +10,7 @@ from pathlib import Path
 
 import typer
 
-from dsq_cli import __version__
+from dsq_cli import __version__, cpu_allocator
 
 app = typer.Typer(
     help="dsq: Dynamic Stashing Quantization experiments (Yang et al., EMNLP Findings 2023).",
@@ -46,6 +46,11 @@ def main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log at INF
         level=logging.INFO if verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
+    try:  # before any command runs: a mistyped setting fails here, not mid-run
+        cpu_allocator.chosen_setting()
+    except ValueError as err:
+        typer.echo(f"dsq: error: {err}", err=True)
+        raise typer.Exit(2) from None
 
 
 @app.command()

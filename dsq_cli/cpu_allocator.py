@@ -9,7 +9,8 @@ the heap, freed memory kept and the heap grown 256 MiB at a time, 1,000 to 3,000
 trains 14% faster with it, fp32 and dsq alike (the bench step: fp32 5% to 8%, dsq 0.5% to 3.5%),
 for 11% (fp32) to 23% (dsq) more peak resident memory (docs/benchmarks.md). CUDA tensors have
 their own caching allocator and are unaffected. ``DSQ_CPU_ALLOCATOR=default`` leaves glibc's
-settings alone. Imports only the standard library.
+settings alone (``keep``, or unset: the setting above; any other value is an error, so that a
+typo cannot silently keep it on). Imports only the standard library.
 """
 
 from __future__ import annotations
@@ -32,13 +33,26 @@ TOP_PAD = 256 << 20  # grow the heap 256 MiB at a time
 # 64-bit machines, and newer versions take more, so the larger is tried first
 MMAP_THRESHOLDS = (1 << 30, 32 << 20)
 OPT_OUT = "DSQ_CPU_ALLOCATOR"
+CHOICES = ("keep", "default")
+
+
+def chosen_setting() -> str:
+    """``keep`` or ``default``, from DSQ_CPU_ALLOCATOR (unset: ``keep``); ValueError, naming the
+    choices, for any other value."""
+    value = os.environ.get(OPT_OUT) or "keep"
+    if value not in CHOICES:
+        raise ValueError(
+            f"{OPT_OUT} must be 'keep' or 'default' (glibc's own settings), got {value!r}; "
+            "unset it to keep freed memory"
+        )
+    return value
 
 
 def keep_freed_memory() -> bool:
     """Set glibc's malloc to keep freed memory and serve large blocks from its heap (see the
     module's text). True when applied; False, with nothing changed, off glibc or when
-    ``DSQ_CPU_ALLOCATOR=default``."""
-    if os.environ.get(OPT_OUT) == "default":
+    ``DSQ_CPU_ALLOCATOR=default``; ValueError for a value that is neither."""
+    if chosen_setting() == "default":
         return False
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False

@@ -118,10 +118,10 @@ _switched_off = 0  # depth of `switched_off` blocks
 
 
 def unavailable_reason() -> str | None:
-    """Why the kernels cannot run here (DSQ_DISABLE_C_KERNELS is set, inside `switched_off`,
-    no compiler, a failed build), or None when they can. Read on every call: setting the
-    variable takes effect at once."""
-    if os.environ.get("DSQ_DISABLE_C_KERNELS"):
+    """Why the kernels cannot run here (DSQ_DISABLE_C_KERNELS set to anything but 0, inside
+    `switched_off`, no compiler, a failed build), or None when they can. Read on every call:
+    setting the variable takes effect at once."""
+    if os.environ.get("DSQ_DISABLE_C_KERNELS", "") not in ("", "0"):
         return "DSQ_DISABLE_C_KERNELS is set"
     if _switched_off:
         return "switched off by the caller"

@@ -176,6 +176,8 @@ def test_switched_off_runs_the_torch_compile_kernels(monkeypatch):
         out = fmt.quantize(x, backend="compiled")
     assert ran == []
     assert_bitwise_equal(out, fmt.quantize(x, backend="reference"))
+    monkeypatch.setenv("DSQ_DISABLE_C_KERNELS", "0")  # 0 (or empty) leaves them on
+    assert c_kernels.unavailable_reason() is None
     monkeypatch.setenv("DSQ_DISABLE_C_KERNELS", "1")
     assert c_kernels.unavailable_reason() == "DSQ_DISABLE_C_KERNELS is set"
     fmt.quantize(x, backend="compiled")

@@ -48,3 +48,21 @@ def test_freed_blocks_are_reused_without_faulting_pages_in_again():
     # 66,000 to 132,000 here); kept, 5,000 to 9,000
     assert default > 3 * 64 * 1024 / 4
     assert kept * 4 < default
+
+
+def test_a_mistyped_setting_is_an_error_not_a_silent_keep(monkeypatch):
+    """Only `keep` and `default` are settings: anything else fails before a command runs (exit
+    2, one line naming the choices), instead of leaving the allocator setting on unnoticed."""
+    from typer.testing import CliRunner
+
+    from dsq_cli.cli import app
+    from dsq_cli.cpu_allocator import keep_freed_memory
+
+    monkeypatch.setenv("DSQ_CPU_ALLOCATOR", "defualt")
+    with pytest.raises(ValueError, match="must be 'keep' or 'default'.*'defualt'"):
+        keep_freed_memory()
+    result = CliRunner().invoke(app, ["version"])
+    assert result.exit_code == 2
+    assert "DSQ_CPU_ALLOCATOR must be 'keep' or 'default'" in result.output
+    monkeypatch.setenv("DSQ_CPU_ALLOCATOR", "keep")
+    assert CliRunner().invoke(app, ["version"]).exit_code == 0

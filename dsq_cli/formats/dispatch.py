@@ -32,7 +32,7 @@ def _log_once(message: str) -> None:
 @functools.cache
 def compiled_unavailable_reason() -> str | None:
     """Why the fused CPU path cannot run here, or None when it can."""
-    if os.environ.get("DSQ_DISABLE_COMPILE"):
+    if os.environ.get("DSQ_DISABLE_COMPILE", "") not in ("", "0"):
         return "DSQ_DISABLE_COMPILE is set"
     try:
         import torch._dynamo  # noqa: F401
