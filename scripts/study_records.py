@@ -53,6 +53,10 @@ def copy_runs(clone: Path, repo: Path) -> list[Path]:
     return copied
 
 
+# the fenced block after the marker; group 1 is the table (tests/test_results_records.py reads it)
+BLOCK = re.compile(re.escape(MARKER) + r"\n```\n(.*?)```\n", re.DOTALL)
+
+
 def refresh_table_block(repo: Path) -> None:
     table = subprocess.run(
         [sys.executable, "-m", "dsq_cli.cli", "table", "results/table1-cpu"],
@@ -60,10 +64,9 @@ def refresh_table_block(repo: Path) -> None:
     ).stdout  # fmt: skip
     doc = repo / "docs" / "results.md"
     text = doc.read_text()
-    pattern = re.escape(MARKER) + r"\n```\n.*?```\n"
-    if not re.search(pattern, text, re.DOTALL):
+    if not BLOCK.search(text):
         raise SystemExit(f"docs/results.md has no fenced block after {MARKER}")
-    doc.write_text(re.sub(pattern, lambda _: f"{MARKER}\n```\n{table}```\n", text, flags=re.DOTALL))
+    doc.write_text(BLOCK.sub(lambda _: f"{MARKER}\n```\n{table}```\n", text))
 
 
 def main() -> None:

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-import re
+import importlib.util
 from pathlib import Path
 
 from typer.testing import CliRunner
@@ -11,13 +11,17 @@ from typer.testing import CliRunner
 from dsq_cli.cli import app
 
 REPO = Path(__file__).resolve().parents[1]
-MARKER = "<!-- dsq table results/table1-cpu -->"
+# the block scripts/study_records.py writes, found by its own pattern
+_spec = importlib.util.spec_from_file_location(
+    "study_records", REPO / "scripts" / "study_records.py"
+)
+study_records = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(study_records)
 
 
 def documented_table() -> str:
-    text = (REPO / "docs" / "results.md").read_text()
-    match = re.search(re.escape(MARKER) + r"\n```\n(.*?)```\n", text, re.DOTALL)
-    assert match, f"docs/results.md has no fenced block after {MARKER}"
+    match = study_records.BLOCK.search((REPO / "docs" / "results.md").read_text())
+    assert match, f"docs/results.md has no fenced block after {study_records.MARKER}"
     return match.group(1)
 
 
