@@ -137,3 +137,39 @@ def test_new_batch_lengths_reuse_the_fused_kernels():
         fmt.quantize_and_pack(torch.randn(n, 32), 1, stash, 0)
         parse_format("fixed16").quantize_chain(torch.randn(n, 32), 0, fmt, 1)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0
+
+
+@pytest.mark.parametrize("which", ["first", "second", "both"])
+def test_stochastic_pairs_are_the_two_calls_in_order(which, monkeypatch):
+    """A pair with stochastic rounding at either point is the two calls, drawing noise in their
+    order from each point's generator; the fused kernels (nearest only) do not run."""
+    x = _tensor((48, 32), False)
+    r1 = "stochastic" if which in ("first", "both") else "nearest"
+    r2 = "stochastic" if which in ("second", "both") else "nearest"
+    bfp8, bfp2, fixed16 = parse_format("bfp8"), parse_format("bfp2"), parse_format("fixed16")
+    calls = (
+        _spy(monkeypatch, "compiled", "bfp_quantize_and_pack")
+        if compiled_unavailable_reason() is None
+        else []
+    )
+
+    def gens():
+        g = torch.Generator().manual_seed(7)
+        return g, g  # one generator for both points, as the engine's config shares one
+
+    g1, g2 = gens()
+    values, packed = bfp8.quantize_and_pack(
+        x, 1, bfp2, 0, rounding=r1, stash_rounding=r2, generator=g1, stash_generator=g2
+    )
+    assert not calls
+    g1, g2 = gens()
+    assert_bitwise_equal(values, bfp8.quantize(x, 1, r1, g1))
+    assert_bitwise_equal(packed.unpack(), bfp2.quantize(x, 0, r2, g2))
+    g1, g2 = gens()
+    first, second = fixed16.quantize_chain(
+        x, 0, bfp8, 1, rounding=r1, second_rounding=r2, generator=g1, second_generator=g2
+    )
+    g1, g2 = gens()
+    expected = fixed16.quantize(x, 0, r1, g1)
+    assert_bitwise_equal(first, expected)
+    assert_bitwise_equal(second, bfp8.quantize(expected, 1, r2, g2))

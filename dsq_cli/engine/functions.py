@@ -35,19 +35,22 @@ class _Point:
         return self.fmt.pack(x, axis, self.rounding, self.generator)
 
     def quantize_and_pack(self, x, axis: int, stash: _Point, stash_axis: int):
-        """(self.quantize(x, axis), stash.pack(x, stash_axis)): one read of x where the path
-        fuses the two (nearest rounding)."""
-        if self.rounding == stash.rounding == "nearest":
-            return self.fmt.quantize_and_pack(x, axis, stash.fmt, stash_axis)
-        return self.quantize(x, axis), stash.pack(x, stash_axis)
+        """(self.quantize(x, axis), stash.pack(x, stash_axis)): one read of x where the format's
+        path fuses the two."""
+        return self.fmt.quantize_and_pack(
+            x, axis, stash.fmt, stash_axis,
+            rounding=self.rounding, stash_rounding=stash.rounding,
+            generator=self.generator, stash_generator=stash.generator,
+        )  # fmt: skip
 
     def quantize_chain(self, x, axis: int, second: _Point, second_axis: int):
         """(g, second.quantize(g, second_axis)) with g = self.quantize(x, axis): one pass where
-        the path fuses the two (nearest rounding)."""
-        if self.rounding == second.rounding == "nearest":
-            return self.fmt.quantize_chain(x, axis, second.fmt, second_axis)
-        g = self.quantize(x, axis)
-        return g, second.quantize(g, second_axis)
+        the format's path fuses the two."""
+        return self.fmt.quantize_chain(
+            x, axis, second.fmt, second_axis,
+            rounding=self.rounding, second_rounding=second.rounding,
+            generator=self.generator, second_generator=second.generator,
+        )  # fmt: skip
 
 
 def _points(cfg: QuantConfig, device: torch.device) -> tuple[_Point, _Point, _Point, _Point]:

@@ -68,12 +68,21 @@ class Format:
         stash: Format,
         stash_axis: int,
         *,
+        rounding: str = "nearest",
+        stash_rounding: str = "nearest",
+        generator: torch.Generator | None = None,
+        stash_generator: torch.Generator | None = None,
         backend: str | None = None,
     ) -> tuple[torch.Tensor, PackedTensor]:
-        """``(self.quantize(x, axis), stash.pack(x, stash_axis))``, nearest rounding, bit for bit:
-        a GEMM input and its stash. A format whose path can compute both from one read of ``x``
-        overrides this (``BFP``); any other pair runs the two calls."""
-        return self.quantize(x, axis, backend=backend), stash.pack(x, stash_axis, backend=backend)
+        """``(self.quantize(x, axis, rounding, generator), stash.pack(x, stash_axis,
+        stash_rounding, stash_generator))``, bit for bit, in that order (stochastic rounding
+        draws its noise in it): a GEMM input and its stash. A format whose path can compute both
+        from one read of ``x`` overrides this where it can (``BFP``: nearest rounding); any other
+        pair runs the two calls."""
+        return (
+            self.quantize(x, axis, rounding, generator, backend=backend),
+            stash.pack(x, stash_axis, stash_rounding, stash_generator, backend=backend),
+        )
 
     def quantize_chain(
         self,
@@ -82,13 +91,20 @@ class Format:
         second: Format,
         second_axis: int,
         *,
+        rounding: str = "nearest",
+        second_rounding: str = "nearest",
+        generator: torch.Generator | None = None,
+        second_generator: torch.Generator | None = None,
         backend: str | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(q, second.quantize(q, second_axis))`` with ``q = self.quantize(x, axis)``, nearest
-        rounding, bit for bit: an incoming gradient as fetched and as a GEMM input. A format
-        whose path computes both in one pass overrides this (``BFP``)."""
-        first = self.quantize(x, axis, backend=backend)
-        return first, second.quantize(first, second_axis, backend=backend)
+        """``(q, second.quantize(q, second_axis, second_rounding, second_generator))`` with
+        ``q = self.quantize(x, axis, rounding, generator)``, bit for bit: an incoming gradient as
+        fetched and as a GEMM input. A format whose path computes both in one pass overrides
+        this where it can (``BFP``: nearest rounding)."""
+        first = self.quantize(x, axis, rounding, generator, backend=backend)
+        return first, second.quantize(
+            first, second_axis, second_rounding, second_generator, backend=backend
+        )
 
     def __repr__(self) -> str:
         return f"parse_format({self.spec!r})"

@@ -72,19 +72,33 @@ class BFP(Format):
         with torch.no_grad():
             return fused(*args), other_axis
 
-    def quantize_and_pack(self, x, axis, stash, stash_axis, *, backend=None):
-        out = self._fused("quantize_and_pack", x, axis, stash, stash_axis, backend)
-        if out is None:
-            return super().quantize_and_pack(x, axis, stash, stash_axis, backend=backend)
-        (values, mantissas, exponents), stash_axis = out
-        payload = {"mantissas": mantissas, "exponents": exponents}
-        return values, PackedTensor(stash, tuple(x.shape), x.dtype, stash_axis, payload)
+    def quantize_and_pack(
+        self, x, axis, stash, stash_axis, *, rounding="nearest", stash_rounding="nearest",
+        generator=None, stash_generator=None, backend=None,
+    ):  # fmt: skip
+        if rounding == stash_rounding == "nearest":  # the fused kernels round to nearest
+            out = self._fused("quantize_and_pack", x, axis, stash, stash_axis, backend)
+            if out is not None:
+                (values, mantissas, exponents), stash_axis = out
+                payload = {"mantissas": mantissas, "exponents": exponents}
+                return values, PackedTensor(stash, tuple(x.shape), x.dtype, stash_axis, payload)
+        return super().quantize_and_pack(
+            x, axis, stash, stash_axis, rounding=rounding, stash_rounding=stash_rounding,
+            generator=generator, stash_generator=stash_generator, backend=backend,
+        )  # fmt: skip
 
-    def quantize_chain(self, x, axis, second, second_axis, *, backend=None):
-        out = self._fused("quantize_chain", x, axis, second, second_axis, backend)
-        if out is None:
-            return super().quantize_chain(x, axis, second, second_axis, backend=backend)
-        return out[0]
+    def quantize_chain(
+        self, x, axis, second, second_axis, *, rounding="nearest", second_rounding="nearest",
+        generator=None, second_generator=None, backend=None,
+    ):  # fmt: skip
+        if rounding == second_rounding == "nearest":  # the fused kernels round to nearest
+            out = self._fused("quantize_chain", x, axis, second, second_axis, backend)
+            if out is not None:
+                return out[0]
+        return super().quantize_chain(
+            x, axis, second, second_axis, rounding=rounding, second_rounding=second_rounding,
+            generator=generator, second_generator=second_generator, backend=backend,
+        )  # fmt: skip
 
     def _unpack(self, packed, backend=None):
         p = packed.payload
