@@ -5,9 +5,9 @@
  * fixed<w> (one block spanning the tensor) with w <= 23. The host glue (dsq_kernels/cpu.py and
  * dsq_cli/formats/compiled.py) lays the tensor out as float32 with the block axis last and
  * contiguous, and sends every other case to the torch.compile kernels. Every pointer is to
- * contiguous memory owned by the caller. Built with OpenMP, large calls run on the caller's
- * threads; every result is the same for any number of threads (blocks are independent, and a
- * max does not depend on its order).
+ * contiguous memory owned by the caller. Built with OpenMP, large calls run on as many threads
+ * as dsq_set_threads last said (torch's count); every result is the same for any number of
+ * threads (blocks are independent, and a max does not depend on its order).
  *
  * Why float32 is exact here (the reference works in float64):
  *   - e = floor(log2 max|x|) comes from the bits: the integer max of (bits & 0x7FFFFFFF) over a
@@ -36,12 +36,18 @@
 #include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
-static int threads(void) { return omp_get_max_threads(); }
+static int team = 1; /* threads of the parallel loops: the caller's count (dsq_set_threads) */
+static int threads(void) { return team; }
 static int thread_index(void) { return omp_get_thread_num(); }
 #else
+static int team = 1;
 static int threads(void) { return 1; }
 static int thread_index(void) { return 0; }
 #endif
+
+/* The number of threads the parallel loops use from now on: the host passes torch's own count,
+ * so that the kernels follow torch.set_num_threads whichever OpenMP runtime they bound to. */
+void dsq_set_threads(int count) { team = count > 0 ? count : 1; }
 
 static inline uint32_t bits_of(float f) {
     uint32_t u;
@@ -92,7 +98,8 @@ static inline uint32_t abs_max_bits(const float *x, int64_t count) {
 /* abs_max_bits of a whole tensor, on every thread (the max is the same in any order). */
 static uint32_t abs_max_bits_parallel(const float *x, int64_t count) {
     uint32_t amax = 0;
-#pragma omp parallel for simd reduction(max : amax) schedule(static) if (count >= PARALLEL_MIN)
+#pragma omp parallel for simd reduction(max : amax) schedule(static) num_threads(team) \
+    if (count >= PARALLEL_MIN)
     for (int64_t i = 0; i < count; i++) {
         uint32_t a = bits_of(x[i]) & 0x7FFFFFFFu;
         amax = a > amax ? a : amax;
@@ -152,7 +159,7 @@ void dsq_bfp_quantize(const float *x, float *out, int64_t n_blocks, int64_t bloc
                       int exp_bits) {
     const Format f = format_of(man_bits, exp_bits);
     const int64_t per_task = CHUNK / block + 1;
-#pragma omp parallel for schedule(static) if (n_blocks * block >= PARALLEL_MIN)
+#pragma omp parallel for schedule(static) num_threads(team) if (n_blocks * block >= PARALLEL_MIN)
     for (int64_t start = 0; start < n_blocks; start += per_task) {
         int64_t count = n_blocks - start < per_task ? n_blocks - start : per_task;
         quantize_blocks_serial(x + start * block, out + start * block, count, block, f);
@@ -163,7 +170,7 @@ void dsq_bfp_quantize(const float *x, float *out, int64_t n_blocks, int64_t bloc
 void dsq_fixed_quantize(const float *x, float *out, int64_t n, int man_bits, int exp_bits) {
     const uint32_t amax = abs_max_bits_parallel(x, n);
     const Format f = format_of(man_bits, exp_bits);
-#pragma omp parallel for schedule(static) if (n >= PARALLEL_MIN)
+#pragma omp parallel for schedule(static) num_threads(team) if (n >= PARALLEL_MIN)
     for (int64_t start = 0; start < n; start += CHUNK)
         quantize_run(x + start, out + start, n - start < CHUNK ? n - start : CHUNK, amax, f);
 }
@@ -176,7 +183,7 @@ void dsq_fixed_then_bfp(const float *x, float *first, float *second, int64_t n, 
     const uint32_t amax = abs_max_bits_parallel(x, n);
     const Format f = format_of(f_man, f_exp), s = format_of(s_man, s_exp);
     const int64_t n_blocks = n / s_block;
-#pragma omp parallel for schedule(static) if (n >= PARALLEL_MIN)
+#pragma omp parallel for schedule(static) num_threads(team) if (n >= PARALLEL_MIN)
     for (int64_t b = 0; b < n_blocks; b++) {
         const int64_t at = b * s_block;
         if (s_block == 16) {
@@ -322,7 +329,7 @@ int dsq_bfp_quantize_and_pack(const float *x, float *values, uint8_t *out, uint8
     const size_t per_thread = tile_scratch_bytes(p_block, K);
     char *memory = malloc(per_thread * (size_t)threads());
     if (!memory) return -1;
-#pragma omp parallel for schedule(static) if (L * N * K >= PARALLEL_MIN)
+#pragma omp parallel for schedule(static) num_threads(team) if (L * N * K >= PARALLEL_MIN)
     for (int64_t t = 0; t < tiles; t++) {
         TileScratch s = tile_scratch(memory + per_thread * (size_t)thread_index(), K);
         const int64_t l = t / n_blocks, nb = t % n_blocks, row = l * N + nb * p_block;
@@ -451,7 +458,7 @@ int dsq_bfp_decode(const uint8_t *mantissas, int64_t m_size, const uint8_t *expo
     const size_t per_thread = (size_t)(n + n_blocks + 63) / 64 * 64;
     uint8_t *memory = malloc(per_thread * (size_t)threads());
     if (!memory) return -1;
-#pragma omp parallel for schedule(static) if (rows * n >= PARALLEL_MIN)
+#pragma omp parallel for schedule(static) num_threads(team) if (rows * n >= PARALLEL_MIN)
     for (int64_t r = 0; r < rows; r++) {
         uint8_t *codes = memory + per_thread * (size_t)thread_index(), *exps = codes + n;
         unpack_run(mantissas, m_size, r * n, n, man_bits, codes);

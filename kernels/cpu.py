@@ -21,6 +21,7 @@ import functools
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -33,8 +34,9 @@ SOURCE = Path(__file__).with_name("bfp_cpu.c")
 # (bfp_cpu.c's header) counts every rounding.
 FLAGS = ("-O3", "-std=c11", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math")
 # Tried in order until one builds: the machine's own instruction set, and OpenMP threads. At run
-# time the OpenMP calls bind to the libgomp torch has already loaded (same soname), so the
-# kernels share torch's thread pool and follow torch.set_num_threads.
+# time the OpenMP calls bind to the libgomp torch has already loaded where torch ships it as
+# libgomp.so.1 (same soname), sharing torch's thread pool; elsewhere the compiler's own runtime
+# loads beside torch's. Either way the wrappers pass torch's thread count (`dsq_set_threads`).
 VARIANTS = (("-march=native", "-fopenmp"), ("-fopenmp",), ())
 
 
@@ -42,12 +44,17 @@ class BuildError(RuntimeError):
     """The kernels could not be compiled or loaded here (the message says why)."""
 
 
-def _compiler() -> str:
-    name = os.environ.get("CC") or "cc"
-    found = shutil.which(name) or (shutil.which("gcc") if "CC" not in os.environ else None)
+def _compiler() -> list[str]:
+    """The C compiler's command ($CC may carry words, as in ``ccache gcc``)."""
+    command = shlex.split(os.environ.get("CC") or "cc")
+    if not command:
+        raise BuildError("CC is empty; set it to a C compiler")
+    found = shutil.which(command[0])
+    if found is None and "CC" not in os.environ:
+        found = shutil.which("gcc")
     if found is None:
-        raise BuildError(f"no C compiler ({name}) on PATH; set CC to one")
-    return found
+        raise BuildError(f"no C compiler ({command[0]}) on PATH; set CC to one")
+    return [found, *command[1:]]
 
 
 def _cpu_identity() -> str:
@@ -66,20 +73,34 @@ def cache_dir() -> Path:
     return Path(root) / "c-kernels"
 
 
-def _compile(compiler: str, flags: tuple[str, ...], target: Path) -> str | None:
-    """Compile into ``target`` atomically; the compiler's complaint, or None on success."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(suffix=".so", dir=target.parent)
+def _complaint(stderr: str) -> str:
+    """The compiler's first error line (the last line is usually "compilation terminated")."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if "error" in line.lower()]
+    return (errors or lines or ["failed without a message"])[0]
+
+
+def _compile(compiler: list[str], flags: tuple[str, ...], target: Path) -> str | None:
+    """Compile into ``target`` atomically (a temporary file renamed into place, readable by
+    all, as a shared cache needs); the compiler's complaint, or None on success. A failure is
+    remembered beside the target (``.failed``), so other processes do not compile it again."""
+    failed = target.with_suffix(".failed")
+    if failed.exists():
+        return failed.read_text()
+    handle, temporary = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=target.parent)
     os.close(handle)
     try:
         done = subprocess.run(
-            [compiler, *flags, str(SOURCE), "-o", temporary],
+            [*compiler, *flags, str(SOURCE), "-o", temporary],
             capture_output=True,
             text=True,
             check=False,
         )
         if done.returncode != 0:
-            return (done.stderr.strip().splitlines() or ["failed"])[-1]
+            complaint = _complaint(done.stderr)
+            _write_atomically(failed, complaint)
+            return complaint
+        os.chmod(temporary, 0o755)
         os.replace(temporary, target)
         return None
     finally:
@@ -87,51 +108,83 @@ def _compile(compiler: str, flags: tuple[str, ...], target: Path) -> str | None:
             os.unlink(temporary)
 
 
+def _write_atomically(path: Path, text: str) -> None:
+    handle, temporary = tempfile.mkstemp(prefix=".build-", dir=path.parent)
+    with os.fdopen(handle, "w") as file:
+        file.write(text)
+    os.replace(temporary, path)
+
+
 @functools.cache
 def library() -> ctypes.CDLL:
-    """The loaded kernels, built first if this machine has no cached build; BuildError if not."""
-    compiler = _compiler()
-    version = subprocess.run(
-        [compiler, "--version"], capture_output=True, text=True, check=False
-    ).stdout
+    """The loaded kernels, built first if this machine has no cached build; BuildError (never
+    another exception) if they cannot be built or loaded, naming the compiler and its complaint
+    for each variant tried."""
+    try:
+        compiler = _compiler()
+        version = subprocess.run(
+            [*compiler, "--version"], capture_output=True, text=True, check=False
+        ).stdout
+        cache_dir().mkdir(parents=True, exist_ok=True)
+    except OSError as err:  # an unwritable cache, a compiler that does not run
+        raise BuildError(f"the C kernels cannot be built here: {err}") from None
     source = SOURCE.read_bytes()
-    complaint = None
-    for flags in (FLAGS + variant for variant in VARIANTS):
+    complaints = []
+    for variant in VARIANTS:
+        flags = FLAGS + variant
         key = hashlib.sha256(
             b"\0".join(
                 [source, " ".join(flags).encode(), version.encode(), _cpu_identity().encode()]
             )
         ).hexdigest()[:20]
         target = cache_dir() / f"bfp_cpu-{key}.so"
-        if not target.exists():
-            complaint = _compile(compiler, flags, target)
-            if complaint is not None:
-                continue
         try:
-            return _declare(ctypes.CDLL(str(target)))
+            complaint = None if target.exists() else _compile(compiler, flags, target)
+            if complaint is None:
+                return _declare(ctypes.CDLL(str(target)))
         except OSError as err:
             complaint = str(err)
-    raise BuildError(f"the C kernels did not build with {compiler}: {complaint}")
+        complaints.append(f"[{' '.join(variant) or 'plain'}] {complaint}")
+    raise BuildError(
+        f"the C kernels did not build with {' '.join(compiler)}: {'; '.join(complaints)}"
+    )
 
 
 _switched_off = 0  # depth of `switched_off` blocks
 
 
 def unavailable_reason() -> str | None:
-    """Why the kernels cannot run here (DSQ_DISABLE_C_KERNELS set to anything but 0, inside
-    `switched_off`, no compiler, a failed build), or None when they can. Read on every call:
-    setting the variable takes effect at once."""
+    """Why the kernels cannot run here (`disabled_reason`, or `build_failure`), or None when
+    they can."""
+    return disabled_reason() or build_failure()
+
+
+def disabled_reason() -> str | None:
+    """Why the kernels are switched off (DSQ_DISABLE_C_KERNELS set to anything but 0, or inside
+    `switched_off`), or None. Read on every call: setting the variable takes effect at once."""
     if os.environ.get("DSQ_DISABLE_C_KERNELS", "") not in ("", "0"):
         return "DSQ_DISABLE_C_KERNELS is set"
     if _switched_off:
         return "switched off by the caller"
-    return _build_failure()
+    return None
+
+
+@functools.cache
+def build_failure() -> str | None:
+    """Why the kernels could not be built or loaded on this machine (BuildError's message), or
+    None once they are loaded."""
+    try:
+        library()
+    except BuildError as err:
+        return str(err)
+    return None
 
 
 @contextlib.contextmanager
 def switched_off():
-    """Within the block, `unavailable_reason` says no: what the callers run without the kernels
-    (a benchmark's side-by-side column, a test of the fallback)."""
+    """Within the block, `unavailable_reason` says no, in every thread of the process: what the
+    callers run without the kernels (a benchmark's side-by-side column, a test of the
+    fallback)."""
     global _switched_off
     _switched_off += 1
     try:
@@ -152,6 +205,7 @@ def _build_failure() -> str | None:
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     signatures = {
+        "dsq_set_threads": (None, [i32]),
         "dsq_bfp_quantize": (None, [p, p, i64, i64, i32, i32]),
         "dsq_fixed_quantize": (None, [p, p, i64, i32, i32]),
         "dsq_fixed_then_bfp": (None, [p, p, p, i64, i32, i32, i32, i32, i64]),
@@ -169,11 +223,26 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 
 # ----------------------------------------------------------------------------- wrappers
+_threads_set = 0  # the thread count the library was last told
+
+
+def _threaded() -> ctypes.CDLL:
+    """The library, told torch's thread count for this thread (OpenMP's count is per thread, and
+    the library's runtime may not be torch's)."""
+    global _threads_set
+    lib = library()
+    threads = torch.get_num_threads()
+    if threads != _threads_set:
+        lib.dsq_set_threads(threads)
+        _threads_set = threads
+    return lib
+
+
 def bfp_quantize(blocks: torch.Tensor, man_bits: int, exp_bits: int) -> torch.Tensor:
     """BFP(man_bits, exp_bits, B) of ``blocks`` [n_blocks, B] float32."""
     blocks = blocks.contiguous()
     out = torch.empty_like(blocks)
-    library().dsq_bfp_quantize(
+    _threaded().dsq_bfp_quantize(
         blocks.data_ptr(), out.data_ptr(), blocks.shape[0], blocks.shape[1], man_bits, exp_bits
     )
     return out
@@ -183,7 +252,9 @@ def fixed_quantize(flat: torch.Tensor, man_bits: int, exp_bits: int) -> torch.Te
     """fixed<man_bits> of ``flat`` [n] float32: one block over the whole tensor."""
     flat = flat.contiguous()
     out = torch.empty_like(flat)
-    library().dsq_fixed_quantize(flat.data_ptr(), out.data_ptr(), flat.numel(), man_bits, exp_bits)
+    _threaded().dsq_fixed_quantize(
+        flat.data_ptr(), out.data_ptr(), flat.numel(), man_bits, exp_bits
+    )
     return out
 
 
@@ -191,8 +262,10 @@ def fixed_then_bfp(flat, f_man: int, f_exp: int, s_man: int, s_exp: int, s_block
     """(first, second): ``fixed_quantize(flat, f_man, f_exp)`` and BFP(s_man, s_exp, s_block)
     of it in consecutive blocks (``flat``'s length a multiple of s_block)."""
     flat = flat.contiguous()
+    if flat.numel() % s_block:
+        raise ValueError(f"{flat.numel()} values are not whole blocks of {s_block}")
     first, second = torch.empty_like(flat), torch.empty_like(flat)
-    library().dsq_fixed_then_bfp(
+    _threaded().dsq_fixed_then_bfp(
         flat.data_ptr(), first.data_ptr(), second.data_ptr(), flat.numel(),
         f_man, f_exp, s_man, s_exp, s_block,
     )  # fmt: skip
@@ -209,13 +282,15 @@ def bfp_quantize_and_pack(
     padded), else one code per byte, [L, K, n_blocks * Bp] uint8."""
     rows = rows.contiguous()
     lead, n_blocks, p_block, k = rows.shape
+    if k % q_block:
+        raise ValueError(f"rows of {k} values are not whole blocks of {q_block}")
     if stream and (p_block * p_man) % 8:
         raise ValueError(f"blocks of {p_block} codes of {p_man} bits do not fill whole bytes")
     values = torch.empty(lead, n_blocks * p_block, k, dtype=torch.float32)
     size = lead * k * n_blocks * p_block
     out = torch.empty(size * p_man // 8 if stream else size, dtype=torch.uint8)
     exps = torch.empty(lead, k, n_blocks, dtype=torch.uint8)
-    status = library().dsq_bfp_quantize_and_pack(
+    status = _threaded().dsq_bfp_quantize_and_pack(
         rows.data_ptr(), values.data_ptr(), out.data_ptr(), exps.data_ptr(),
         lead, n_blocks, p_block, k, q_man, q_exp, q_block, p_man, p_exp, int(stream),
     )  # fmt: skip
@@ -229,7 +304,7 @@ def pack_codes(codes: torch.Tensor, width: int) -> torch.Tensor:
     codes = codes.contiguous()
     count = codes.numel()
     stream = torch.empty((count * width + 7) // 8, dtype=torch.uint8)
-    library().dsq_pack_codes(codes.data_ptr(), count, width, stream.data_ptr())
+    _threaded().dsq_pack_codes(codes.data_ptr(), count, width, stream.data_ptr())
     return stream
 
 
@@ -249,7 +324,7 @@ def bfp_decode(mantissas, exponents, rows: int, n: int, block: int, man_bits: in
                 f"of {width} bits"
             )
     out = torch.empty(rows, n, dtype=torch.float32)
-    status = library().dsq_bfp_decode(
+    status = _threaded().dsq_bfp_decode(
         mantissas.data_ptr(), mantissas.numel(), exponents.data_ptr(), exponents.numel(),
         out.data_ptr(), rows, n, block, man_bits, exp_bits,
     )  # fmt: skip

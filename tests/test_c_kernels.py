@@ -184,27 +184,71 @@ def test_switched_off_runs_the_torch_compile_kernels(monkeypatch):
     assert ran == []
 
 
-def test_a_failed_build_names_the_compiler(monkeypatch, tmp_path, caplog):
-    """No compiler: the reason says which and how to set one, and the compiled path falls back
-    to the torch.compile kernels (still exact); nothing is left in the cache."""
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+@pytest.fixture
+def fresh_loader(monkeypatch, tmp_path):
+    """The loader as in a new process, with its cache in tmp_path (restored afterwards)."""
     monkeypatch.setenv("DSQ_CACHE", str(tmp_path / "cache"))
-    c_kernels.library.cache_clear()
-    c_kernels._build_failure.cache_clear()
-    compiled._log_once.cache_clear()
-    try:
-        reason = c_kernels.unavailable_reason()
-        assert reason is not None and "no-such-cc" in reason and "CC" in reason
-        x = wide_tensor((4, 32), seed=6)
-        with caplog.at_level("INFO", logger="dsq.formats"):
-            out = parse_format("bfp8").quantize(x, backend="compiled")
-        assert_bitwise_equal(out, parse_format("bfp8").quantize(x, backend="reference"))
-        assert any("C kernels not used" in r.message for r in caplog.records)
-        assert not (tmp_path / "cache").exists()
-    finally:
+
+    def forget():
         c_kernels.library.cache_clear()
-        c_kernels._build_failure.cache_clear()
+        c_kernels.build_failure.cache_clear()
         compiled._log_once.cache_clear()
+
+    forget()
+    yield forget
+    forget()
+
+
+def _falls_back(caplog) -> None:
+    """A covered call runs the torch.compile kernels, exactly, with one warning saying so."""
+    x = wide_tensor((4, 32), seed=6)
+    with caplog.at_level("INFO", logger="dsq.formats"):
+        out = parse_format("bfp8").quantize(x, backend="compiled")
+    assert_bitwise_equal(out, parse_format("bfp8").quantize(x, backend="reference"))
+    warned = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and "slower torch.compile kernels" in warned[0].message
+
+
+def test_a_missing_compiler_is_named_and_the_path_falls_back(monkeypatch, tmp_path, caplog,
+                                                            fresh_loader):  # fmt: skip
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    reason = c_kernels.unavailable_reason()
+    assert reason is not None and "no-such-cc" in reason and "set CC" in reason
+    _falls_back(caplog)
+
+
+def test_an_unwritable_cache_falls_back(monkeypatch, tmp_path, caplog, fresh_loader):
+    """A cache path that cannot be a folder (a read-only home, a file in the way) is a build
+    failure like any other, not an exception from every quantizer call."""
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("DSQ_CACHE", str(tmp_path / "a-file"))
+    assert "cannot be built here" in c_kernels.unavailable_reason()
+    _falls_back(caplog)
+
+
+def test_a_compiler_error_is_quoted_and_not_repeated(monkeypatch, tmp_path, caplog, fresh_loader):
+    """The complaint is the compiler's error line (not its last line), for every variant tried;
+    a failed variant is remembered in the cache, so a new process does not compile it again.
+    $CC may hold several words."""
+    calls = tmp_path / "calls"
+    script = tmp_path / "fakecc.sh"
+    script.write_text(
+        f'echo x >> "{calls}"\n'
+        'case "$*" in *--version*) echo "fakecc 1.0"; exit 0;; esac\n'
+        'echo "bfp_cpu.c:1:1: error: no such thing" >&2\n'
+        'echo "compilation terminated." >&2\nexit 1\n'
+    )
+    monkeypatch.setenv("CC", f"sh {script}")
+    reason = c_kernels.unavailable_reason()
+    assert "error: no such thing" in reason and "compilation terminated" not in reason
+    assert reason.count("error: no such thing") == len(c_kernels.VARIANTS)
+    builds = len(calls.read_text().splitlines())
+    assert builds == 1 + len(c_kernels.VARIANTS)  # --version, then each variant
+    fresh_loader()  # a new process: --version again, no compilation
+    assert c_kernels.unavailable_reason() == reason
+    assert len(calls.read_text().splitlines()) == builds + 1
+    assert not list((tmp_path / "cache" / "c-kernels").glob(".build-*"))
+    _falls_back(caplog)
 
 
 def test_the_build_is_cached_by_content(monkeypatch, tmp_path):

@@ -512,13 +512,17 @@ def _run_whole_tensor(fn, blocks, u, man_bits: int, exp_bits: int):
 # ----------------------------------------------------------------------------- C kernels
 def _c_kernels(covered: bool):
     """``dsq_kernels.cpu`` when its C kernels cover the call (``covered``) and run on this
-    machine, else None: the torch.compile kernels run (why the C kernels cannot is logged
-    once)."""
+    machine, else None: the torch.compile kernels run. A failed build is a warning, once (the
+    run is slower, not different); kernels switched off on purpose are logged at INFO."""
     if not covered:
         return None
-    reason = c_kernels.unavailable_reason()
+    reason = c_kernels.disabled_reason()
     if reason is not None:
-        _log_once(f"C kernels not used ({reason}); the torch.compile kernels run")
+        _log_once(logging.INFO, f"C kernels not used ({reason}); the torch.compile kernels run")
+        return None
+    failure = c_kernels.build_failure()
+    if failure is not None:
+        _log_once(logging.WARNING, f"{failure}; the slower torch.compile kernels run instead")
         return None
     return c_kernels
 
@@ -531,8 +535,8 @@ def _c_format(man_bits: int, exp_bits: int, most: int = 23) -> bool:
 
 
 @functools.cache
-def _log_once(message: str) -> None:
-    logging.getLogger("dsq.formats").info(message)
+def _log_once(level: int, message: str) -> None:
+    logging.getLogger("dsq.formats").log(level, message)
 
 
 # ----------------------------------------------------------------------------- interface
