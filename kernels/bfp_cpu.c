@@ -200,6 +200,7 @@ void dsq_fixed_then_bfp(const float *x, float *first, float *second, int64_t n, 
 typedef struct {
     uint32_t *amax;  /* [k] column maxima (bits of |x|) */
     float *inverse;  /* [k] 1/p of each column, 0 for a column holding NaN or inf */
+    float *power;    /* [k] p of each column, NaN for a column holding NaN or inf */
     uint8_t *keep;   /* [k] 0xFF, or 0 for a column holding NaN or inf */
     uint8_t *exps;   /* [k] the exponent codes */
     uint64_t *words; /* [k] one group of each column's codes, bit-packed */
@@ -207,7 +208,7 @@ typedef struct {
 } TileScratch;
 
 static size_t tile_scratch_bytes(int64_t rows, int64_t k) {
-    return ((size_t)k * (8 + 4 + 4 + 1 + 1 + (size_t)rows) + 63) / 64 * 64;
+    return ((size_t)k * (8 + 4 + 4 + 4 + 1 + 1 + (size_t)rows) + 63) / 64 * 64;
 }
 
 static TileScratch tile_scratch(char *memory, int64_t k) {
@@ -215,14 +216,16 @@ static TileScratch tile_scratch(char *memory, int64_t k) {
     s.words = (uint64_t *)memory; /* the 8-byte array first: aligned */
     s.amax = (uint32_t *)(memory + k * 8);
     s.inverse = (float *)(memory + k * 12);
-    s.keep = (uint8_t *)(memory + k * 16);
-    s.exps = (uint8_t *)(memory + k * 17);
-    s.by_row = (uint8_t *)(memory + k * 18);
+    s.power = (float *)(memory + k * 16);
+    s.keep = (uint8_t *)(memory + k * 20);
+    s.exps = (uint8_t *)(memory + k * 21);
+    s.by_row = (uint8_t *)(memory + k * 22);
     return s;
 }
 
-/* The block of each column of a tile x [rows, k] (`row_stride` floats apart): its max, 1/p and
- * finiteness into the scratch, its exponent code to exps[kk * exp_stride]. */
+/* The block of each column of a tile x [rows, k] (`row_stride` floats apart): its max, p, 1/p
+ * and finiteness into the scratch, and its exponent code to exps[kk * exp_stride] (unless exps is
+ * NULL). */
 static void column_scales(const float *x, int64_t rows, int64_t k, int64_t row_stride,
                           TileScratch s, uint8_t *exps, int64_t exp_stride, Format f,
                           int exp_bits) {
@@ -237,10 +240,47 @@ static void column_scales(const float *x, int64_t rows, int64_t k, int64_t row_s
         int finite = s.amax[kk] < NONFINITE;
         int e = block_exponent(s.amax[kk], f.emax); /* any value for a non-finite column */
         s.inverse[kk] = finite ? pow2(-e) : 0.0f;
+        s.power[kk] = finite ? pow2(e) : __builtin_nanf("");
         s.keep[kk] = finite ? 0xFF : 0;
         s.exps[kk] = finite ? (uint8_t)(e + f.emax) : nonfinite_code;
     }
-    for (int64_t kk = 0; kk < k; kk++) exps[kk * exp_stride] = s.exps[kk];
+    if (exps)
+        for (int64_t kk = 0; kk < k; kk++) exps[kk * exp_stride] = s.exps[kk];
+}
+
+/* The values of a tile x [rows, k] quantized along its rows (one block per column), after
+ * `column_scales`: vectorised along k. A column holding NaN or inf comes out NaN (its power is
+ * NaN; no value reaches a conversion to an integer). */
+static void tile_values(const float *restrict x, float *restrict out, int64_t rows, int64_t k,
+                        TileScratch s, Format f) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t kk = 0; kk < k; kk++)
+            out[r * k + kk] =
+                round_clamped(x[r * k + kk] * s.inverse[kk] * f.up, f.limit) * f.down * s.power[kk];
+}
+
+/* BFP(man_bits, exp_bits, block) quantize along the middle axis of x [outer, n, inner] (blocks
+ * of `block` along n, the last one of each column partial when n is not a multiple), into out
+ * in the same layout: a block axis that is not the last one needs no transposed copy. Returns 0,
+ * or -1 when scratch memory could not be allocated (nothing is written then). */
+int dsq_bfp_quantize_columns(const float *x, float *out, int64_t outer, int64_t n, int64_t inner,
+                             int64_t block, int man_bits, int exp_bits) {
+    const Format f = format_of(man_bits, exp_bits);
+    const int64_t n_blocks = (n + block - 1) / block, tiles = outer * n_blocks;
+    const size_t per_thread = tile_scratch_bytes(block, inner);
+    char *memory = malloc(per_thread * (size_t)threads());
+    if (!memory) return -1;
+#pragma omp parallel for schedule(static) num_threads(team) if (outer * n * inner >= PARALLEL_MIN)
+    for (int64_t t = 0; t < tiles; t++) {
+        TileScratch s = tile_scratch(memory + per_thread * (size_t)thread_index(), inner);
+        const int64_t o = t / n_blocks, nb = t % n_blocks;
+        const int64_t rows = n - nb * block < block ? n - nb * block : block;
+        const int64_t at = (o * n + nb * block) * inner;
+        column_scales(x + at, rows, inner, inner, s, NULL, 0, f, exp_bits);
+        tile_values(x + at, out + at, rows, inner, s, f);
+    }
+    free(memory);
+    return 0;
 }
 
 /* The sign-magnitude code of v in column kk (0 for a column holding NaN or inf). */

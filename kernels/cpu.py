@@ -208,6 +208,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "dsq_set_threads": (None, [i32]),
         "dsq_bfp_quantize": (None, [p, p, i64, i64, i32, i32]),
         "dsq_fixed_quantize": (None, [p, p, i64, i32, i32]),
+        "dsq_bfp_quantize_columns": (i32, [p, p, i64, i64, i64, i64, i32, i32]),
         "dsq_fixed_then_bfp": (None, [p, p, p, i64, i32, i32, i32, i32, i64]),
         "dsq_bfp_quantize_and_pack": (
             i32,
@@ -245,6 +246,20 @@ def bfp_quantize(blocks: torch.Tensor, man_bits: int, exp_bits: int) -> torch.Te
     _threaded().dsq_bfp_quantize(
         blocks.data_ptr(), out.data_ptr(), blocks.shape[0], blocks.shape[1], man_bits, exp_bits
     )
+    return out
+
+
+def bfp_quantize_columns(x: torch.Tensor, block: int, man_bits: int, exp_bits: int):
+    """BFP(man_bits, exp_bits, block) of ``x`` [outer, n, inner] float32 along its middle axis,
+    in the same layout (blocks of ``block`` along n, the last one partial)."""
+    x = x.contiguous()
+    outer, n, inner = x.shape
+    out = torch.empty_like(x)
+    status = _threaded().dsq_bfp_quantize_columns(
+        x.data_ptr(), out.data_ptr(), outer, n, inner, block, man_bits, exp_bits
+    )
+    if status != 0:
+        raise MemoryError(f"no scratch memory for a tile of {block} x {inner}")
     return out
 
 

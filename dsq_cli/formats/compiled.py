@@ -553,6 +553,14 @@ def bfp_quantize(x, man_bits, exp_bits, block, axis, rounding="nearest", generat
     if kernels is not None and block is None:
         flat = x.detach().to(torch.float32).reshape(-1)
         return kernels.fixed_quantize(flat, man_bits, exp_bits).reshape(x.shape).to(x.dtype)
+    if kernels is not None and x.dim() > 1 and axis % x.dim() != x.dim() - 1:
+        # blocks along a non-last axis, in x's own layout (no transposed copy in or out)
+        x32 = x.detach().to(torch.float32)
+        axis = axis % x.dim()
+        outer, inner = math.prod(x.shape[:axis]), math.prod(x.shape[axis + 1 :])
+        columns = x32.reshape(outer, x.shape[axis], inner)
+        values = kernels.bfp_quantize_columns(columns, block, man_bits, exp_bits)
+        return values.reshape(x.shape).to(x.dtype)
     if kernels is not None:
         blocks, n, moved_shape = _rows(x, block, axis)
         values = kernels.bfp_quantize(blocks.reshape(-1, block), man_bits, exp_bits)
