@@ -154,7 +154,8 @@ static void quantize_blocks_serial(const float *x, float *out, int64_t n_blocks,
         quantize_blocks(x, out, n_blocks, block, f);
 }
 
-/* BFP(man_bits, exp_bits, block) quantize of n_blocks contiguous blocks: x, out [n_blocks, block]. */
+/* BFP(man_bits, exp_bits, block) quantize of n_blocks contiguous blocks: x, out [n_blocks,
+ * block]. */
 void dsq_bfp_quantize(const float *x, float *out, int64_t n_blocks, int64_t block, int man_bits,
                       int exp_bits) {
     const Format f = format_of(man_bits, exp_bits);
@@ -352,7 +353,8 @@ static void tile_stream(const float *x, int64_t rows, int64_t k, int64_t row_str
 }
 
 /* The engine's q0 and q1 of one activation, reading it once: x [L, N, K] (N = n_blocks * p_block
- * rows, padded by the caller):
+ * rows, padded by the caller), its rows `stride_n` floats apart and its matrices `stride_l`
+ * apart (K contiguous: an attention operand seen through a transpose needs no copy):
  *   values = BFP(q_man, q_exp, q_block) quantize along K (K a multiple of q_block), [L, N, K];
  *   the stash: BFP(p_man <= 8, p_exp, p_block) along N, in the stream's order (rows (l, k) of N
  *   codes), written to `out` as
@@ -361,9 +363,10 @@ static void tile_stream(const float *x, int64_t rows, int64_t k, int64_t row_str
  *       padding in N (each tile's column starts on a byte);
  *   and its exponent codes to exps [L, K, n_blocks], one byte each.
  * Returns 0, or -1 when scratch memory could not be allocated (nothing is written then). */
-int dsq_bfp_quantize_and_pack(const float *x, float *values, uint8_t *out, uint8_t *exps,
-                              int64_t L, int64_t n_blocks, int64_t p_block, int64_t K, int q_man,
-                              int q_exp, int64_t q_block, int p_man, int p_exp, int stream) {
+int dsq_bfp_quantize_and_pack(const float *x, int64_t stride_l, int64_t stride_n, float *values,
+                              uint8_t *out, uint8_t *exps, int64_t L, int64_t n_blocks,
+                              int64_t p_block, int64_t K, int q_man, int q_exp, int64_t q_block,
+                              int p_man, int p_exp, int stream) {
     const int64_t N = n_blocks * p_block, tiles = L * n_blocks;
     const Format q = format_of(q_man, q_exp), p = format_of(p_man, p_exp);
     const size_t per_thread = tile_scratch_bytes(p_block, K);
@@ -373,15 +376,19 @@ int dsq_bfp_quantize_and_pack(const float *x, float *values, uint8_t *out, uint8
     for (int64_t t = 0; t < tiles; t++) {
         TileScratch s = tile_scratch(memory + per_thread * (size_t)thread_index(), K);
         const int64_t l = t / n_blocks, nb = t % n_blocks, row = l * N + nb * p_block;
-        const float *tile = x + row * K;
+        const float *tile = x + l * stride_l + nb * p_block * stride_n;
         /* the values first: the tile is then in cache for the stash */
-        quantize_blocks_serial(tile, values + row * K, p_block * K / q_block, q_block, q);
-        column_scales(tile, p_block, K, K, s, exps + (l * K * n_blocks + nb), n_blocks, p, p_exp);
+        for (int64_t r = 0; r < p_block; r++)
+            quantize_blocks_serial(tile + r * stride_n, values + (row + r) * K, K / q_block,
+                                   q_block, q);
+        column_scales(tile, p_block, K, stride_n, s, exps + (l * K * n_blocks + nb), n_blocks, p,
+                      p_exp);
         if (stream)
-            tile_stream(tile, p_block, K, K, s, out + (l * K * N + nb * p_block) * p_man / 8,
+            tile_stream(tile, p_block, K, stride_n, s, out + (l * K * N + nb * p_block) * p_man / 8,
                         N * p_man / 8, p, p_man);
         else
-            tile_codes(tile, p_block, K, K, s, out + (l * K * N + nb * p_block), N, p, p_man);
+            tile_codes(tile, p_block, K, stride_n, s, out + (l * K * N + nb * p_block), N, p,
+                       p_man);
     }
     free(memory);
     return 0;

@@ -212,7 +212,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "dsq_fixed_then_bfp": (None, [p, p, p, i64, i32, i32, i32, i32, i64]),
         "dsq_bfp_quantize_and_pack": (
             i32,
-            [p, p, p, p, i64, i64, i64, i64, i32, i32, i64, i32, i32, i32],
+            [p, i64, i64, p, p, p, i64, i64, i64, i64, i32, i32, i64, i32, i32, i32],
         ),
         "dsq_pack_codes": (None, [p, i64, i32, p]),
         "dsq_bfp_decode": (i32, [p, i64, p, i64, p, i64, i64, i64, i32, i32]),
@@ -288,30 +288,31 @@ def fixed_then_bfp(flat, f_man: int, f_exp: int, s_man: int, s_exp: int, s_block
 
 
 def bfp_quantize_and_pack(
-    rows, q_man: int, q_exp: int, q_block: int, p_man: int, p_exp: int, stream: bool
+    x, p_block: int, q_man: int, q_exp: int, q_block: int, p_man: int, p_exp: int, stream: bool
 ):
-    """For ``rows`` [L, n_blocks, Bp, K] float32 (K a multiple of q_block, p_man <= 8):
-    (values [L, n_blocks * Bp, K] of BFP(q_man, q_exp, q_block) along K, the stash of
-    BFP(p_man, p_exp, Bp) along the rows, exponent codes [L, K, n_blocks] uint8). The stash is
-    its mantissa stream when ``stream`` (Bp * p_man a multiple of 8, and the caller's rows not
-    padded), else one code per byte, [L, K, n_blocks * Bp] uint8."""
-    rows = rows.contiguous()
-    lead, n_blocks, p_block, k = rows.shape
-    if k % q_block:
-        raise ValueError(f"rows of {k} values are not whole blocks of {q_block}")
+    """For ``x`` [L, N, K] float32 (N a multiple of p_block, K of q_block, p_man <= 8; K's
+    stride 1, the other two any): (values [L, N, K] of BFP(q_man, q_exp, q_block) along K, the
+    stash of BFP(p_man, p_exp, p_block) along N, exponent codes [L, K, N / p_block] uint8). The
+    stash is its mantissa stream when ``stream`` (p_block * p_man a multiple of 8, and the
+    caller's rows not padded), else one code per byte, [L, K, N] uint8."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    lead, n, k = x.shape
+    if n % p_block or k % q_block:
+        raise ValueError(f"[{n}, {k}] is not whole blocks of {p_block} rows and {q_block} values")
     if stream and (p_block * p_man) % 8:
         raise ValueError(f"blocks of {p_block} codes of {p_man} bits do not fill whole bytes")
-    values = torch.empty(lead, n_blocks * p_block, k, dtype=torch.float32)
-    size = lead * k * n_blocks * p_block
-    out = torch.empty(size * p_man // 8 if stream else size, dtype=torch.uint8)
-    exps = torch.empty(lead, k, n_blocks, dtype=torch.uint8)
+    values = torch.empty(lead, n, k, dtype=torch.float32)
+    out = torch.empty(lead * k * n * p_man // 8 if stream else lead * k * n, dtype=torch.uint8)
+    exps = torch.empty(lead, k, n // p_block, dtype=torch.uint8)
     status = _threaded().dsq_bfp_quantize_and_pack(
-        rows.data_ptr(), values.data_ptr(), out.data_ptr(), exps.data_ptr(),
-        lead, n_blocks, p_block, k, q_man, q_exp, q_block, p_man, p_exp, int(stream),
+        x.data_ptr(), x.stride(0), x.stride(1), values.data_ptr(), out.data_ptr(),
+        exps.data_ptr(), lead, n // p_block, p_block, k, q_man, q_exp, q_block, p_man, p_exp,
+        int(stream),
     )  # fmt: skip
     if status != 0:
         raise MemoryError(f"no scratch memory for a tile of {p_block} x {k}")
-    return values, out if stream else out.reshape(lead, k, n_blocks * p_block), exps
+    return values, out if stream else out.reshape(lead, k, n), exps
 
 
 def pack_codes(codes: torch.Tensor, width: int) -> torch.Tensor:

@@ -133,6 +133,24 @@ def test_quantize_and_pack_equals_reference(q, p, shape, nonfinite, monkeypatch)
         assert torch.equal(packed.payload[name], stream), name
 
 
+@pytest.mark.parametrize("layout", ["rows-strided", "last-axis-strided"])
+def test_quantize_and_pack_reads_strided_operands(layout, monkeypatch):
+    """An attention operand seen through a transpose: rows and matrices interleaved (read in
+    place, no copy), or the last axis itself strided (copied first); values and stash exact."""
+    fmt, stash = parse_format("bfp8"), parse_format("bfp4")
+    if layout == "rows-strided":
+        x = wide_tensor((48, 3, 64), seed=21).transpose(0, 1)  # [3, 48, 64], strides (64, 192, 1)
+    else:
+        x = wide_tensor((3, 64, 48), seed=22).transpose(1, 2)  # [3, 48, 64], last stride 48
+    assert not x.is_contiguous()
+    ran = spy(monkeypatch)
+    values, packed = fmt.quantize_and_pack(x, 2, stash, 1, backend="compiled")
+    assert "bfp_quantize_and_pack" in ran
+    assert_bitwise_equal(values, fmt.quantize(x, 2, backend="reference"), "values")
+    for name, stream in stash.pack(x, 1, backend="reference").payload.items():
+        assert torch.equal(packed.payload[name], stream), name
+
+
 @pytest.mark.parametrize("first,second", [("fixed16", "bfp8"), ("fixed8", "bfp3e4b8"),
                                           ("fixed23", "bfp23")])  # fmt: skip
 def test_chain_equals_reference(first, second, monkeypatch):

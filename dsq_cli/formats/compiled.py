@@ -626,22 +626,29 @@ def bfp_quantize_and_pack(x, q_args, axis, p_args, pack_axis):
     (q_man, q_exp, _), (p_man, p_exp, p_block) = q_args, p_args
     x32 = x.detach().to(torch.float32)
     n, k = x32.shape[-2:]
-    rows = x32.reshape(-1, n, k).contiguous()
     n_blocks = -(-n // p_block)
-    if n_blocks * p_block != n:
-        rows = torch.nn.functional.pad(rows, (0, 0, 0, n_blocks * p_block - n))
-    rows = rows.reshape(rows.shape[0], n_blocks, p_block, k)
     kernels = _c_kernels(_c_format(q_man, q_exp) and _c_format(p_man, p_exp, most=8))
     if kernels is not None:
+        # x in its own strides where whole blocks of rows tile it (an attention operand seen
+        # through a transpose: no copy), else padded to whole blocks
+        matrices = x32.reshape(-1, n, k)
+        if n_blocks * p_block != n:
+            matrices = torch.nn.functional.pad(matrices, (0, 0, 0, n_blocks * p_block - n))
         # the stream straight from the tiles when every block's codes start on a byte
         direct = n == n_blocks * p_block and (p_block * p_man) % 8 == 0
-        values, stash, exps = kernels.bfp_quantize_and_pack(rows, *q_args, p_man, p_exp, direct)
+        values, stash, exps = kernels.bfp_quantize_and_pack(
+            matrices, p_block, *q_args, p_man, p_exp, direct
+        )
         values = values[:, :n].reshape(x.shape)
         if direct:
             mantissas, exponents = stash, _pack_codes(exps.reshape(-1), p_exp)
         else:
-            mantissas, exponents = _streams(stash, exps, rows.shape[0] * k, n, p_man, p_exp)
+            mantissas, exponents = _streams(stash, exps, matrices.shape[0] * k, n, p_man, p_exp)
         return values.to(x.dtype), mantissas, exponents
+    rows = x32.reshape(-1, n, k).contiguous()
+    if n_blocks * p_block != n:
+        rows = torch.nn.functional.pad(rows, (0, 0, 0, n_blocks * p_block - n))
+    rows = rows.reshape(rows.shape[0], n_blocks, p_block, k)
     dyn = ((rows, 0), (rows, 1))
     fn = _quantize_and_codes_fn
     values, codes, exps = _run(fn, rows, *q_args, p_man, p_exp, dynamic_dims=dyn)
