@@ -1,4 +1,9 @@
-"""The fused CPU path: the reference semantics in float32, fused by torch.compile.
+"""The fused CPU path: the reference semantics in float32, in C kernels or fused by torch.compile.
+
+The formats a training step uses (nearest rounding, E <= 8, m <= 23; codes up to 8 bits) run in
+the C kernels of ``dsq_kernels.cpu`` (kernels/bfp_cpu.c, docs/formats.md "The C kernels"),
+chosen call by call in `_c_kernels`; everything else runs the torch.compile kernels below, as
+does every call where the C kernels cannot be built or are switched off.
 
 Eager PyTorch runs a quantizer as ~15 passes over memory; torch.compile fuses the block max,
 the exponent, the rounding and the rescaling into one loop over the blocks, so quantize runs near
@@ -246,9 +251,9 @@ def _join_planes(codes) -> torch.Tensor:
 def _pack_codes(codes: torch.Tensor, width: int) -> torch.Tensor:
     """Stage 2 of pack, on the host: the byte stream of flat integer ``codes`` (``_code_dtype``).
 
-    Widths 8, 16 and 32 are already the stream (a view, little-endian); narrower one-byte codes
-    are read eight at a time as int64 words (`_pack_bytes_fn`); the others run the compiled
-    byte gather over the compact codes, padded to whole groups first.
+    Widths 8, 16 and 32 are already the stream (a view, little-endian); other one-byte codes are
+    packed by the C kernels, or else read eight at a time as int64 words (`_pack_bytes_fn`); the
+    others run the compiled byte gather over the compact codes, padded to whole groups first.
     """
     # a flat slice such as codes[:, :1].reshape(-1) can be a strided view: the byte view needs
     # unit stride, and a strided stream would hold on to the whole padded buffer of codes
@@ -627,13 +632,13 @@ def bfp_quantize_and_pack(x, q_args, axis, p_args, pack_axis):
     x32 = x.detach().to(torch.float32)
     n, k = x32.shape[-2:]
     n_blocks = -(-n // p_block)
+    # x in its own strides where whole blocks of rows tile it (an attention operand seen through
+    # a transpose: the C kernels read it without a copy), else padded to whole blocks
+    matrices = x32.reshape(-1, n, k)
+    if n_blocks * p_block != n:
+        matrices = torch.nn.functional.pad(matrices, (0, 0, 0, n_blocks * p_block - n))
     kernels = _c_kernels(_c_format(q_man, q_exp) and _c_format(p_man, p_exp, most=8))
     if kernels is not None:
-        # x in its own strides where whole blocks of rows tile it (an attention operand seen
-        # through a transpose: no copy), else padded to whole blocks
-        matrices = x32.reshape(-1, n, k)
-        if n_blocks * p_block != n:
-            matrices = torch.nn.functional.pad(matrices, (0, 0, 0, n_blocks * p_block - n))
         # the stream straight from the tiles when every block's codes start on a byte
         direct = n == n_blocks * p_block and (p_block * p_man) % 8 == 0
         values, stash, exps = kernels.bfp_quantize_and_pack(
@@ -645,10 +650,7 @@ def bfp_quantize_and_pack(x, q_args, axis, p_args, pack_axis):
         else:
             mantissas, exponents = _streams(stash, exps, matrices.shape[0] * k, n, p_man, p_exp)
         return values.to(x.dtype), mantissas, exponents
-    rows = x32.reshape(-1, n, k).contiguous()
-    if n_blocks * p_block != n:
-        rows = torch.nn.functional.pad(rows, (0, 0, 0, n_blocks * p_block - n))
-    rows = rows.reshape(rows.shape[0], n_blocks, p_block, k)
+    rows = matrices.contiguous().reshape(matrices.shape[0], n_blocks, p_block, k)
     dyn = ((rows, 0), (rows, 1))
     fn = _quantize_and_codes_fn
     values, codes, exps = _run(fn, rows, *q_args, p_man, p_exp, dynamic_dims=dyn)
