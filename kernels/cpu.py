@@ -25,6 +25,7 @@ import shlex
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -108,6 +109,21 @@ def _compile(compiler: list[str], flags: tuple[str, ...], target: Path) -> str |
             os.unlink(temporary)
 
 
+STALE_AFTER_S = 3600  # a build takes about a second: an older temporary file's process died
+
+
+def _remove_stale_temporaries(directory: Path) -> None:
+    """Delete the temporary files of builds killed midway (they are never renamed into place);
+    a build still running in another process is far younger than STALE_AFTER_S."""
+    now = time.time()
+    for temporary in directory.glob(".build-*"):
+        try:
+            if now - temporary.stat().st_mtime > STALE_AFTER_S:
+                temporary.unlink()
+        except OSError:  # another process removed it first
+            pass
+
+
 def _write_atomically(path: Path, text: str) -> None:
     handle, temporary = tempfile.mkstemp(prefix=".build-", dir=path.parent)
     with os.fdopen(handle, "w") as file:
@@ -126,6 +142,7 @@ def library() -> ctypes.CDLL:
             [*compiler, "--version"], capture_output=True, text=True, check=False
         ).stdout
         cache_dir().mkdir(parents=True, exist_ok=True)
+        _remove_stale_temporaries(cache_dir())
     except OSError as err:  # an unwritable cache, a compiler that does not run
         raise BuildError(f"the C kernels cannot be built here: {err}") from None
     source = SOURCE.read_bytes()
@@ -191,15 +208,6 @@ def switched_off():
         yield
     finally:
         _switched_off -= 1
-
-
-@functools.cache
-def _build_failure() -> str | None:
-    try:
-        library()
-    except BuildError as err:
-        return str(err)
-    return None
 
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:

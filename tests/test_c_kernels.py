@@ -7,6 +7,8 @@ run, still exact)."""
 from __future__ import annotations
 
 import math
+import os
+import time
 
 import pytest
 import torch
@@ -267,6 +269,22 @@ def test_a_compiler_error_is_quoted_and_not_repeated(monkeypatch, tmp_path, capl
     assert len(calls.read_text().splitlines()) == builds + 1
     assert not list((tmp_path / "cache" / "c-kernels").glob(".build-*"))
     _falls_back(caplog)
+
+
+def test_a_killed_builds_temporary_file_is_swept(monkeypatch, tmp_path, fresh_loader):
+    """A process killed mid-build leaves its `.build-*` file; the next load deletes it once it
+    is older than any build could be, and leaves a younger one (a build running elsewhere)."""
+    cache = tmp_path / "cache" / "c-kernels"
+    cache.mkdir(parents=True)
+    stale, running = cache / ".build-killed.so", cache / ".build-running.so"
+    stale.write_bytes(b"half a library")
+    running.write_bytes(b"being written")
+    old = time.time() - c_kernels.STALE_AFTER_S - 60
+    os.utime(stale, (old, old))
+    monkeypatch.setenv("CC", f"sh {tmp_path / 'fakecc.sh'}")  # fails at once: no real build
+    (tmp_path / "fakecc.sh").write_text("echo 'error: none' >&2\nexit 1\n")
+    assert c_kernels.unavailable_reason() is not None
+    assert not stale.exists() and running.exists()
 
 
 def test_the_build_is_cached_by_content(monkeypatch, tmp_path):
