@@ -5,8 +5,9 @@ edits in this checkout cannot change a run in the middle. This copies, from CLON
 records (result.json, metrics.jsonl, schedule.jsonl, config.yaml) of every run under
 results/table1-cpu and results/ablations that has an outcome (completed or diverged; `dsq sweep`
 runs the others again), and rewrites
-the block after ``<!-- dsq table results/table1-cpu -->`` in docs/results.md to the output of
-``dsq table results/table1-cpu`` (tests/test_results_records.py checks that they agree).
+each fenced block of docs/results.md that follows a marker ``<!-- dsq table ARGS -->`` to the
+output of ``dsq table ARGS`` run from the repository root (tests/test_results_records.py checks
+that every such block agrees with its command).
 
 Usage: python scripts/study_records.py CLONE      (from the repository root)
 """
@@ -23,7 +24,7 @@ from pathlib import Path
 RECORDS = ("result.json", "metrics.jsonl", "schedule.jsonl", "config.yaml")
 OUTCOMES = ("completed", "diverged")
 ROOTS = ("results/table1-cpu", "results/ablations")
-MARKER = "<!-- dsq table results/table1-cpu -->"
+MARKER = "<!-- dsq table results/table1-cpu -->"  # the one block docs/results.md must hold
 
 
 def finished_runs(clone: Path):
@@ -53,20 +54,32 @@ def copy_runs(clone: Path, repo: Path) -> list[Path]:
     return copied
 
 
-# the fenced block after the marker; group 1 is the table (tests/test_results_records.py reads it)
-BLOCK = re.compile(re.escape(MARKER) + r"\n```\n(.*?)```\n", re.DOTALL)
+# a marker naming `dsq table`'s arguments, then the fenced block of its output; group 1 is the
+# arguments, group 2 the table (tests/test_results_records.py reads them)
+BLOCK = re.compile(r"<!-- dsq table ([^\n]*?) -->\n```\n(.*?)```\n", re.DOTALL)
 
 
-def refresh_table_block(repo: Path) -> None:
-    table = subprocess.run(
-        [sys.executable, "-m", "dsq_cli.cli", "table", "results/table1-cpu"],
+def dsq_table(repo: Path, args: str) -> str:
+    return subprocess.run(
+        [sys.executable, "-m", "dsq_cli.cli", "table", *args.split()],
         cwd=repo, check=True, capture_output=True, text=True,
     ).stdout  # fmt: skip
+
+
+def refresh_table_blocks(repo: Path) -> int:
+    """Rewrite every marked block to its command's output; how many there are."""
     doc = repo / "docs" / "results.md"
     text = doc.read_text()
-    if not BLOCK.search(text):
+    if MARKER not in text:
         raise SystemExit(f"docs/results.md has no fenced block after {MARKER}")
-    doc.write_text(BLOCK.sub(lambda _: f"{MARKER}\n```\n{table}```\n", text))
+
+    def block(match: re.Match) -> str:
+        args = match.group(1)
+        return f"<!-- dsq table {args} -->\n```\n{dsq_table(repo, args)}```\n"
+
+    text, count = BLOCK.subn(block, text)
+    doc.write_text(text)
+    return count
 
 
 def main() -> None:
@@ -75,8 +88,8 @@ def main() -> None:
     repo = Path(__file__).resolve().parents[1]
     for run in copy_runs(Path(sys.argv[1]).resolve(), repo):
         print(f"copied {run}")
-    refresh_table_block(repo)
-    print("docs/results.md: Table 1 block refreshed")
+    count = refresh_table_blocks(repo)
+    print(f"docs/results.md: {count} dsq table blocks refreshed")
 
 
 if __name__ == "__main__":

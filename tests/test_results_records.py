@@ -19,18 +19,24 @@ study_records = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(study_records)
 
 
-def documented_table() -> str:
-    match = study_records.BLOCK.search((REPO / "docs" / "results.md").read_text())
-    assert match, f"docs/results.md has no fenced block after {study_records.MARKER}"
-    return match.group(1)
+def documented_tables() -> list[tuple[str, str]]:
+    """(dsq table's arguments, the block that follows them) for every marked block."""
+    text = (REPO / "docs" / "results.md").read_text()
+    assert study_records.MARKER in text, f"docs/results.md has no {study_records.MARKER}"
+    return study_records.BLOCK.findall(text)
 
 
-def test_docs_table1_is_dsq_table_of_the_committed_records():
+def test_docs_table1_is_dsq_table_of_the_committed_records(monkeypatch):
+    """Every marked block (Table 1, the ablations, the stash moves) is its command's output."""
     records = sorted((REPO / "results" / "table1-cpu").rglob("result.json"))
     assert records, "results/table1-cpu holds no result.json"
-    result = CliRunner().invoke(app, ["table", str(REPO / "results" / "table1-cpu")])
-    assert result.exit_code == 0, result.output
-    assert result.stdout == documented_table()
+    blocks = documented_tables()
+    assert "results/table1-cpu" in [args for args, _ in blocks]
+    monkeypatch.chdir(REPO)
+    for args, block in blocks:
+        result = CliRunner().invoke(app, ["table", *args.split()])
+        assert result.exit_code == 0, result.output
+        assert result.stdout == block, f"docs/results.md's block of `dsq table {args}`"
 
 
 def test_the_records_are_the_small_files_only():
