@@ -194,4 +194,4 @@ def test_table_shows_glue_columns_beside_translation(sst2_run, tmp_path):
     rows = [line for line in result.output.splitlines() if line.startswith("| dsq")]
     assert any(row.startswith("| dsq |") and "26.41" in row for row in rows)
     # the GLUE run changed quant.q1.min_delta, so it sits in a row of its own
-    assert any(f"| {stored['value']:.2f} |" in row for row in rows)
+    assert any(f"| {stored['value']:.3f} |" in row for row in rows)

@@ -156,6 +156,22 @@ def test_markdown_rows_in_table1_order_with_the_runs_numbers(root):
     assert rows["dsq* (q1=bfp3)"][4:] == ["26.20", ratio_text(0.06), ratio_text(0.38), "3.5"]
 
 
+def test_glue_fractions_show_three_decimals_and_bleu_two(tmp_path):
+    """Two SST-2 presets 0.3 points of accuracy apart print apart (0.862, 0.865), as do a
+    seed spread below 0.005; BLEU keeps two decimals."""
+    root = tmp_path / "runs"
+    for preset, seed, accuracy in (("fp32", 1, 0.86238), ("dsq", 1, 0.86468), ("dsq", 2, 0.86812)):
+        result = result_json(preset, "multi30k", seed, "completed", accuracy, 1.0, 1.0, 32.0)
+        result.update(task="sst2", model="minilm", metric="accuracy", bleu=None)
+        write_run(root, result)
+    write_run(root, result_json("fp32", "multi30k", 1, "completed", 27.384, 1.0, 1.0, 32.0))
+    header, rows = parse_markdown(invoke("table", root).stdout)
+    assert header[1] == "multi30k BLEU" and header[5] == "sst2 Acc"
+    assert rows["fp32"][0] == "27.38" and rows["fp32"][4] == "0.862"
+    mean, std = statistics.fmean([0.86468, 0.86812]), statistics.stdev([0.86468, 0.86812])
+    assert rows["dsq"][4] == f"{mean:.3f} ± {std:.3f} (n=2)" == "0.866 ± 0.002 (n=2)"
+
+
 def test_markdown_seeds_give_mean_and_spread_and_count_what_did_not_complete(root):
     _, rows = parse_markdown(invoke("table", root).stdout)
     seeds = completed("dsq", "multi30k")
