@@ -14,7 +14,7 @@ from pathlib import Path
 
 from dsq_cli.atomic_files import atomic_path
 from dsq_cli.engine.config import POINTS
-from dsq_cli.run_result import RunResult
+from dsq_cli.run_result import RunResult, metric_decimals
 from dsq_cli.table import METRIC_LABELS, PAPER_REFERENCE, Table
 
 POINT_ROLES = {
@@ -197,7 +197,7 @@ def _run_title(run_dir: Path, result: RunResult | None) -> str:
     parts = [str(p) for p in (result.task, result.model) if p]
     parts.append(f"quant {result.preset}{'*' if result.quant.get('modified') else ''}")
     if result.completed:
-        parts.append(f"{result.metric} {result.value:.2f}")
+        parts.append(f"{result.metric} {result.value:.{metric_decimals(result.metric)}f}")
     else:
         parts.append(result.status)
     return f"{title}\n{', '.join(parts)}" if parts else title

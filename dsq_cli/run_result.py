@@ -25,7 +25,9 @@ from dsq_cli import runs
 
 FILENAME = "result.json"
 STATUSES = ("completed", "interrupted", "diverged", "failed", "running")
-METRICS = ("bleu", "accuracy", "mcc", "f1", "pearson", "spearman", "perplexity")
+# GLUE's metrics, fractions from 0 (or -1) to 1; BLEU is 0 to 100, perplexity 1 and up
+FRACTION_METRICS = ("accuracy", "mcc", "f1", "pearson", "spearman")
+METRICS = ("bleu", *FRACTION_METRICS, "perplexity")
 POINTS = ("q0", "q1", "q2", "q3")  # the four quantization points (docs/dsq.md); defined once, here
 COST_KEYS = ("arith_ratio", "dram_ratio", "baseline")
 # What a reader cannot do without (the rest has defaults for result.json files of older runs).
@@ -35,6 +37,13 @@ REQUIRED = ("status", "task", "quant", "metric", "value", "valid_loss", "updates
 TRAINED = ("epochs", "budget", "best_valid_loss", "bits_final", "precision_segments", "patch",
            "memory")  # fmt: skip
 MIB = 2**20
+
+
+def metric_decimals(metric: str) -> int:
+    """The decimals a metric is shown with: three for a fraction, so that runs a point of
+    accuracy apart (an SST-2 dev example is about 0.1 point) do not print alike; two for BLEU
+    and perplexity."""
+    return 3 if metric in FRACTION_METRICS else 2
 
 
 def unpriced(baseline: str = "fixed32") -> dict:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from dsq_cli.presets import TABLE1_ORDER, quant_differences
-from dsq_cli.run_result import POINTS, RunResult
+from dsq_cli.run_result import POINTS, RunResult, metric_decimals
 
 FORMATS = ("markdown", "csv", "latex", "json")
 METRIC_LABELS = {
@@ -357,17 +357,8 @@ def _fmt_ratio(ratio: float) -> str:
     return f"{ratio:.3g} ({1 / ratio:.3g}x)"
 
 
-FRACTION_METRICS = {"accuracy", "mcc", "f1", "pearson", "spearman"}  # GLUE's, from 0 (or -1) to 1
-
-
-def _metric_digits(metric: str) -> int:
-    """GLUE's fractions to three decimals, so that presets a point of accuracy apart do not
-    print alike; BLEU (0 to 100), perplexity and the rest to two."""
-    return 3 if metric in FRACTION_METRICS else 2
-
-
 def _metric_text(cell: Cell, pm: str) -> str:
-    digits = _metric_digits(cell.runs[0].metric)
+    digits = metric_decimals(cell.runs[0].metric)
     text = f"{cell.metric_mean:.{digits}f}"
     notes = [cell.note] if cell.note else []
     if cell.metric_std is not None:

@@ -109,12 +109,13 @@ def _compile(compiler: list[str], flags: tuple[str, ...], target: Path) -> str |
             os.unlink(temporary)
 
 
-STALE_AFTER_S = 3600  # a build takes about a second: an older temporary file's process died
+STALE_AFTER_S = 86400  # a build takes about a second: a day-old temporary file's build died
 
 
 def _remove_stale_temporaries(directory: Path) -> None:
-    """Delete the temporary files of builds killed midway (they are never renamed into place);
-    a build still running in another process is far younger than STALE_AFTER_S."""
+    """Delete the temporary files of builds killed midway (they are never renamed into place).
+    A build still running in another process is far younger than STALE_AFTER_S, also when it
+    was suspended for hours or runs on another host of a shared cache whose clock is off."""
     now = time.time()
     for temporary in directory.glob(".build-*"):
         try:

@@ -28,8 +28,8 @@ from dsq_cli.data.glue import prepare as glue_prepare
 from dsq_cli.data.glue import tasks as glue_tasks
 from dsq_cli.data.raw import DataError
 from dsq_cli.data.sources import Download
-from dsq_cli.run_result import METRICS
-from dsq_cli.train.glue_metrics import average_ranks, compute_metrics
+from dsq_cli.run_result import FRACTION_METRICS, METRICS
+from dsq_cli.train.glue_metrics import METRIC_FUNCTIONS, average_ranks, compute_metrics
 
 GLUE_DATA = SHARED_DATA / "glue"
 needs_glue = pytest.mark.skipif(
@@ -691,6 +691,12 @@ def test_metrics_against_hand_computed_values():
     assert stsb["pearson"] == pytest.approx(9 / math.sqrt(84))
     assert stsb["spearman"] == pytest.approx(1.0)  # the same order
     assert stsb["glue_score"] == pytest.approx((9 / math.sqrt(84) + 1) / 2)
+
+
+def test_every_glue_metric_is_a_fraction_to_the_result_type():
+    """result.json readers (dsq table, the plots) show fractions to three decimals: a metric
+    added to the GLUE registry is one of them."""
+    assert set(METRIC_FUNCTIONS) == set(FRACTION_METRICS)
 
 
 def test_average_ranks_share_ties():
