@@ -1,4 +1,4 @@
-"""Bring a study's finished runs into this checkout, then refresh docs/results.md's Table 1 block.
+"""Bring a study's finished runs into this checkout, then refresh docs/results.md's tables.
 
 The Table 1 study (scripts/table1_cpu.sh) is best run in a clone of its own, so that code
 edits in this checkout cannot change a run in the middle. This copies, from CLONE, the small
@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 RECORDS = ("result.json", "metrics.jsonl", "schedule.jsonl", "config.yaml")
@@ -57,27 +59,60 @@ def copy_runs(clone: Path, repo: Path) -> list[Path]:
 # a marker naming `dsq table`'s arguments, then the fenced block of its output; group 1 is the
 # arguments, group 2 the table (tests/test_results_records.py reads them)
 BLOCK = re.compile(r"<!-- dsq table ([^\n]*?) -->\n```\n(.*?)```\n", re.DOTALL)
+ANY_MARKER = re.compile(r"<!-- dsq table\b[^\n]*")  # also one BLOCK would not match
+WRITES = ("--plot", "--out", "--wandb")  # options that write files or runs, not the block
 
 
-def dsq_table(repo: Path, args: str) -> str:
-    return subprocess.run(
-        [sys.executable, "-m", "dsq_cli.cli", "table", *args.split()],
-        cwd=repo, check=True, capture_output=True, text=True,
-    ).stdout  # fmt: skip
-
-
-def refresh_table_blocks(repo: Path) -> int:
-    """Rewrite every marked block to its command's output; how many there are."""
-    doc = repo / "docs" / "results.md"
-    text = doc.read_text()
+def table_blocks(text: str) -> list[tuple[str, str]]:
+    """(arguments, block) of every marker; ValueError for a marker BLOCK does not match (no
+    fenced block right after it, a fence with a language), or when Table 1's is missing."""
+    blocks = BLOCK.findall(text)
+    if len(ANY_MARKER.findall(text)) != len(blocks):
+        matched = {m.start() for m in BLOCK.finditer(text)}
+        bad = [m.group(0) for m in ANY_MARKER.finditer(text) if m.start() not in matched]
+        raise ValueError(f"docs/results.md: {bad[0]!r} is not followed by a plain ``` block")
     if MARKER not in text:
-        raise SystemExit(f"docs/results.md has no fenced block after {MARKER}")
+        raise ValueError(f"docs/results.md has no {MARKER} and its block")
+    return blocks
+
+
+def table_args(args: str) -> list[str]:
+    """A marker's arguments as `dsq table` gets them; options that write elsewhere refused."""
+    words = shlex.split(args)
+    writing = [w for w in words if w.split("=", 1)[0].startswith(WRITES)]
+    if writing:
+        raise ValueError(f"<!-- dsq table {args} -->: {writing[0]} writes elsewhere; drop it")
+    return words
+
+
+def refresh(text: str, table: Callable[[list[str]], str]) -> tuple[str, int]:
+    """The text with every marked block replaced by ``table(arguments)``, and their count."""
+    table_blocks(text)  # every marker has its block
 
     def block(match: re.Match) -> str:
         args = match.group(1)
-        return f"<!-- dsq table {args} -->\n```\n{dsq_table(repo, args)}```\n"
+        return f"<!-- dsq table {args} -->\n```\n{table(table_args(args))}```\n"
 
-    text, count = BLOCK.subn(block, text)
+    return BLOCK.subn(block, text)
+
+
+def dsq_table(repo: Path, words: list[str]) -> str:
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", "dsq_cli.cli", "table", *words],
+            cwd=repo, check=True, capture_output=True, text=True,
+        ).stdout  # fmt: skip
+    except subprocess.CalledProcessError as err:
+        raise SystemExit(f"dsq table {shlex.join(words)} failed: {err.stderr.strip()}") from None
+
+
+def refresh_table_blocks(repo: Path) -> int:
+    """Rewrite docs/results.md's marked blocks to their commands' output; how many there are."""
+    doc = repo / "docs" / "results.md"
+    try:
+        text, count = refresh(doc.read_text(), lambda words: dsq_table(repo, words))
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
     doc.write_text(text)
     return count
 
