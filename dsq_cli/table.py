@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from dsq_cli.presets import TABLE1_ORDER, quant_differences
+from dsq_cli.presets import PRESET_ORDER, quant_differences
 from dsq_cli.run_result import POINTS, RunResult, metric_decimals
 
 FORMATS = ("markdown", "csv", "latex", "json")
@@ -255,8 +255,8 @@ def row_name(quant: Mapping) -> str:
 
 def _row_order(row: str) -> tuple:
     preset = row.split("*", 1)[0].split(" (", 1)[0]  # dsq* (q1=bfp3), fp32 (validate_every=40)
-    known = preset in TABLE1_ORDER
-    rank = TABLE1_ORDER.index(preset) if known else len(TABLE1_ORDER)
+    known = preset in PRESET_ORDER
+    rank = PRESET_ORDER.index(preset) if known else len(PRESET_ORDER)
     return (rank, preset, row != preset, row)
 
 
