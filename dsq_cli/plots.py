@@ -237,6 +237,18 @@ def frontier_points(table: Table) -> list[dict]:
     return points
 
 
+def row_styles(rows: list[str]) -> dict[str, tuple]:
+    """Each row's (colour, marker): a colour of its own (tab10, or tab20 past ten rows), a dot for
+    a preset's own row and a diamond for a variant of one (``dsq* (...)``, ``dsq (budget)``)."""
+    from matplotlib import colormaps
+
+    palette = colormaps["tab10" if len(rows) <= 10 else "tab20"].colors
+    return {
+        row: (palette[i % len(palette)], "D" if "*" in row or " (" in row else "o")
+        for i, row in enumerate(rows)
+    }
+
+
 def plot_frontier(table: Table, out: str | os.PathLike) -> Path:
     """The trade-off frontier: each task's metric against the arithmetic and the DRAM ratio
     (one panel each, one row of panels per task), a labelled point per Table 1 row."""
@@ -244,10 +256,7 @@ def plot_frontier(table: Table, out: str | os.PathLike) -> Path:
     columns = [c for c in table.columns if any(p["column"] == c for p in points)]
     if not columns:
         raise ValueError("no completed runs to plot")
-    from matplotlib import colormaps
-
-    palette = colormaps["tab10"].colors
-    colours = {row: palette[i % len(palette)] for i, row in enumerate(table.rows)}
+    styles = row_styles(table.rows)
     baseline = "/".join(table.baselines) or "fixed32"
     fig, axes = _figure(11, 4.2 * len(columns), rows=len(columns), cols=2)
     paper = PAPER_REFERENCE
@@ -269,10 +278,10 @@ def plot_frontier(table: Table, out: str | os.PathLike) -> Path:
                     point[key],
                     point["metric_mean"],
                     yerr=point["metric_std"],
-                    fmt="o",
+                    fmt=styles[point["row"]][1],
                     markersize=7,
                     capsize=3,
-                    color=colours[point["row"]],
+                    color=styles[point["row"]][0],
                 )
             ax.axvline(paper_x[key], color="0.4", linestyle="--", linewidth=1)
             ax.annotate(

@@ -386,6 +386,18 @@ def test_table_plot_writes_the_frontier_png(root, tmp_path):
     assert invoke("table", root, "--plot", tmp_path / "frontier.svg").exit_code == 2
 
 
+def test_frontier_rows_keep_their_own_colour_and_variants_are_diamonds():
+    """Twelve rows (nine presets and three ablations) get twelve colours; a preset's own row is
+    a dot, a variant of one (points or budget changed) a diamond."""
+    from dsq_cli.plots import row_styles
+    from dsq_cli.presets import TABLE1_ORDER
+
+    rows = [*TABLE1_ORDER, "dsq (validate_every=40)", "dsq* (q1.patience=2)", "dsq_bfp3"]
+    styles = row_styles(rows)
+    assert len({colour for colour, _ in styles.values()}) == len(rows)
+    assert {row for row, (_, marker) in styles.items() if marker == "D"} == set(rows[9:11])
+
+
 def test_wandb_logs_the_table_offline(root, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
