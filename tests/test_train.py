@@ -257,8 +257,9 @@ def test_nan_loss_stops_as_diverged_and_keeps_the_last_good_checkpoint(
 
 
 def test_sigterm_checkpoints_and_resume_matches_an_uninterrupted_run(tmp_path, cache_dir):
-    # a stochastic stash: the resumed run must also continue the rounding noise's stream
-    args = small(cache_dir, tmp_path / "x", "train.max_updates=10", "train.validate_every=3",
+    # a stochastic stash: the resumed run must also continue the rounding noise's stream; stopped
+    # in its second epoch (19 updates each): a later epoch's batches must be the same too
+    args = small(cache_dir, tmp_path / "x", "train.max_updates=24", "train.validate_every=6",
                  "quant.rounding.q1=stochastic")  # fmt: skip
     straight = subprocess.run(
         [DSQ, "train", *[a for a in args if not a.startswith("run.root")],
@@ -272,14 +273,15 @@ def test_sigterm_checkpoints_and_resume_matches_an_uninterrupted_run(tmp_path, c
         [DSQ, "train", *[a for a in args if not a.startswith("run.root")], f"run.dir={stopped}"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
-    wait_for_update(stopped / "metrics.jsonl", 4, proc)
+    wait_for_update(stopped / "metrics.jsonl", 21, proc)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert f"dsq train resume={stopped}" in err
     interrupted = json.loads((stopped / "result.json").read_text())
     assert interrupted["status"] == "interrupted"
-    assert 4 <= interrupted["updates"] < 10
+    assert 21 <= interrupted["updates"] < 24
+    assert [m["epoch"] for m in read_jsonl(stopped / "metrics.jsonl")][-1] == 2
 
     # a real change of what the run is made of is refused, naming the stored value
     for change, stored in [("logger=wandb", "logger=none"), ("seed=2", "seed=1"),

@@ -186,8 +186,12 @@ class TranslationTrainer(Trainer):
         self.fairseq_trainer.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.fairseq_trainer.set_num_updates(state["num_updates"])
         itr_state = state["epoch_iterator"]
+        # The iterator an uninterrupted run uses in every epoch: fairseq's, cached for the
+        # dataset loaded at the start. Reloading the dataset built a new one, whose batches hold
+        # other sentences of the same lengths, so a run resumed after its first epoch trained on
+        # other batches than it would have.
         self.epoch_itr = self.fairseq_trainer.get_train_iterator(
-            epoch=itr_state["epoch"], load_dataset=True
+            epoch=itr_state["epoch"], load_dataset=False
         )
         self.epoch_itr.load_state_dict(itr_state)
         self._loaded_iterator_state = itr_state
