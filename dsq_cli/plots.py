@@ -15,7 +15,7 @@ from pathlib import Path
 from dsq_cli.atomic_files import atomic_path
 from dsq_cli.engine.config import POINTS
 from dsq_cli.run_result import RunResult, metric_decimals
-from dsq_cli.table import METRIC_LABELS, PAPER_REFERENCE, Table
+from dsq_cli.table import METRIC_LABELS, PAPER_REFERENCE, Table, row_preset
 
 POINT_ROLES = {
     "q0": "forward x, W",
@@ -244,7 +244,7 @@ def row_styles(rows: list[str]) -> dict[str, tuple]:
 
     palette = colormaps["tab10" if len(rows) <= 10 else "tab20"].colors
     return {
-        row: (palette[i % len(palette)], "D" if "*" in row or " (" in row else "o")
+        row: (palette[i % len(palette)], "o" if row == row_preset(row) else "D")
         for i, row in enumerate(rows)
     }
 

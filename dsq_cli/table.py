@@ -253,8 +253,14 @@ def row_name(quant: Mapping) -> str:
     return f"{preset}* ({', '.join(differences)})" if differences else f"{preset}*"
 
 
+def row_preset(row: str) -> str:
+    """The preset a row belongs to: ``dsq`` for ``dsq* (q1=bfp3)`` and ``dsq (validate_every=40)``;
+    a row other than its preset is a variant of it."""
+    return row.split("*", 1)[0].split(" (", 1)[0]
+
+
 def _row_order(row: str) -> tuple:
-    preset = row.split("*", 1)[0].split(" (", 1)[0]  # dsq* (q1=bfp3), fp32 (validate_every=40)
+    preset = row_preset(row)
     known = preset in PRESET_ORDER
     rank = PRESET_ORDER.index(preset) if known else len(PRESET_ORDER)
     return (rank, preset, row != preset, row)

@@ -23,6 +23,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from dsq_cli.atomic_files import write_atomic
+
 RECORDS = ("result.json", "metrics.jsonl", "schedule.jsonl", "config.yaml")
 OUTCOMES = ("completed", "diverged")
 ROOTS = ("results/table1-cpu", "results/ablations")
@@ -113,7 +115,7 @@ def refresh_table_blocks(repo: Path) -> int:
         text, count = refresh(doc.read_text(), lambda words: dsq_table(repo, words))
     except ValueError as err:
         raise SystemExit(str(err)) from None
-    doc.write_text(text)
+    write_atomic(doc, text)
     return count
 
 
