@@ -172,6 +172,15 @@ def bench_quant(
     _print_bench(result, as_json, quant.format_table)
 
 
+def _choices(option: str, text: str, allowed) -> tuple[str, ...]:
+    """A comma-separated option's values, each one of ``allowed`` (a usage error otherwise)."""
+    chosen = tuple(s.strip() for s in text.split(",") if s.strip())
+    bad = [s for s in chosen if s not in allowed]
+    if bad or not chosen:
+        raise ValueError(f"{option}: unknown value(s) {bad}; choose from {list(allowed)}")
+    return chosen
+
+
 @bench_app.command("step")
 @usage_errors
 def bench_step(
@@ -190,23 +199,29 @@ def bench_step(
         help="Comma-separated stash scopes timed for every preset but fp32: gemm (GEMM inputs "
         "only, the paper's) and all (every saved activation).",
     ),
+    gemm_units: str = typer.Option(
+        "auto",
+        help="Comma-separated quant.gemm_unit settings timed for every preset but fp32: auto "
+        "(each GEMM on the fastest unit exact for its operands, e.g. bf16) and fp32 (every GEMM "
+        "in float32).",
+    ),
     device: str = typer.Option("cpu", help="cpu or cuda."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ):
-    """Time a training step of a small fairseq transformer per quant preset and stash scope,
-    side by side."""
+    """Time a training step of a small fairseq transformer per quant preset, stash scope and
+    GEMM unit setting, side by side."""
     from dsq_cli.bench import step
     from dsq_cli.engine.config import STASH_SCOPES
+    from dsq_cli.engine.units import SETTINGS
 
     names = _preset_names(presets)
-    scope_list = tuple(s.strip() for s in scopes.split(",") if s.strip())
-    bad = [s for s in scope_list if s not in STASH_SCOPES]
-    if bad or not scope_list:
-        raise ValueError(f"--scopes: unknown scope(s) {bad}; choose from {list(STASH_SCOPES)}")
+    scope_list = _choices("--scopes", scopes, STASH_SCOPES)
+    unit_list = _choices("--gemm-units", gemm_units, SETTINGS)
     _check_device(device)
     result = step.run(
-        names, layers, width, tokens, src_len, repeats, vocab, device=device, scopes=scope_list
-    )
+        names, layers, width, tokens, src_len, repeats, vocab, device=device, scopes=scope_list,
+        gemm_units=unit_list,
+    )  # fmt: skip
     _print_bench(result, as_json, step.format_table)
 
 

@@ -35,7 +35,7 @@ REQUIRED = ("status", "task", "quant", "metric", "value", "valid_loss", "updates
             "wall_seconds", "cost", "stash_bits_mean", "versions")  # fmt: skip
 # Written together once training has been summarised (``epochs`` set), None values included.
 TRAINED = ("epochs", "budget", "best_valid_loss", "bits_final", "precision_segments", "patch",
-           "memory")  # fmt: skip
+           "memory", "gemm_units")  # fmt: skip
 MIB = 2**20
 
 
@@ -85,6 +85,8 @@ class RunResult:
     precision_segments: list[dict[str, Any]] | None = None  # [{points, updates}, ...]
     patch: dict[str, Any] | None = None  # which modules the engine patched
     memory: dict[str, Any] | None = None  # what the run held (`memory_record`)
+    # the quantized GEMMs run per GEMM kind and unit: {"linear.forward": {"bf16": 12800}, ...}
+    gemm_units: dict[str, dict[str, int]] | None = None
     evaluation: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     # -- reading and writing ----------------------------------------------------------------

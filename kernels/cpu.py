@@ -81,7 +81,9 @@ def _complaint(stderr: str) -> str:
     return (errors or lines or ["failed without a message"])[0]
 
 
-def _compile(compiler: list[str], flags: tuple[str, ...], target: Path) -> str | None:
+def _compile(
+    compiler: list[str], flags: tuple[str, ...], source: Path, target: Path, links=()
+) -> str | None:
     """Compile into ``target`` atomically (a temporary file renamed into place, readable by
     all, as a shared cache needs); the compiler's complaint, or None on success. A failure is
     remembered beside the target (``.failed``), so other processes do not compile it again."""
@@ -92,7 +94,7 @@ def _compile(compiler: list[str], flags: tuple[str, ...], target: Path) -> str |
     os.close(handle)
     try:
         done = subprocess.run(
-            [*compiler, *flags, str(SOURCE), "-o", temporary],
+            [*compiler, *flags, str(source), "-o", temporary, *links],
             capture_output=True,
             text=True,
             check=False,
@@ -132,11 +134,13 @@ def _write_atomically(path: Path, text: str) -> None:
     os.replace(temporary, path)
 
 
-@functools.cache
-def library() -> ctypes.CDLL:
-    """The loaded kernels, built first if this machine has no cached build; BuildError (never
-    another exception) if they cannot be built or loaded, naming the compiler and its complaint
-    for each variant tried."""
+def build(
+    source: Path, variants, flags=FLAGS, links: tuple[str, ...] = (), identity: str = ""
+) -> ctypes.CDLL:
+    """``source`` compiled into a cached shared library (one build per source, flags, compiler,
+    CPU and ``identity``: what else the build depends on, such as a linked library's path) and
+    loaded; the first of ``variants`` (extra flags) that builds wins. BuildError (never another
+    exception) if none builds or loads, naming the compiler and its complaint for each."""
     try:
         compiler = _compiler()
         version = subprocess.run(
@@ -146,26 +150,41 @@ def library() -> ctypes.CDLL:
         _remove_stale_temporaries(cache_dir())
     except OSError as err:  # an unwritable cache, a compiler that does not run
         raise BuildError(f"the C kernels cannot be built here: {err}") from None
-    source = SOURCE.read_bytes()
+    text = source.read_bytes()
     complaints = []
-    for variant in VARIANTS:
-        flags = FLAGS + variant
+    for variant in variants:
+        all_flags = tuple(flags) + tuple(variant)
         key = hashlib.sha256(
             b"\0".join(
-                [source, " ".join(flags).encode(), version.encode(), _cpu_identity().encode()]
+                [
+                    text,
+                    " ".join(all_flags + tuple(links)).encode(),
+                    version.encode(),
+                    _cpu_identity().encode(),
+                    identity.encode(),
+                ]
             )
         ).hexdigest()[:20]
-        target = cache_dir() / f"bfp_cpu-{key}.so"
+        target = cache_dir() / f"{source.stem}-{key}.so"
         try:
-            complaint = None if target.exists() else _compile(compiler, flags, target)
+            complaint = (
+                None if target.exists() else _compile(compiler, all_flags, source, target, links)
+            )
             if complaint is None:
-                return _declare(ctypes.CDLL(str(target)))
+                return ctypes.CDLL(str(target))
         except OSError as err:
             complaint = str(err)
         complaints.append(f"[{' '.join(variant) or 'plain'}] {complaint}")
     raise BuildError(
-        f"the C kernels did not build with {' '.join(compiler)}: {'; '.join(complaints)}"
+        f"{source.name} did not build with {' '.join(compiler)}: {'; '.join(complaints)}"
     )
+
+
+@functools.cache
+def library() -> ctypes.CDLL:
+    """The loaded kernels, built first if this machine has no cached build; BuildError (never
+    another exception) if they cannot be built or loaded."""
+    return _declare(build(SOURCE, VARIANTS))
 
 
 _switched_off = 0  # depth of `switched_off` blocks

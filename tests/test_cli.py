@@ -166,7 +166,7 @@ def test_bench_step_json_on_a_tiny_transformer():
 def test_bench_step_unknown_scope_is_one_line_exit_2():
     result = runner.invoke(app, ["bench", "step", "--scopes", "gemm,some"])
     assert result.exit_code == 2
-    assert "--scopes: unknown scope(s) ['some']" in result.output
+    assert "--scopes: unknown value(s) ['some']" in result.output
     assert result.output.count("\n") == 1
 
 

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from dsq_cli.cpu_allocator import keep_freed_memory
-from dsq_cli.engine import QuantConfig, quantize_model
+from dsq_cli.engine import QuantConfig, quantize_model, units
 from dsq_cli.presets import at_first_level, load_quant_preset
 
 from .quant import machine_description  # one description of the machine for both benches
@@ -97,7 +97,8 @@ class Batch:
 @dataclasses.dataclass
 class Setup:
     """One preset's model (quantized by the engine unless fp32; the output projection stays fp32)
-    and its Adam optimizer. ``points`` are the preset's formats at their first level."""
+    and its Adam optimizer. ``points`` are the preset's formats at their first level, with the
+    stash scope and where the GEMMs run (``gemm_unit``)."""
 
     preset: str
     points: dict[str, Any]
@@ -106,9 +107,11 @@ class Setup:
 
     @classmethod
     def build(
-        cls, preset: str, scope: str, layers: int, width: int, vocab: int, dev: torch.device
-    ) -> Setup:
+        cls, preset: str, scope: str, layers: int, width: int, vocab: int, dev: torch.device,
+        gemm_unit: str = "auto",
+    ) -> Setup:  # fmt: skip
         points = at_first_level(load_quant_preset(preset)) | {"stash_scope": scope}
+        points["gemm_unit"] = gemm_unit
         model = build_model(layers, width, vocab).to(dev)
         if preset != "fp32":
             quantize_model(
@@ -127,6 +130,18 @@ class Setup:
         )
         loss.backward()
         self.optimizer.step()
+
+    def units(self, batch: Batch) -> dict[str, list[str]]:
+        """The units one step runs its quantized GEMMs on: {GEMM kind: [units]} (a kind
+        absent ran no quantized GEMM)."""
+        before = units.tally()
+        self.step(batch)
+        after = units.tally()
+        return {
+            kind: [u for u, n in counts.items() if n > before.get(kind, {}).get(u, 0)]
+            for kind, counts in after.items()
+            if any(n > before.get(kind, {}).get(u, 0) for u, n in counts.items())
+        }
 
     def state_bytes(self) -> int:
         """Bytes live now in the model and optimizer, summed from the tensors' sizes (each
@@ -264,15 +279,18 @@ def run(
     vocab: int = 8000,
     device: str = "cpu",
     scopes: tuple[str, ...] = ("gemm",),
+    gemm_units: tuple[str, ...] = ("auto",),
 ) -> dict:
     dev = torch.device(device)
     if dev.type == "cpu":
         keep_freed_memory()  # as `dsq train` runs on CPU: steps reuse their pages
     batch = Batch.random(max(1, tokens // src_len), src_len, vocab, dev)
-    setups: dict[tuple[str, str], Setup] = {}
+    setups: dict[tuple[str, str, str], Setup] = {}
     for name in presets:
         for scope in scopes if name != "fp32" else ("gemm",):  # fp32 has no stash to scope
-            setups[(name, scope)] = Setup.build(name, scope, layers, width, vocab, dev)
+            for unit in gemm_units if name != "fp32" else ("fp32",):  # nor quantized GEMMs
+                key = (name, scope, unit)
+                setups[key] = Setup.build(name, scope, layers, width, vocab, dev, unit)
 
     warmup = {}
     for key, setup in setups.items():  # warm up: compile every shape once
@@ -292,19 +310,21 @@ def run(
             times[key].append(time.perf_counter() - start)
     rows = []
     base = statistics.median(next(iter(times.values())))
-    for (name, scope), setup in setups.items():
+    for (name, scope, unit), setup in setups.items():
         memory = setup.memory(batch)
         forward = allocated_during(
             lambda m=setup.model: m(batch.src, batch.lengths, batch.prev)[0], dev
         )
         held = forward.held - forward.out.numel() * forward.out.element_size()
-        median = statistics.median(times[(name, scope)])
+        median = statistics.median(times[(name, scope, unit)])
         rows.append(
             {
                 "preset": name,
                 "scope": scope,
+                "gemm_unit": unit,
+                "units": setup.units(batch),
                 "points": setup.points,
-                "first_step_s": warmup[(name, scope)],
+                "first_step_s": warmup[(name, scope, unit)],
                 "step_ms": median * 1e3,
                 "x_first": median / base,
                 "activation_mb": held / MIB,
@@ -324,6 +344,13 @@ def run(
     }
 
 
+def units_cell(used: dict[str, list[str]]) -> str:
+    """``bf16 bf16 fp32 | bf16 bf16 bf16``: the units of the six GEMM kinds, linear then
+    attention (several joined by '+' where one step used more than one)."""
+    cells = ["+".join(used.get(kind, [])) or "-" for kind in units.GEMM_KINDS]
+    return f"{' '.join(cells[:3])} | {' '.join(cells[3:])}"
+
+
 def format_table(result: dict) -> str:
     baseline = "x " + result["rows"][0]["preset"]
     lines = [
@@ -332,19 +359,22 @@ def format_table(result: dict) -> str:
         f"{result['machine']}, torch {result['torch']}, median of "
         f"{result['repeats']}",
         "",
-        f"{'preset':<12} {'scope':<6} {'q0 / q1 / q2 / q3':<40} {'1st step s':>10} "
-        f"{'step ms':>9} {baseline:>9} {'act. MiB':>9} {'state MiB':>10} {'step pk MiB':>11} "
-        f"{'peak MiB':>9}",
-        "-" * 134,
+        f"{'preset':<12} {'scope':<6} {'q0 / q1 / q2 / q3':<40} {'GEMM units':<34} "
+        f"{'1st step s':>10} {'step ms':>9} {baseline:>9} {'act. MiB':>9} {'state MiB':>10} "
+        f"{'step pk MiB':>11} {'peak MiB':>9}",
+        "-" * 169,
     ]
     for r in result["rows"]:
         pts = " / ".join(str(r["points"][p]) for p in ("q0", "q1", "q2", "q3"))
         lines.append(
-            f"{r['preset']:<12} {r['scope']:<6} {pts:<40} {r['first_step_s']:>10.1f} "
-            f"{r['step_ms']:>9.1f} {r['x_first']:>9.2f} {r['activation_mb']:>9.1f} "
-            f"{r['state_mb']:>10.1f} {r['step_peak_mb']:>11.1f} {r['peak_mb']:>9.1f}"
+            f"{r['preset']:<12} {r['scope']:<6} {pts:<40} {units_cell(r['units']):<34} "
+            f"{r['first_step_s']:>10.1f} {r['step_ms']:>9.1f} {r['x_first']:>9.2f} "
+            f"{r['activation_mb']:>9.1f} {r['state_mb']:>10.1f} {r['step_peak_mb']:>11.1f} "
+            f"{r['peak_mb']:>9.1f}"
         )
     lines.append(
+        "GEMM units: where the quantized GEMMs ran (quant.gemm_unit; docs/dsq.md), linear "
+        "forward/dx/dw | attention products forward/da/db, '-' for none (fp32: not quantized). "
         "1st step s: the first step, compile warm-up included (kernels shared with an earlier row "
         "are compiled there); act. MiB: bytes held after the forward pass (allocator), less the "
         "output; state MiB: parameters and Adam state, live before a step (its zero_grad frees "

@@ -17,7 +17,8 @@ import dataclasses
 @dataclasses.dataclass(frozen=True)
 class GemmRecord:
     """One DSQ layer call. ``kind`` is ``linear`` (x[N,K] W[M,K]^T) or ``matmul``
-    (a[batch,N,K] @ b[batch,K,M]); ``formats`` maps q0..q3 to the specs in force."""
+    (a[batch,N,K] @ b[batch,K,M]); ``formats`` maps q0..q3 to the specs in force; ``units`` are
+    the units planned for its three GEMMs, forward first (docs/dsq.md, "GEMM units")."""
 
     kind: str
     batch: int
@@ -26,6 +27,7 @@ class GemmRecord:
     m: int
     formats: tuple[tuple[str, str], ...]
     stash_bytes: int
+    units: tuple[str, ...] = ()
 
     @property
     def macs(self) -> int:
@@ -42,6 +44,7 @@ class GemmRecord:
             "m": self.m,
             "formats": dict(self.formats),
             "stash_bytes": self.stash_bytes,
+            "units": list(self.units),
         }
 
     @classmethod
@@ -54,6 +57,7 @@ class GemmRecord:
             record["m"],
             tuple(sorted(record["formats"].items())),
             record["stash_bytes"],
+            tuple(record.get("units", ())),  # records written before the units were planned
         )
 
 
@@ -83,9 +87,11 @@ def record_gemms():
         _ACTIVE.remove(recorder)
 
 
-def note(kind: str, batch: int, n: int, k: int, m: int, cfg, stash_bytes: int) -> None:
+def note(kind: str, batch: int, n: int, k: int, m: int, cfg, stash_bytes: int, plans=()) -> None:
     if not _ACTIVE:
         return
-    record = GemmRecord(kind, batch, n, k, m, tuple(sorted(cfg.current().items())), stash_bytes)
+    formats = tuple(sorted(cfg.current().items()))
+    units = tuple(p.unit for p in plans)
+    record = GemmRecord(kind, batch, n, k, m, formats, stash_bytes, units)
     for recorder in _ACTIVE:
         recorder.gemms.append(record)

@@ -18,6 +18,7 @@ from dsq_cli.formats.base import ROUNDINGS
 from dsq_cli.run_result import POINTS
 
 from .schedule import LevelChange, Schedule
+from .units import SETTINGS as GEMM_UNIT_SETTINGS
 
 POINT_HELP = {
     "q0": "forward GEMM inputs x and W (blocks along K)",
@@ -26,7 +27,7 @@ POINT_HELP = {
     "q3": "the incoming gradient dy as fetched (blocks along N)",
 }
 STASH_SCOPES = ("gemm", "all")
-CONFIG_KEYS = (*POINTS, "stash_scope", "rounding")
+CONFIG_KEYS = (*POINTS, "stash_scope", "rounding", "gemm_unit")
 
 
 def _as_schedule(point: str, value) -> Schedule:
@@ -65,8 +66,10 @@ def _as_rounding(rounding: Mapping | None) -> dict[str, str]:
 
 
 class QuantConfig:
-    """The formats of the four DSQ points (each a spec string or a Schedule), the stash scope
-    and each point's rounding (``{"q1": "stochastic"}``; unnamed points round to nearest)."""
+    """The formats of the four DSQ points (each a spec string or a Schedule), the stash scope,
+    each point's rounding (``{"q1": "stochastic"}``; unnamed points round to nearest) and where
+    the GEMMs run (``gemm_unit``: ``auto``, the fastest unit exact for both operands, or
+    ``fp32``; docs/dsq.md, "GEMM units")."""
 
     def __init__(
         self,
@@ -77,9 +80,16 @@ class QuantConfig:
         stash_scope: str = "gemm",
         rounding: Mapping[str, str] | None = None,
         seed: int = 0,
+        gemm_unit: str = "auto",
     ):
         if stash_scope not in STASH_SCOPES:
             raise ValueError(f"stash_scope must be one of {STASH_SCOPES}, got {stash_scope!r}")
+        if gemm_unit not in GEMM_UNIT_SETTINGS:
+            raise ValueError(
+                f"quant.gemm_unit={gemm_unit!r} is not a setting; choose one of "
+                f"{GEMM_UNIT_SETTINGS}"
+            )
+        self.gemm_unit = gemm_unit
         self.schedules = {p: _as_schedule(p, v) for p, v in zip(POINTS, (q0, q1, q2, q3))}
         self.stash_scope = stash_scope
         self.rounding = _as_rounding(rounding)
@@ -94,7 +104,7 @@ class QuantConfig:
         if unknown:
             raise ValueError(
                 f"unknown quantization point(s) {sorted(unknown)}; the points are {POINTS} "
-                "(plus stash_scope and rounding)"
+                "(plus stash_scope, rounding and gemm_unit)"
             )
         return cls(**{k: v for k, v in config.items() if k != "name"}, seed=seed)
 
@@ -154,4 +164,5 @@ class QuantConfig:
     def __repr__(self) -> str:
         stochastic = [p for p, mode in self.rounding.items() if mode == "stochastic"]
         rounding = f", stochastic rounding at {stochastic}" if stochastic else ""
-        return f"QuantConfig({self.current()}, stash_scope={self.stash_scope!r}{rounding})"
+        unit = f", gemm_unit={self.gemm_unit!r}" if self.gemm_unit != "auto" else ""
+        return f"QuantConfig({self.current()}, stash_scope={self.stash_scope!r}{rounding}{unit})"

@@ -15,7 +15,7 @@ import torch
 
 from dsq_cli.formats import Format, PackedTensor
 
-from . import accounting
+from . import accounting, units
 from .config import POINTS, QuantConfig
 
 
@@ -88,12 +88,18 @@ class DSQLinearFunction(torch.autograd.Function):
     ``db = sum_N g``. ``dx`` leaves unquantized (the layer upstream applies its own q3). Master
     weights, bias and everything outside the GEMMs stay fp32. With every point ``fp32`` this is
     ``F.linear`` in value and gradient.
+
+    Each GEMM runs on the unit planned at forward time from its two operands' formats
+    (``units.plan``): GEMM1 from (q0, q0), GEMM2 from (q2, q2), GEMM3 from (q3, q1).
     """
 
     @staticmethod
     def forward(ctx, x2, weight, bias, cfg: QuantConfig, training: bool = True):
         # x2 is [N, K]: dsq_linear flattens outside, so the output is not a view made in here
         f0, f1, f2, f3 = _points(cfg, x2.device)
+        dev, setting = x2.device, cfg.gemm_unit
+        plans = [units.plan(f0.fmt, f0.fmt, dev, setting), units.plan(f2.fmt, f2.fmt, dev, setting)]
+        plans.append(units.plan(f3.fmt, f1.fmt, dev, setting))
         k = x2.shape[-1]
         # the stash: x itself in q1, blocks along the tokens (GEMM3's reduction dimension),
         # taken in the same read of x as q0(x) where the path fuses the two; no stash when no
@@ -103,16 +109,14 @@ class DSQLinearFunction(torch.autograd.Function):
         else:
             xq, stash = f0.quantize(x2, 1), None
         wq = f0.quantize(weight, 1)
-        if bias is None:
-            y = xq @ wq.t()
-        else:
-            y = torch.addmm(bias, xq, wq.t())
+        y = units.gemm(xq, wq.t(), plans[0], "linear.forward", bias)
         ctx.stash_header, stash_tensors = _stash_header(stash)
         ctx.points = (f2, f3)
+        ctx.plans = plans
         ctx.has_bias = bias is not None
         ctx.save_for_backward(weight, *stash_tensors)
         stash_bytes = stash.nbytes if stash is not None else 0
-        accounting.note("linear", 1, x2.shape[0], k, weight.shape[0], cfg, stash_bytes)
+        accounting.note("linear", 1, x2.shape[0], k, weight.shape[0], cfg, stash_bytes, plans)
         return y
 
     @staticmethod
@@ -124,12 +128,12 @@ class DSQLinearFunction(torch.autograd.Function):
             # g = q3(dy) as fetched (blocks along N), then q2(g) (blocks along M): one pass where
             # the path fuses the two
             g, g2 = f3.quantize_chain(dy, 0, f2, 1)
-            dx = g2 @ f2.quantize(weight, 0)  # blocks along M
+            dx = units.gemm(g2, f2.quantize(weight, 0), ctx.plans[1], "linear.dx")  # blocks on M
         else:
             g = f3.quantize(dy, 0)
         if ctx.needs_input_grad[1]:
             stash = _stash_restore(ctx.stash_header, stash_tensors).unpack()
-            dw = g.t() @ stash
+            dw = units.gemm(g.t(), stash, ctx.plans[2], "linear.dw")
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = g.sum(0)
         return dx, dw, db, None, None
@@ -150,12 +154,16 @@ class DSQMatmulFunction(torch.autograd.Function):
 
     Each operand's q0 and its stash are taken in one read where the path fuses the two: both
     are a quantizer along the last axis and a pack along the one before it (``a`` as it is,
-    ``b`` transposed).
+    ``b`` transposed). The units (``units.plan``): forward from (q0, q0), ``da`` from (q2, q1),
+    ``db`` from (q1, q3).
     """
 
     @staticmethod
     def forward(ctx, a, b, cfg: QuantConfig, training: bool = True):
         f0, f1, f2, f3 = _points(cfg, a.device)
+        dev, setting = a.device, cfg.gemm_unit
+        plans = [units.plan(f0.fmt, f0.fmt, dev, setting), units.plan(f2.fmt, f1.fmt, dev, setting)]
+        plans.append(units.plan(f1.fmt, f3.fmt, dev, setting))
         b_t = b.transpose(-1, -2)
         last, before = a.dim() - 1, a.dim() - 2
         if training and ctx.needs_input_grad[1]:
@@ -166,15 +174,17 @@ class DSQMatmulFunction(torch.autograd.Function):
             bq_t, stash_b_t = f0.quantize_and_pack(b_t, last, f1, before)
         else:
             bq_t, stash_b_t = f0.quantize(b_t, last), None
-        z = aq @ bq_t.transpose(-1, -2)
+        z = units.gemm(aq, bq_t.transpose(-1, -2), plans[0], "matmul.forward")
         header_a, tensors_a = _stash_header(stash_a)
         header_b, tensors_b = _stash_header(stash_b_t)
         ctx.headers = (header_a, len(tensors_a), header_b)
         ctx.points = (f2, f3)
+        ctx.plans = plans
         ctx.save_for_backward(*tensors_a, *tensors_b)
         stash_bytes = sum(t.numel() * t.element_size() for t in (*tensors_a, *tensors_b))
         batch = a.numel() // (a.shape[-2] * a.shape[-1]) if a.numel() else 0
-        accounting.note("matmul", batch, a.shape[-2], a.shape[-1], b.shape[-1], cfg, stash_bytes)
+        shape = (batch, a.shape[-2], a.shape[-1], b.shape[-1])
+        accounting.note("matmul", *shape, cfg, stash_bytes, plans)
         return z
 
     @staticmethod
@@ -186,12 +196,12 @@ class DSQMatmulFunction(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             g, g2 = f3.quantize_chain(dz, dz.dim() - 2, f2, dz.dim() - 1)  # as in the linear
             stash_b_t = _stash_restore(header_b, saved[count_a:]).unpack()
-            da = g2 @ stash_b_t
+            da = units.gemm(g2, stash_b_t, ctx.plans[1], "matmul.da")
         else:
             g = f3.quantize(dz, dz.dim() - 2)
         if ctx.needs_input_grad[1]:
             stash_a = _stash_restore(header_a, saved[:count_a]).unpack()
-            db = stash_a.transpose(-1, -2) @ g
+            db = units.gemm(stash_a.transpose(-1, -2), g, ctx.plans[2], "matmul.db")
         return da, db, None, None
 
 

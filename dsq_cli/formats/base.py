@@ -19,6 +19,17 @@ GRAMMAR = (
 
 ROUNDINGS = ("nearest", "stochastic")
 
+# The compute dtypes a GEMM unit can multiply in, by the significant bits each holds exactly
+# (docs/formats.md, "Exact compute dtypes"): bf16 (8), TF32 (11), and bf16x2 (16: a value held
+# as an exact pair hi + lo of bf16 numbers, multiplied as two GEMMs). All three have float32's
+# exponent range; a value below 2^-126 in magnitude (subnormal there) is outside every claim.
+COMPUTE_DTYPES = {"bf16": 8, "tf32": 11, "bf16x2": 16}
+
+
+def exact_dtypes(significant_bits: int) -> frozenset[str]:
+    """The compute dtypes that hold every value of ``significant_bits`` bits exactly."""
+    return frozenset(name for name, bits in COMPUTE_DTYPES.items() if significant_bits <= bits)
+
 
 class Format:
     """A number format. Subclasses set ``pattern`` and implement the four methods below."""
@@ -29,6 +40,15 @@ class Format:
     spec: str
     #: Storage cost in bits per value (docs/spec.md §1.2).
     bits_per_value: float
+    #: The most significant bits any value of the format has (its leading one included).
+    significant_bits: int
+
+    @property
+    def exact_in(self) -> frozenset[str]:
+        """The compute dtypes (``COMPUTE_DTYPES``) that hold every value of this format exactly,
+        down to 2^-126 in magnitude: a GEMM of two operands that share one of them can run in it
+        and give the float32 GEMM's result (docs/dsq.md, "GEMM units")."""
+        return exact_dtypes(self.significant_bits)
 
     @classmethod
     def from_match(cls, spec: str, match: re.Match[str]) -> Format:

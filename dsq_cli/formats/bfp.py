@@ -31,6 +31,8 @@ class BFP(Format):
         self.block = block
         self.spec = f"bfp{man_bits}e{exp_bits}b{block}"
         self.bits_per_value = man_bits + exp_bits / block if block else float(man_bits)
+        # |q| <= 2^(m-1) - 1 times a power of two: m - 1 significant bits
+        self.significant_bits = man_bits - 1
 
     @classmethod
     def from_match(cls, spec, match):

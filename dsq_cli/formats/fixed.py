@@ -27,6 +27,9 @@ class FixedStatic(Format):
         self.frac_bits = frac_bits
         self.spec = f"fixed{width}f{frac_bits}"
         self.bits_per_value = float(width)
+        # integers of magnitude at most 2^(w-1) over 2^f: -2^(w-1) has one significant bit, the
+        # others at most w - 1
+        self.significant_bits = max(1, width - 1)
 
     @classmethod
     def from_match(cls, spec, match):

@@ -13,6 +13,14 @@ import torch
 
 from .base import Format, PackedTensor, check_input, register
 
+_MANTISSA_BITS = {
+    torch.float32: 23,
+    torch.float16: 10,
+    torch.bfloat16: 7,
+    torch.float8_e4m3fn: 3,
+    torch.float8_e5m2: 2,
+}
+
 
 class FloatCast(Format):
     """Round to ``dtype`` (round to nearest even) and back. Subclasses set the class fields."""
@@ -25,6 +33,8 @@ class FloatCast(Format):
     def __init__(self) -> None:
         self.spec = self.name
         self.bits_per_value = float(torch.finfo(self.dtype).bits)
+        # the stored mantissa bits and the leading one (subnormals have fewer)
+        self.significant_bits = _MANTISSA_BITS[self.dtype] + 1
 
     @classmethod
     def from_match(cls, spec, match):

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from dsq_cli.engine import PatchReport, QuantConfig, quantize_model, record_gemms
+from dsq_cli.engine import PatchReport, QuantConfig, quantize_model, record_gemms, units
 from dsq_cli.run_config import RunConfig, TrainConfig
 
 from . import ranks
@@ -74,6 +74,7 @@ class Trainer(ABC):
             "segments": [],  # [points in force, updates trained with them]
             "wall_seconds": 0.0,
             "gemm_shapes": None,  # one training step's GEMMs, for the cost model
+            "gemm_units": {},  # the quantized GEMMs run, per GEMM kind and unit (units.tally)
         }
 
     # -- what a trainer provides ----------------------------------------------------------------
@@ -158,6 +159,9 @@ class Trainer(ABC):
         )
         self._started = time.monotonic()
         self._wall_before = float(self.progress["wall_seconds"])
+        # GEMMs this process runs from here on, added to those of the checkpoint's processes
+        self._units_before = dict(self.progress.get("gemm_units") or {})
+        self._tally_at_start = units.tally()
         window: list[float] = []
         try:
             with self.training_context():
@@ -197,8 +201,10 @@ class Trainer(ABC):
             segments.append([points, 1])
 
     def _stop_clock(self) -> None:
-        """wall_seconds adds up across resumes."""
+        """wall_seconds and the GEMM unit counts add up across resumes."""
         self.progress["wall_seconds"] = self._wall_before + time.monotonic() - self._started
+        since_start = units.merge_tallies(units.tally(), units.negated(self._tally_at_start))
+        self.progress["gemm_units"] = units.merge_tallies(self._units_before, since_start)
 
     def _log_train(self, window: list[float], extra: dict) -> None:
         """The train record: the mean loss since the last one, and the trainer's extra fields."""

@@ -6,10 +6,16 @@ import sys
 import time
 from collections.abc import Mapping
 
+# The first updates of a process carry the warm-up (torch.compile's kernels, the C kernels'
+# build, oneDNN's primitives): a rate that counted them would promise hours for minutes of work.
+WARMUP_UPDATES = 2
+
 
 class ProgressLine:
-    """One status line on stderr: update, loss, bits in force, ETA. On a terminal it redraws in
-    place; otherwise (logs, CI) it prints a line at most every ``interval`` seconds."""
+    """One status line on stderr: update, loss, bits in force, speed and ETA. On a terminal it
+    redraws in place; otherwise (logs, CI) it prints a line at most every ``interval`` seconds.
+    Speed and ETA come from warm updates only, those after the process's first
+    ``WARMUP_UPDATES``; until one is done the line says ``warming up``."""
 
     def __init__(
         self,
@@ -25,23 +31,26 @@ class ProgressLine:
         self.tty = sys.stderr.isatty()
         self.interval = interval
         self.last_print = 0.0
+        self.warm: tuple[int, float] | None = None  # (update, time) when warm-up ended
 
     def update(self, update: int, loss: float | None, bits: Mapping[str, str], lr: float) -> None:
         now = time.monotonic()
+        if self.warm is None and update - self.start_update >= WARMUP_UPDATES:
+            self.warm = (update, now)
         if self.quiet or (not self.tty and now - self.last_print < self.interval):
             return
         self.last_print = now
-        done = update - self.start_update
-        rate = done / max(now - self.started, 1e-9)
-        eta = ""
-        if self.total and rate > 0:
-            eta = f" | ETA {_duration((self.total - update) / rate)}"
+        speed = "warming up"
+        if self.warm is not None and update > self.warm[0]:
+            rate = (update - self.warm[0]) / max(now - self.warm[1], 1e-9)
+            speed = f"{rate:.2f} upd/s"
+            if self.total:
+                speed += f" | ETA {_duration((self.total - update) / rate)}"
         total = f"/{self.total}" if self.total else ""
         loss_text = f"{loss:.3f}" if loss is not None else "-"
         line = (
             f"update {update}{total} | loss {loss_text} | lr {lr:.2e} | "
-            f"q0 {bits['q0']} q1 {bits['q1']} q2 {bits['q2']} q3 {bits['q3']} | "
-            f"{rate:.2f} upd/s{eta}"
+            f"q0 {bits['q0']} q1 {bits['q1']} q2 {bits['q2']} q3 {bits['q3']} | {speed}"
         )
         if self.tty:
             sys.stderr.write("\r" + line[:160].ljust(120))

@@ -186,4 +186,5 @@ def trained_result(result: RunResult, trainer: Trainer) -> RunResult:
         cost=run_cost(progress["gemm_shapes"], segments),
         patch=trainer.patch_report.as_dict() | {"summary": trainer.patch_report.summary()},
         memory=memory_record(progress["gemm_shapes"], cuda_peak),
+        gemm_units=progress.get("gemm_units"),
     )

@@ -1,0 +1,275 @@
+"""Which unit runs each quantized GEMM, and running it there (docs/dsq.md, "GEMM units").
+
+A GEMM whose two operands hold only values of a compute dtype (``Format.exact_in``) gives, on a
+unit that multiplies in that dtype and accumulates in float32, the float32 GEMM's result up to
+the order of the float32 sums: every product is exact. So each GEMM of ``dsq_linear`` and
+``dsq_matmul`` is planned from the formats of its two operands in force at that call
+(`plan`), and run on the fastest unit that is exact for both (`gemm`):
+
+======== ================================================ ========================================
+unit     runs on                                           when both operands are exact in
+======== ================================================ ========================================
+bf16     CPU: oneDNN's bf16 matmul (``dsq_kernels.onednn``); bf16
+         CUDA: ``torch.mm(..., out_dtype=float32)``
+tf32     CUDA: float32 GEMM with TF32 allowed for that call tf32 (and not both in bf16)
+bf16x2   CUDA: the wider operand split into an exact pair   bf16 for one, bf16x2 for the other
+         hi + lo of bf16 numbers, two bf16 GEMMs summed
+fp32     float32, as torch runs it                          anything else, or ``gemm_unit=fp32``
+======== ================================================ ========================================
+
+The CPU offers ``bf16`` where it has bf16 dot-product instructions and the oneDNN kernels load;
+``bf16x2`` does not pay there (two bf16 GEMMs cost about what one float32 GEMM does; measured in
+docs/benchmarks.md). CUDA offers all three from compute capability 8.0 (Ampere).
+
+Exactness is also checked where the values are converted (`gemm`): a value that is not a number
+of the unit's dtype, or one below 2^-63 in magnitude (a product of two such could fall below
+float32's normal range, where bf16 units flush to zero), sends that call to float32 instead,
+logged once per reason. Every call is counted by GEMM kind and unit (`tally`); result.json
+reports the counts. Nothing here changes a global setting: TF32 is allowed inside one call only
+(`_tf32_allowed`) and put back even on error.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import functools
+import logging
+
+import torch
+
+from dsq_cli.formats import Format
+
+UNITS = ("fp32", "bf16", "tf32", "bf16x2")
+# quant.gemm_unit: auto picks a unit per GEMM; fp32 runs every GEMM in float32
+SETTINGS = ("auto", "fp32")
+# The GEMM kinds of the two DSQ functions (docs/spec.md §2), in the order they run.
+GEMM_KINDS = (
+    "linear.forward", "linear.dx", "linear.dw", "matmul.forward", "matmul.da", "matmul.db"
+)  # fmt: skip
+CUDA_UNITS = ("bf16", "tf32", "bf16x2")  # preference order: the narrowest exact unit first
+MIN_CUDA_CAPABILITY = (8, 0)
+# A value below this in magnitude (and not zero) sends its GEMM to float32: the product of two
+# values at least this large is at least 2^-126, a normal float32 number.
+SMALLEST = 2.0**-63
+
+log = logging.getLogger("dsq.engine")
+
+
+@functools.cache
+def _say_once(message: str) -> None:
+    log.warning(message)
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmPlan:
+    """How one GEMM ``a @ b`` runs: its ``unit``, and for bf16x2 which operand is split
+    (``"a"`` or ``"b"``: the one exact in bf16x2 only)."""
+
+    unit: str
+    split: str | None = None
+
+
+FP32 = GemmPlan("fp32")
+
+
+# -- what the machine offers --------------------------------------------------------------------
+def cpu_unavailable_reason() -> str | None:
+    """Why the CPU has no exact bf16 GEMM here, or None when it has one."""
+    from dsq_kernels import onednn
+
+    return onednn.unavailable_reason()
+
+
+def cuda_capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def offered_units(device: torch.device) -> tuple[str, ...]:
+    """The reduced units a GEMM on ``device`` may take, in preference order (none: float32)."""
+    if device.type == "cpu":
+        reason = cpu_unavailable_reason()
+        if reason is None:
+            return ("bf16",)
+        _say_once(f"dsq: quantized GEMMs run in float32 on this CPU: {reason}")
+        return ()
+    if device.type == "cuda":
+        capability = cuda_capability(device)
+        if tuple(capability) >= MIN_CUDA_CAPABILITY:
+            return CUDA_UNITS
+        _say_once(
+            f"dsq: quantized GEMMs run in float32 on this GPU: compute capability "
+            f"{capability[0]}.{capability[1]} has no bf16 or TF32 tensor cores (8.0 and later do)"
+        )
+    return ()
+
+
+def plan(a: Format, b: Format, device: torch.device, setting: str = "auto") -> GemmPlan:
+    """The unit for ``a @ b`` whose operands hold values of formats ``a`` and ``b``."""
+    if setting not in SETTINGS:
+        raise ValueError(f"gemm_unit must be one of {SETTINGS}, got {setting!r}")
+    if setting == "fp32":
+        return FP32
+    for unit in offered_units(device):
+        if unit == "bf16x2":
+            if "bf16" in a.exact_in and "bf16x2" in b.exact_in:
+                return GemmPlan(unit, split="b")
+            if "bf16x2" in a.exact_in and "bf16" in b.exact_in:
+                return GemmPlan(unit, split="a")
+        elif unit in a.exact_in and unit in b.exact_in:
+            return GemmPlan(unit)
+    return FP32
+
+
+# -- what ran where -----------------------------------------------------------------------------
+_TALLY: collections.Counter[tuple[str, str]] = collections.Counter()
+
+
+def tally() -> dict[str, dict[str, int]]:
+    """GEMMs run in this process so far: {GEMM kind: {unit: count}}."""
+    counts: dict[str, dict[str, int]] = {}
+    for (kind, unit), count in sorted(_TALLY.items()):
+        counts.setdefault(kind, {})[unit] = count
+    return counts
+
+
+def merge_tallies(*tallies: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    """The sum of several `tally` results (a resumed run adds its own to the checkpoint's)."""
+    total: collections.Counter[tuple[str, str]] = collections.Counter()
+    for counts in tallies:
+        for kind, units in (counts or {}).items():
+            for unit, count in units.items():
+                total[(kind, unit)] += count
+    merged: dict[str, dict[str, int]] = {}
+    for (kind, unit), count in sorted(total.items()):
+        if count:
+            merged.setdefault(kind, {})[unit] = count
+    return merged
+
+
+def negated(counts: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    """``counts`` with every count negated: ``merge_tallies(now, negated(then))`` is what ran
+    between two tallies."""
+    return {kind: {unit: -n for unit, n in units.items()} for kind, units in counts.items()}
+
+
+# -- running a GEMM -----------------------------------------------------------------------------
+def gemm(a: torch.Tensor, b: torch.Tensor, how: GemmPlan, kind: str, bias=None) -> torch.Tensor:
+    """``a @ b`` (+ ``bias``) in float32, on the unit of ``how`` when every value passes the
+    exactness check there, else in float32. ``a`` [..., m, k], ``b`` [..., k, n]; ``bias`` [n]
+    only with 2-D operands. ``kind`` (one of GEMM_KINDS) is what the call is counted as."""
+    out = None
+    if how.unit != "fp32":
+        run = _run_cpu if a.device.type == "cpu" else _run_cuda
+        out = run(a, b, how, bias)
+    unit = how.unit
+    if out is None:
+        unit = "fp32"
+        out = torch.addmm(bias, a, b) if bias is not None else torch.matmul(a, b)
+    _TALLY[(kind, unit)] += 1
+    return out
+
+
+def _fallback(how: GemmPlan) -> None:
+    _say_once(
+        f"dsq: a GEMM planned on {how.unit} ran in float32: an operand held a value that is not "
+        f'a {how.unit} number, or is below 2^-63 in magnitude (docs/dsq.md, "GEMM units")'
+    )
+
+
+def _run_cpu(a, b, how: GemmPlan, bias):
+    from dsq_kernels import onednn
+
+    if how.unit != "bf16":
+        raise ValueError(f"the CPU has no {how.unit} unit")
+    if a.shape[:-2] != b.shape[:-2]:  # broadcast batch dimensions: torch's matmul handles them
+        return None
+    ab = onednn.to_bf16(a)
+    bb = onednn.to_bf16(b) if ab is not None else None
+    if bb is None:
+        _fallback(how)
+        return None
+    return onednn.gemm_bf16(ab, bb, bias)
+
+
+# CUDA: torch's own ops. The checks read the values back (one synchronisation per operand).
+def fits(x: torch.Tensor, dtype: str) -> bool:
+    """Whether every value of ``x`` (float32) is a number of ``dtype`` (``bf16`` or ``tf32``)
+    whose magnitude is zero or at least SMALLEST (NaN and infinities pass)."""
+    drop = {"bf16": 16, "tf32": 13}[dtype]  # low bits of float32's mantissa the dtype lacks
+    bits = x.contiguous().view(torch.int32)
+    magnitude = x.abs()
+    exact = (bits & ((1 << drop) - 1)) == 0
+    in_range = (magnitude == 0) | (magnitude >= SMALLEST) | ~torch.isfinite(x)
+    return bool((exact & in_range).all())
+
+
+def split_bf16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(hi, lo) as float32 tensors holding bf16 numbers, ``hi + lo == x`` exactly; None when x
+    has a value of more than 16 significant bits or one below SMALLEST (the torch twin of
+    ``dsq_kernels.onednn.split_bf16``)."""
+    bits = x.contiguous().view(torch.int32)
+    hi = (bits & -65536).view(torch.float32)  # 0xFFFF0000: the top 16 bits
+    finite = torch.isfinite(x)
+    lo = torch.where(finite, x - hi, torch.zeros_like(x))
+    hi = torch.where(finite, hi, x)
+    if not (fits(hi, "bf16") and fits(lo, "bf16")):
+        return None
+    return hi, lo
+
+
+@contextlib.contextmanager
+def _tf32_allowed():
+    """TF32 for float32 GEMMs inside the block only; the setting is put back even on error."""
+    matmul = torch.backends.cuda.matmul
+    if hasattr(matmul, "fp32_precision"):
+        before = matmul.fp32_precision
+        matmul.fp32_precision = "tf32"
+        try:
+            yield
+        finally:
+            matmul.fp32_precision = before
+    else:  # torch before 2.9
+        before = matmul.allow_tf32
+        matmul.allow_tf32 = True
+        try:
+            yield
+        finally:
+            matmul.allow_tf32 = before
+
+
+def _mm_bf16(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    a16, b16 = a.to(torch.bfloat16), b.to(torch.bfloat16)
+    if a.dim() == 2:
+        return torch.mm(a16, b16, out_dtype=torch.float32)
+    lead = a.shape[:-2]
+    out = torch.bmm(
+        a16.reshape(-1, *a.shape[-2:]), b16.reshape(-1, *b.shape[-2:]), out_dtype=torch.float32
+    )
+    return out.reshape(*lead, a.shape[-2], b.shape[-1])
+
+
+def _run_cuda(a, b, how: GemmPlan, bias):
+    if how.unit == "tf32":
+        if not (fits(a, "tf32") and fits(b, "tf32")):
+            _fallback(how)
+            return None
+        with _tf32_allowed():
+            return torch.addmm(bias, a, b) if bias is not None else torch.matmul(a, b)
+    if how.unit == "bf16":
+        if not (fits(a, "bf16") and fits(b, "bf16")):
+            _fallback(how)
+            return None
+        out = _mm_bf16(a, b)
+    else:  # bf16x2: the wider operand as hi + lo, two exact GEMMs summed in float32
+        wide, narrow = (a, b) if how.split == "a" else (b, a)
+        parts = split_bf16(wide)
+        if parts is None or not fits(narrow, "bf16"):
+            _fallback(how)
+            return None
+        if how.split == "a":
+            out = _mm_bf16(parts[0], b) + _mm_bf16(parts[1], b)
+        else:
+            out = _mm_bf16(a, parts[0]) + _mm_bf16(a, parts[1])
+    return out + bias if bias is not None else out

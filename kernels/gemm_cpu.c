@@ -1,0 +1,190 @@
+/* Exact GEMMs on the CPU's bf16 units (docs/dsq.md, "GEMM units").
+ *
+ * A GEMM whose two operands hold only values that are bf16 numbers gives, on a unit that
+ * multiplies bf16 and accumulates in float32, the float32 GEMM's result up to the order of the
+ * float32 sums: the product of two bf16 numbers (8 significant bits each) has at most 16
+ * significant bits and is exact in float32. What can break it, and is checked here:
+ *
+ *   - a value that is not a bf16 number (low 16 bits of its float32 pattern not zero);
+ *   - a value below bf16's normal range: the dot-product instruction (vdpbf16ps) treats
+ *     subnormal inputs as zero and flushes subnormal results to zero, where the float32 GEMM keeps
+ *     them. The conversion refuses every nonzero finite value below 2^-63 in magnitude, so every
+ *     product of two accepted values is at least 2^-126, a normal float32.
+ *   - a NaN whose payload sits in the low bits (it would truncate to infinity).
+ *
+ * A partial sum that cancels below 2^-126 is still flushed; its absolute error is below 2^-126
+ * per addition, far inside the tolerance of float32 summation order that the tests state.
+ *
+ * The conversions report whether every value passed; the host runs the float32 GEMM when one did
+ * not, so a result is never less exact than the check promises. The GEMM itself is oneDNN's
+ * matmul primitive (bf16 source and weights, float32 destination), whose primitives are cached
+ * by shape and layout: a training step reuses a few dozen of them.
+ */
+#include <dnnl.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline uint32_t bits_of(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+
+static inline float float_of(uint32_t u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* 1 when the float32 pattern u is a bf16 number that the bf16 unit multiplies exactly: zero,
+ * an infinity, a NaN with a high payload, or a normal value of magnitude at least 2^-63. */
+static inline int fits_bf16(uint32_t u) {
+    uint32_t magnitude = u & 0x7FFFFFFFu;
+    /* branch-free, so that the conversion loops vectorize */
+    return ((u & 0xFFFFu) == 0) & ((magnitude == 0) | (magnitude >= ((127u - 63u) << 23)));
+}
+
+/* dst[i] = the bf16 pattern of src[i], i < n. Returns 1 when every value fits (fits_bf16), else
+ * 0, and dst is then unspecified. */
+int dsq_to_bf16(const float *src, uint16_t *dst, int64_t n) {
+    int ok = 1;
+#pragma omp parallel for reduction(& : ok) schedule(static) if (n >= 65536)
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t u = bits_of(src[i]);
+        ok &= fits_bf16(u);
+        dst[i] = (uint16_t)(u >> 16);
+    }
+    return ok;
+}
+
+/* src[i] = hi[i] + lo[i] exactly, both bf16: hi is src truncated to bf16 and lo the remainder,
+ * exact in float32 and a bf16 number when src has at most 16 significant bits. Returns 1 when
+ * every hi and lo fits (fits_bf16), else 0. */
+int dsq_split_bf16(const float *src, uint16_t *hi, uint16_t *lo, int64_t n) {
+    int ok = 1;
+#pragma omp parallel for reduction(& : ok) schedule(static) if (n >= 65536)
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t u = bits_of(src[i]);
+        uint32_t high = u & 0xFFFF0000u, rest = 0;
+        if (((u >> 23) & 0xFFu) == 0xFFu) /* infinity or NaN: hi alone, if it fits */
+            ok &= fits_bf16(u);
+        else {
+            rest = bits_of(src[i] - float_of(high)); /* exact: the bits below hi's */
+            ok &= fits_bf16(high) & fits_bf16(rest);
+        }
+        hi[i] = (uint16_t)(high >> 16);
+        lo[i] = (uint16_t)(rest >> 16);
+    }
+    return ok;
+}
+
+/* ---------------------------------------------------------------------------- the GEMM */
+#define KEY_LEN 13
+#define CACHE_SIZE 512
+
+typedef struct {
+    int64_t key[KEY_LEN];
+    dnnl_primitive_t primitive;
+    dnnl_memory_desc_t a, b, c, bias;
+} entry_t;
+
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+static dnnl_engine_t engine;
+static dnnl_stream_t stream;
+static entry_t cache[CACHE_SIZE];
+static int cached;
+
+static void forget(entry_t *e) {
+    dnnl_primitive_destroy(e->primitive);
+    dnnl_memory_desc_destroy(e->a);
+    dnnl_memory_desc_destroy(e->b);
+    dnnl_memory_desc_destroy(e->c);
+    if (e->bias) dnnl_memory_desc_destroy(e->bias);
+}
+
+/* The cached primitive for key, created on first use; NULL when oneDNN refuses it. A full cache
+ * is emptied (shapes a run has moved past are not worth an eviction policy). */
+static entry_t *primitive_for(const int64_t *key) {
+    for (int i = 0; i < cached; i++)
+        if (!memcmp(cache[i].key, key, sizeof(int64_t) * KEY_LEN)) return &cache[i];
+    if (cached == CACHE_SIZE) {
+        for (int i = 0; i < cached; i++) forget(&cache[i]);
+        cached = 0;
+    }
+    entry_t e;
+    memset(&e, 0, sizeof e);
+    memcpy(e.key, key, sizeof(int64_t) * KEY_LEN);
+    int64_t batch = key[0], m = key[1], n = key[2], k = key[3];
+    dnnl_dims_t dims_a = {batch, m, k}, strides_a = {key[4], key[5], key[6]};
+    dnnl_dims_t dims_b = {batch, k, n}, strides_b = {key[7], key[8], key[9]};
+    dnnl_dims_t dims_c = {batch, m, n}, strides_c = {m * n, n, 1};
+    dnnl_dims_t dims_bias = {1, 1, n}, strides_bias = {n, n, 1};
+    int has_bias = (int)key[10], accumulate = (int)key[11];
+    dnnl_primitive_attr_t attr = NULL;
+    dnnl_post_ops_t post_ops = NULL;
+    dnnl_primitive_desc_t desc = NULL;
+    int ok = dnnl_memory_desc_create_with_strides(&e.a, 3, dims_a, dnnl_bf16, strides_a) == 0 &&
+             dnnl_memory_desc_create_with_strides(&e.b, 3, dims_b, dnnl_bf16, strides_b) == 0 &&
+             dnnl_memory_desc_create_with_strides(&e.c, 3, dims_c, dnnl_f32, strides_c) == 0 &&
+             (!has_bias || dnnl_memory_desc_create_with_strides(&e.bias, 3, dims_bias, dnnl_f32,
+                                                                strides_bias) == 0) &&
+             dnnl_primitive_attr_create(&attr) == 0;
+    if (ok && accumulate) /* c += a b: a sum post-op, in float32 */
+        ok = dnnl_post_ops_create(&post_ops) == 0 &&
+             dnnl_post_ops_append_sum(post_ops, 1.0f, 0, dnnl_data_type_undef) == 0 &&
+             dnnl_primitive_attr_set_post_ops(attr, post_ops) == 0;
+    ok = ok && dnnl_matmul_primitive_desc_create(&desc, engine, e.a, e.b, e.bias, e.c, attr) == 0 &&
+         dnnl_primitive_create(&e.primitive, desc) == 0;
+    if (desc) dnnl_primitive_desc_destroy(desc);
+    if (post_ops) dnnl_post_ops_destroy(post_ops);
+    if (attr) dnnl_primitive_attr_destroy(attr);
+    if (!ok) {
+        if (e.primitive) dnnl_primitive_destroy(e.primitive);
+        if (e.a) dnnl_memory_desc_destroy(e.a);
+        if (e.b) dnnl_memory_desc_destroy(e.b);
+        if (e.c) dnnl_memory_desc_destroy(e.c);
+        if (e.bias) dnnl_memory_desc_destroy(e.bias);
+        return NULL;
+    }
+    cache[cached] = e;
+    return &cache[cached++];
+}
+
+/* c[batch, m, n] (contiguous float32) = a[batch, m, k] @ b[batch, k, n] (+ bias[n]), a and b
+ * bf16 with the given element strides (any layout oneDNN reads: a transposed view is a stride).
+ * With accumulate, c += a @ b instead. Returns 0, or 1 when oneDNN has no engine or stream, 2
+ * when it refuses the shape, 3 when the execution fails. */
+int dsq_gemm_bf16(const uint16_t *a, const uint16_t *b, float *c, const float *bias,
+                  int64_t batch, int64_t m, int64_t n, int64_t k, int64_t sa0, int64_t sa1,
+                  int64_t sa2, int64_t sb0, int64_t sb1, int64_t sb2, int accumulate) {
+    int64_t key[KEY_LEN] = {batch, m, n, k, sa0, sa1, sa2, sb0, sb1, sb2, bias != NULL,
+                            accumulate != 0, 0};
+    int status = 0;
+    pthread_mutex_lock(&lock);
+    if (!engine && (dnnl_engine_create(&engine, dnnl_cpu, 0) != 0 ||
+                    dnnl_stream_create(&stream, engine, dnnl_stream_default_flags) != 0)) {
+        engine = NULL;
+        status = 1;
+    }
+    entry_t *e = status ? NULL : primitive_for(key);
+    if (!status && !e) status = 2;
+    if (!status) {
+        dnnl_memory_t ma = NULL, mb = NULL, mc = NULL, mbias = NULL;
+        int made = dnnl_memory_create(&ma, e->a, engine, (void *)a) == 0 &&
+                   dnnl_memory_create(&mb, e->b, engine, (void *)b) == 0 &&
+                   dnnl_memory_create(&mc, e->c, engine, c) == 0 &&
+                   (!bias || dnnl_memory_create(&mbias, e->bias, engine, (void *)bias) == 0);
+        dnnl_exec_arg_t args[4] = {
+            {DNNL_ARG_SRC, ma}, {DNNL_ARG_WEIGHTS, mb}, {DNNL_ARG_DST, mc}, {DNNL_ARG_BIAS, mbias}};
+        if (!made || dnnl_primitive_execute(e->primitive, stream, bias ? 4 : 3, args) != 0 ||
+            dnnl_stream_wait(stream) != 0)
+            status = 3;
+        if (ma) dnnl_memory_destroy(ma);
+        if (mb) dnnl_memory_destroy(mb);
+        if (mc) dnnl_memory_destroy(mc);
+        if (mbias) dnnl_memory_destroy(mbias);
+    }
+    pthread_mutex_unlock(&lock);
+    return status;
+}
