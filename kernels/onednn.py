@@ -58,16 +58,17 @@ def onednn_paths() -> tuple[Path, Path]:
     return header.parent, shared.parent
 
 
-def cpu_flags() -> set[str]:
+@functools.cache
+def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags (Linux), empty where /proc/cpuinfo does not say."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return set()
+        return frozenset()
     for line in text.splitlines():
         if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
 
 
 @functools.cache
