@@ -261,7 +261,12 @@ OVERRIDES_HELP = (
     "Hydra overrides: group choices (task=multi30k model=transformer_tiny quant=dsq logger=none) "
     "and keys (train.max_updates=100 quant.q1=bfp3 data.raw_dir=DIR seed=2 resume=RUN_DIR). "
     "Each quantization point q0..q3 rounds to nearest unless told "
-    "quant.rounding.q1=stochastic (noise seeded by seed, continued on resume)."
+    "quant.rounding.q1=stochastic (noise seeded by seed, continued on resume). "
+    "quant.gemm_unit=auto (default) runs each quantized GEMM on the fastest unit exact for its "
+    "two operands' formats: bf16 (CPUs with AVX512-BF16, GPUs) where both are exact in bf16 "
+    "(bfp2..bfp9, bf16, e4m3, e5m2, fixed<=9), TF32 on GPUs (up to bfp12, fp16), float32 "
+    "otherwise (fixed16 and bfp16 operands on a CPU, fp32, fixed32); quant.gemm_unit=fp32 runs "
+    "every GEMM in float32. result.json's gemm_units counts the GEMMs per kind and unit."
 )
 
 

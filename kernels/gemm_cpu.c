@@ -45,54 +45,51 @@ static inline int fits_bf16(uint32_t u) {
     return ((u & 0xFFFFu) == 0) & ((magnitude == 0) | (magnitude >= ((127u - 63u) << 23)));
 }
 
-/* dst[i] = the bf16 pattern of src[i], i < n. Returns 1 when every value fits (fits_bf16), else
- * 0, and dst is then unspecified. */
-int dsq_to_bf16(const float *src, uint16_t *dst, int64_t n) {
+/* dst[i, j, l] = the bf16 pattern of src[i, j, l] for a [n0, n1, n2] block, each array with
+ * its own element strides (the caller orders the dimensions so that the last one is the
+ * innermost in memory). Returns 1 when every value fits (fits_bf16), else 0, and dst is then
+ * unspecified. */
+int dsq_to_bf16(const float *src, int64_t s0, int64_t s1, int64_t s2, uint16_t *dst, int64_t t0,
+                int64_t t1, int64_t t2, int64_t n0, int64_t n1, int64_t n2) {
     int ok = 1;
-#pragma omp parallel for reduction(& : ok) schedule(static) if (n >= 65536)
-    for (int64_t i = 0; i < n; i++) {
-        uint32_t u = bits_of(src[i]);
-        ok &= fits_bf16(u);
-        dst[i] = (uint16_t)(u >> 16);
-    }
-    return ok;
-}
-
-/* src[i] = hi[i] + lo[i] exactly, both bf16: hi is src truncated to bf16 and lo the remainder,
- * exact in float32 and a bf16 number when src has at most 16 significant bits. Returns 1 when
- * every hi and lo fits (fits_bf16), else 0. */
-int dsq_split_bf16(const float *src, uint16_t *hi, uint16_t *lo, int64_t n) {
-    int ok = 1;
-#pragma omp parallel for reduction(& : ok) schedule(static) if (n >= 65536)
-    for (int64_t i = 0; i < n; i++) {
-        uint32_t u = bits_of(src[i]);
-        uint32_t high = u & 0xFFFF0000u, rest = 0;
-        if (((u >> 23) & 0xFFu) == 0xFFu) /* infinity or NaN: hi alone, if it fits */
-            ok &= fits_bf16(u);
-        else {
-            rest = bits_of(src[i] - float_of(high)); /* exact: the bits below hi's */
-            ok &= fits_bf16(high) & fits_bf16(rest);
+    int64_t rows = n0 * n1;
+#pragma omp parallel for reduction(& : ok) schedule(static) if (rows * n2 >= 65536)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *from = src + (r / n1) * s0 + (r % n1) * s1;
+        uint16_t *to = dst + (r / n1) * t0 + (r % n1) * t1;
+        int row_ok = 1;
+        if (s2 == 1 && t2 == 1) {
+            for (int64_t l = 0; l < n2; l++) {
+                uint32_t u = bits_of(from[l]);
+                row_ok &= fits_bf16(u);
+                to[l] = (uint16_t)(u >> 16);
+            }
+        } else {
+            for (int64_t l = 0; l < n2; l++) {
+                uint32_t u = bits_of(from[l * s2]);
+                row_ok &= fits_bf16(u);
+                to[l * t2] = (uint16_t)(u >> 16);
+            }
         }
-        hi[i] = (uint16_t)(high >> 16);
-        lo[i] = (uint16_t)(rest >> 16);
+        ok &= row_ok;
     }
     return ok;
 }
 
 /* ---------------------------------------------------------------------------- the GEMM */
 #define KEY_LEN 13
-#define CACHE_SIZE 512
+#define CACHE_SLOTS 8192 /* a power of two; the table is emptied when half full */
 
 typedef struct {
     int64_t key[KEY_LEN];
-    dnnl_primitive_t primitive;
+    dnnl_primitive_t primitive; /* NULL: a free slot */
     dnnl_memory_desc_t a, b, c, bias;
 } entry_t;
 
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static dnnl_engine_t engine;
 static dnnl_stream_t stream;
-static entry_t cache[CACHE_SIZE];
+static entry_t cache[CACHE_SLOTS];
 static int cached;
 
 static void forget(entry_t *e) {
@@ -101,16 +98,30 @@ static void forget(entry_t *e) {
     dnnl_memory_desc_destroy(e->b);
     dnnl_memory_desc_destroy(e->c);
     if (e->bias) dnnl_memory_desc_destroy(e->bias);
+    memset(e, 0, sizeof *e);
 }
 
-/* The cached primitive for key, created on first use; NULL when oneDNN refuses it. A full cache
- * is emptied (shapes a run has moved past are not worth an eviction policy). */
+static uint64_t hash_of(const int64_t *key) {
+    uint64_t h = 1469598103934665603ull; /* FNV-1a over the key's words */
+    for (int i = 0; i < KEY_LEN; i++) h = (h ^ (uint64_t)key[i]) * 1099511628211ull;
+    return h;
+}
+
+/* The cached primitive for key, created on first use (open addressing, linear probing); NULL
+ * when oneDNN refuses it. The host pads every dimension to a few sizes per octave
+ * (kernels/onednn.py), so a training run meets a few hundred keys; should one ever meet more,
+ * the table is emptied rather than kept by an eviction policy. */
 static entry_t *primitive_for(const int64_t *key) {
-    for (int i = 0; i < cached; i++)
-        if (!memcmp(cache[i].key, key, sizeof(int64_t) * KEY_LEN)) return &cache[i];
-    if (cached == CACHE_SIZE) {
-        for (int i = 0; i < cached; i++) forget(&cache[i]);
+    uint64_t slot = hash_of(key) & (CACHE_SLOTS - 1);
+    while (cache[slot].primitive) {
+        if (!memcmp(cache[slot].key, key, sizeof(int64_t) * KEY_LEN)) return &cache[slot];
+        slot = (slot + 1) & (CACHE_SLOTS - 1);
+    }
+    if (cached >= CACHE_SLOTS / 2) {
+        for (int i = 0; i < CACHE_SLOTS; i++)
+            if (cache[i].primitive) forget(&cache[i]);
         cached = 0;
+        slot = hash_of(key) & (CACHE_SLOTS - 1);
     }
     entry_t e;
     memset(&e, 0, sizeof e);
@@ -147,8 +158,9 @@ static entry_t *primitive_for(const int64_t *key) {
         if (e.bias) dnnl_memory_desc_destroy(e.bias);
         return NULL;
     }
-    cache[cached] = e;
-    return &cache[cached++];
+    cache[slot] = e;
+    cached++;
+    return &cache[slot];
 }
 
 /* c[batch, m, n] (contiguous float32) = a[batch, m, k] @ b[batch, k, n] (+ bias[n]), a and b

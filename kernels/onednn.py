@@ -3,11 +3,12 @@
 Two kinds of kernels, built on first use with the machine's C compiler beside the quantizers
 (``cpu.build``, cached under ``$DSQ_CACHE/c-kernels``):
 
-* conversions of float32 tensors to bf16 that also check, in the same pass, that every value is
-  a bf16 number the bf16 unit multiplies exactly (``to_bf16``; ``split_bf16`` for a value of up to
-  16 significant bits, as an exact pair of bf16 numbers). They return None when a value does not
-  fit, and the caller then runs the float32 GEMM;
-* ``gemm_bf16``: oneDNN's matmul primitive with bf16 operands and a float32 result.
+* ``to_bf16``: a float32 tensor converted to bf16, checked in the same pass that every value is
+  a bf16 number the bf16 unit multiplies exactly; None when one is not, and the caller then runs
+  the float32 GEMM. It writes into a zero-padded tensor (``padded_size``), so that batches of
+  every length share a few hundred GEMM shapes;
+* ``gemm_bf16``: oneDNN's matmul primitive with bf16 operands and a float32 result, cached per
+  shape and layout.
 
 oneDNN comes from the PyPI packages ``onednn-cpu-gomp`` (the library, on GNU OpenMP: the
 runtime torch ships, so both share one thread pool) and ``onednn-devel-cpu-gomp`` (its
@@ -80,8 +81,8 @@ def library() -> ctypes.CDLL:
     variants = (("-march=native", "-fopenmp"), ("-fopenmp",), ())
     built = cpu.build(SOURCE, variants, cpu.FLAGS + (f"-I{include}",), links, identity=str(lib))
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    built.dsq_to_bf16.restype, built.dsq_to_bf16.argtypes = i32, [p, p, i64]
-    built.dsq_split_bf16.restype, built.dsq_split_bf16.argtypes = i32, [p, p, p, i64]
+    built.dsq_to_bf16.restype = i32
+    built.dsq_to_bf16.argtypes = [p, i64, i64, i64, p, i64, i64, i64, i64, i64, i64]
     built.dsq_gemm_bf16.restype = i32
     built.dsq_gemm_bf16.argtypes = [p, p, p, p, *([i64] * 10), i32]
     return built
@@ -105,79 +106,62 @@ def unavailable_reason() -> str | None:
 
 
 # ----------------------------------------------------------------------------- wrappers
-def _dense_like(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x, an empty tensor of ``dtype`` with x's strides), x first made contiguous unless its
-    elements fill its memory in some order (a transposed view does): the conversion then walks
-    the memory of both in the same order."""
-    if not _fills_memory(x):
-        x = x.contiguous()
-    return x, torch.empty_strided(x.shape, x.stride(), dtype=dtype)
+STEPS_PER_OCTAVE = 32
 
 
-def _fills_memory(x: torch.Tensor) -> bool:
-    expected = 1
-    for size, stride in sorted(zip(x.shape, x.stride()), key=lambda pair: pair[1]):
-        if size != 1 and stride != expected:
-            return False
-        expected *= size
-    return True
+def padded_size(n: int) -> int:
+    """``n`` rounded up to one of STEPS_PER_OCTAVE sizes per octave (n itself below 64; 2000 ->
+    2016): every primitive is made for one shape, and a training run whose batches all differ in
+    length then meets a few hundred shapes instead of thousands, for at most 1/32 more work."""
+    step = 1 << max(0, n.bit_length() - 1 - STEPS_PER_OCTAVE.bit_length() + 1)
+    return -(-n // step) * step
 
 
-def to_bf16(x: torch.Tensor) -> torch.Tensor | None:
-    """``x`` (float32, CPU) as bf16 with x's layout, or None when a value is not a bf16 number
-    the bf16 unit multiplies exactly (``gemm_cpu.c``'s ``fits_bf16``)."""
-    _check_float32(x)
-    x, out = _dense_like(x, torch.bfloat16)
-    ok = library().dsq_to_bf16(x.data_ptr(), out.data_ptr(), x.numel())
-    return out if ok else None
+def to_bf16(x: torch.Tensor, shape: tuple[int, int, int]) -> torch.Tensor | None:
+    """``x`` [b, r, c] (float32, CPU, any strides) as bf16 inside a zero-padded tensor of
+    ``shape`` (each side at least x's), laid out in x's memory order so that both are read and
+    written in that order; None when a value is not a bf16 number the bf16 unit multiplies
+    exactly (``gemm_cpu.c``'s ``fits_bf16``)."""
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 3:
+        raise TypeError(f"expected a 3-D float32 CPU tensor, got {x.dtype} {tuple(x.shape)}")
+    order = sorted(range(3), key=lambda d: (-x.stride(d), d))  # outermost in memory first
+    buffer = torch.empty([shape[d] for d in order], dtype=torch.bfloat16)
+    padded = buffer.permute([order.index(d) for d in range(3)])  # logical order again
+    region = padded[: x.shape[0], : x.shape[1], : x.shape[2]]
+    src, dst = x.permute(order), region.permute(order)
+    ok = library().dsq_to_bf16(
+        src.data_ptr(), *src.stride(), dst.data_ptr(), *dst.stride(), *src.shape
+    )
+    if not ok:
+        return None
+    for d in range(3):  # zero the padding: a padded reduction must add nothing
+        if shape[d] > x.shape[d]:
+            padded.narrow(d, x.shape[d], shape[d] - x.shape[d]).zero_()
+    return padded
 
 
-def split_bf16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(hi, lo), bf16 with x's layout and ``hi + lo == x`` exactly, or None when x holds a
-    value of more than 16 significant bits or one the bf16 unit cannot take."""
-    _check_float32(x)
-    x, hi = _dense_like(x, torch.bfloat16)
-    lo = torch.empty_strided(x.shape, x.stride(), dtype=torch.bfloat16)
-    ok = library().dsq_split_bf16(x.data_ptr(), hi.data_ptr(), lo.data_ptr(), x.numel())
-    return (hi, lo) if ok else None
-
-
-def _check_float32(x: torch.Tensor) -> None:
-    if x.dtype != torch.float32 or x.device.type != "cpu":
-        raise TypeError(f"expected a float32 CPU tensor, got {x.dtype} on {x.device.type}")
-
-
-def gemm_bf16(a, b, bias=None, out=None) -> torch.Tensor:
-    """``a @ b (+ bias)`` in float32 from bf16 ``a`` [..., m, k] and ``b`` [..., k, n] (the same
-    leading dimensions, any strides); ``out`` given: ``out += a @ b`` (contiguous float32)."""
-    if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16:
-        raise TypeError(f"expected bf16 operands, got {a.dtype} and {b.dtype}")
-    if a.shape[:-2] != b.shape[:-2] or a.shape[-1] != b.shape[-2]:
+def gemm_bf16(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None):
+    """``a @ b (+ bias)`` as a new contiguous float32 tensor from bf16 ``a`` [batch, m, k] and
+    ``b`` [batch, k, n] of any strides; ``bias`` [n] float32 only with batch 1."""
+    if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16 or a.dim() != 3 or b.dim() != 3:
+        raise TypeError(f"expected 3-D bf16 operands, got {a.dtype} and {b.dtype}")
+    if a.shape[0] != b.shape[0] or a.shape[2] != b.shape[1]:
         raise ValueError(f"cannot multiply {tuple(a.shape)} by {tuple(b.shape)}")
-    lead = a.shape[:-2]
-    m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
-    a3, b3 = a.reshape(-1, m, k), b.reshape(-1, k, n)  # views where the layout allows
-    accumulate = out is not None
-    if out is None:
-        out = torch.empty(*lead, m, n, dtype=torch.float32)
-    elif not out.is_contiguous() or out.dtype != torch.float32:
-        raise ValueError("out must be a contiguous float32 tensor")
+    batch, m, k = a.shape
+    n = b.shape[2]
     if bias is not None:
-        if a3.shape[0] != 1 or bias.shape != (n,) or bias.dtype != torch.float32:
+        if batch != 1 or bias.shape != (n,) or bias.dtype != torch.float32:
             raise ValueError("a bias is [n] float32, for an unbatched GEMM")
         bias = bias.contiguous()
+    out = torch.empty(batch, m, n, dtype=torch.float32)
     if out.numel() == 0:
         return out
     if k == 0:  # nothing to sum: oneDNN refuses an empty reduction
-        if not accumulate:
-            out.zero_()
-            if bias is not None:
-                out += bias
-        return out
+        return out.zero_() if bias is None else out.copy_(bias.expand_as(out))
     status = library().dsq_gemm_bf16(
-        a3.data_ptr(), b3.data_ptr(), out.data_ptr(),
+        a.data_ptr(), b.data_ptr(), out.data_ptr(),
         bias.data_ptr() if bias is not None else None,
-        a3.shape[0], m, n, k, *a3.stride(), *b3.stride(), int(accumulate),
+        batch, m, n, k, *a.stride(), *b.stride(), 0,
     )  # fmt: skip
     if status != 0:
         why = {1: "no CPU engine", 2: "the shape was refused", 3: "the execution failed"}

@@ -185,12 +185,24 @@ def _run_cpu(a, b, how: GemmPlan, bias):
         raise ValueError(f"the CPU has no {how.unit} unit")
     if a.shape[:-2] != b.shape[:-2]:  # broadcast batch dimensions: torch's matmul handles them
         return None
-    ab = onednn.to_bf16(a)
-    bb = onednn.to_bf16(b) if ab is not None else None
+    lead, (m, k), n = a.shape[:-2], a.shape[-2:], b.shape[-1]
+    a3, b3 = a.reshape(-1, m, k), b.reshape(-1, k, n)  # views where the layout allows
+    # every side padded to a few sizes per octave: one GEMM shape serves many batch lengths
+    batch, pm, pk, pn = (onednn.padded_size(d) for d in (a3.shape[0], m, k, n))
+    ab = onednn.to_bf16(a3, (batch, pm, pk))
+    bb = onednn.to_bf16(b3, (batch, pk, pn)) if ab is not None else None
     if bb is None:
         _fallback(how)
         return None
-    return onednn.gemm_bf16(ab, bb, bias)
+    if bias is not None and pn > n:
+        bias = torch.nn.functional.pad(bias, (0, pn - n))
+    out = onednn.gemm_bf16(ab, bb, bias)  # [batch, pm, pn], a new contiguous tensor
+    rows = a3.shape[0]
+    if pn != n or (rows > 1 and pm != m):
+        out = out[:rows, :m, :n].contiguous()
+    # the result's leading memory, reshaped in place: a new tensor, not a view (a custom
+    # Function's output that a model then modifies in place must not be a view)
+    return out.resize_(*lead, m, n)
 
 
 # CUDA: torch's own ops. The checks read the values back (one synchronisation per operand).
