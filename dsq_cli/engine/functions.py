@@ -10,6 +10,7 @@ config's generator in the order the quantizers run.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -97,10 +98,15 @@ class DSQLinearFunction(torch.autograd.Function):
     def forward(ctx, x2, weight, bias, cfg: QuantConfig, training: bool = True):
         # x2 is [N, K]: dsq_linear flattens outside, so the output is not a view made in here
         f0, f1, f2, f3 = _points(cfg, x2.device)
-        dev, setting = x2.device, cfg.gemm_unit
-        plans = [units.plan(f0.fmt, f0.fmt, dev, setting), units.plan(f2.fmt, f2.fmt, dev, setting)]
-        plans.append(units.plan(f3.fmt, f1.fmt, dev, setting))
         k = x2.shape[-1]
+        # the three GEMMs take N K M multiply-adds each
+        unit_of = functools.partial(
+            units.plan,
+            device=x2.device,
+            setting=cfg.gemm_unit,
+            macs=x2.shape[0] * k * weight.shape[0],
+        )
+        plans = [unit_of(f0.fmt, f0.fmt), unit_of(f2.fmt, f2.fmt), unit_of(f3.fmt, f1.fmt)]
         # the stash: x itself in q1, blocks along the tokens (GEMM3's reduction dimension),
         # taken in the same read of x as q0(x) where the path fuses the two; no stash when no
         # backward can come (evaluation under torch.no_grad)
@@ -161,9 +167,10 @@ class DSQMatmulFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b, cfg: QuantConfig, training: bool = True):
         f0, f1, f2, f3 = _points(cfg, a.device)
-        dev, setting = a.device, cfg.gemm_unit
-        plans = [units.plan(f0.fmt, f0.fmt, dev, setting), units.plan(f2.fmt, f1.fmt, dev, setting)]
-        plans.append(units.plan(f1.fmt, f3.fmt, dev, setting))
+        # each matrix of the three GEMMs takes N K M multiply-adds
+        macs = a.shape[-2] * a.shape[-1] * b.shape[-1]
+        unit_of = functools.partial(units.plan, device=a.device, setting=cfg.gemm_unit, macs=macs)
+        plans = [unit_of(f0.fmt, f0.fmt), unit_of(f2.fmt, f1.fmt), unit_of(f1.fmt, f3.fmt)]
         b_t = b.transpose(-1, -2)
         last, before = a.dim() - 1, a.dim() - 2
         if training and ctx.needs_input_grad[1]:

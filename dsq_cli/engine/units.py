@@ -53,6 +53,10 @@ MIN_CUDA_CAPABILITY = (8, 0)
 # A value below this in magnitude (and not zero) sends its GEMM to float32: the product of two
 # values at least this large is at least 2^-126, a normal float32 number.
 SMALLEST = 2.0**-63
+# A GEMM whose matrices have fewer multiply-adds each stays in float32: converting and calling
+# cost about 0.1 ms, more than a bf16 unit saves below this size (docs/benchmarks.md, "GEMM
+# units": a 256x256x256 GEMM gains 1.1x, attention's 30x64x30 matrices lose).
+MIN_MACS = 2**24
 
 log = logging.getLogger("dsq.engine")
 
@@ -105,11 +109,14 @@ def offered_units(device: torch.device) -> tuple[str, ...]:
     return ()
 
 
-def plan(a: Format, b: Format, device: torch.device, setting: str = "auto") -> GemmPlan:
-    """The unit for ``a @ b`` whose operands hold values of formats ``a`` and ``b``."""
+def plan(
+    a: Format, b: Format, device: torch.device, setting: str = "auto", macs: int = MIN_MACS
+) -> GemmPlan:
+    """The unit for ``a @ b`` whose operands hold values of formats ``a`` and ``b`` and whose
+    matrices (each of a batch) take ``macs`` multiply-adds."""
     if setting not in SETTINGS:
         raise ValueError(f"gemm_unit must be one of {SETTINGS}, got {setting!r}")
-    if setting == "fp32":
+    if setting == "fp32" or macs < MIN_MACS:
         return FP32
     for unit in offered_units(device):
         if unit == "bf16x2":
