@@ -225,6 +225,21 @@ def bench_step(
     _print_bench(result, as_json, step.format_table)
 
 
+@bench_app.command("gemm")
+@usage_errors
+def bench_gemm(
+    repeats: int = typer.Option(11, min=1, help="Timed repetitions per GEMM (median reported)."),
+    device: str = typer.Option("cpu", help="cpu or cuda."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+):
+    """Time quantized GEMMs on the unit their formats allow (bf16 on a CPU with AVX512-BF16)
+    beside float32, at the benchmark model's shapes and across sizes."""
+    from dsq_cli.bench import gemm
+
+    _check_device(device)
+    _print_bench(gemm.run(repeats, device), as_json, gemm.format_table)
+
+
 @bench_app.command("memory")
 @usage_errors
 def bench_memory(

@@ -7,7 +7,10 @@ On a CUDA machine:
       bfp4 / bfp8 / fixed16 quantize, pack, unpack next to a device copy (``y.copy_(x)``) and
       ``x.clone()``, with GB/s counted as the bytes the op reads plus writes, and each op's GB/s
       relative to the copy's; the engine's fused pairs (q0 plus the stash, q3 plus q2) against
-      their two calls; a training step per preset against fp32, and fp32 under bf16 autocast.
+      their two calls; the engine's GEMM units (bf16, TF32, bf16x2: exact on integer operands,
+      then timed against a float32 GEMM); a training step per preset with its GEMMs on their
+      units (quant.gemm_unit=auto) and all in float32, against fp32, and fp32 under bf16
+      autocast.
 Without CUDA it sets TRITON_INTERPRET=1 and runs (a) on tiny CPU tensors, skipping (b).
 
 Prints PASS/FAIL lines; exits 1 if any bit-exact check fails.
@@ -267,6 +270,31 @@ def bf16_step(repeats: int) -> None:
           f"({bf16_ms / fp32_ms:.2f}x fp32)")  # fmt: skip
 
 
+def gemm_units() -> None:
+    """The engine's CUDA units (bf16, TF32, bf16x2) on integer-valued operands, whose products and
+    sums are exact: each must equal the float64 product bit for bit; then their time against a
+    float32 GEMM at the benchmark model's FFN shape."""
+    from dsq_cli.engine import units
+
+    gen_ = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randint(-8, 9, (4096, 512), device="cuda", generator=gen_).float()
+    b = torch.randint(-8, 9, (512, 2048), device="cuda", generator=gen_).float()
+    wide = a * 256 + torch.randint(-8, 9, a.shape, device="cuda", generator=gen_)  # 12+ bits
+    exact = (a.double() @ b.double()).float()
+    for name, left, plan, expected in (
+        ("bf16", a, units.GemmPlan("bf16"), exact),
+        ("tf32", a, units.GemmPlan("tf32"), exact),
+        ("bf16x2", wide, units.GemmPlan("bf16x2", split="a"), (wide.double() @ b.double()).float()),
+    ):
+        out = units.gemm(left, b, plan, f"gpu_check.{name}")
+        report(f"GEMM unit {name} (integers)", same(out, expected))
+    print(f"\nGEMM units, [4096, 512] @ [512, 2048]: {units.tally()}")
+    fp32_ms = cuda_ms(lambda: a @ b, 20)
+    for name, plan in (("bf16", units.GemmPlan("bf16")), ("tf32", units.GemmPlan("tf32"))):
+        ms = cuda_ms(lambda plan=plan: units.gemm(a, b, plan, "gpu_check.time"), 20)
+        print(f"{name:<8}{ms:>9.3f} ms  ({fp32_ms / ms:.2f}x the float32 GEMM's {fp32_ms:.3f} ms)")
+
+
 def timings(log2_sizes, repeats: int) -> None:
     print(f"\n{torch.cuda.get_device_name()}, median of {repeats} runs after 3 warmups")
     for log2n in log2_sizes:
@@ -287,13 +315,14 @@ def training_step() -> None:
         from dsq_cli.bench import step
 
         result = step.run(
-            ["fp32", "stash_bfp", "dsq"],
+            ["fp32", "bfp8", "stash_bfp", "dsq"],
             layers=6,
             width=512,
             tokens=4096,
             src_len=32,
             repeats=10,
             device="cuda",
+            gemm_units=("auto", "fp32"),  # each GEMM on its exact unit, and all in float32
         )
     except ImportError as err:  # fairseq missing on the GPU machine: keep the kernel results
         print(f"training step skipped: {err}")
@@ -317,6 +346,7 @@ def main() -> int:
     elif not args.skip_timing:
         timings([int(s) for s in args.sizes.split(",")], args.repeats)
         fused_pairs(args.repeats)
+        gemm_units()
         training_step()
         bf16_step(10)
     if FAILS:

@@ -177,6 +177,11 @@ def test_cell_trains_resumes_and_is_priced(family, preset, scope, shared, tmp_pa
     assert res["quant"]["modified"] is (scope != load_quant_preset(preset)["stash_scope"])
     assert res["patch"]["stash_scope"] == scope and res["patch"]["linears"]
     assert res["bits_final"] == first
+    # the GEMMs of both processes are counted, by kind and unit; wide formats never leave float32
+    forward = res["gemm_units"]["linear.forward"]
+    assert sum(forward.values()) > 0
+    if preset in ("fp32", "fixed32", "fixed16", "bfp16"):
+        assert all(set(units) == {"fp32"} for units in res["gemm_units"].values())
 
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     train_lines = [m for m in metrics if m["kind"] == "train"]
@@ -253,6 +258,7 @@ def check_dsq_cost(args: list[str], first: dict, trained: dict) -> None:
         (["quant.stash_scope=none"], "stash_scope must be one of ('gemm', 'all')"),
         (["quant=int4"], "unknown quant 'int4'; choose one of"),
         (["quant.q1={levels: [bfp4, bfp2]}"], "schedule levels must rise in bits per value"),
+        (["quant.gemm_unit=bf16"], "quant.gemm_unit='bf16' is not a setting; choose one of"),
     ],
 )
 def test_bad_quant_exits_2_with_one_line_and_leaves_nothing(family, extra, says, shared, tmp_path):

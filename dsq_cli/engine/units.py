@@ -48,7 +48,7 @@ SETTINGS = ("auto", "fp32")
 GEMM_KINDS = (
     "linear.forward", "linear.dx", "linear.dw", "matmul.forward", "matmul.da", "matmul.db"
 )  # fmt: skip
-CUDA_UNITS = ("bf16", "tf32", "bf16x2")  # preference order: the narrowest exact unit first
+REDUCED_UNITS = ("bf16", "tf32", "bf16x2")  # preference order: the narrowest exact unit first
 MIN_CUDA_CAPABILITY = (8, 0)
 # A value below this in magnitude (and not zero) sends its GEMM to float32: the product of two
 # values at least this large is at least 2^-126, a normal float32 number.
@@ -101,7 +101,7 @@ def offered_units(device: torch.device) -> tuple[str, ...]:
     if device.type == "cuda":
         capability = cuda_capability(device)
         if tuple(capability) >= MIN_CUDA_CAPABILITY:
-            return CUDA_UNITS
+            return REDUCED_UNITS  # all three
         _say_once(
             f"dsq: quantized GEMMs run in float32 on this GPU: compute capability "
             f"{capability[0]}.{capability[1]} has no bf16 or TF32 tensor cores (8.0 and later do)"
@@ -118,15 +118,26 @@ def plan(
         raise ValueError(f"gemm_unit must be one of {SETTINGS}, got {setting!r}")
     if setting == "fp32" or macs < MIN_MACS:
         return FP32
+    exact = [_exact_plan(unit, a, b) for unit in REDUCED_UNITS]
+    if not any(exact):  # no unit could take these formats: the device need not be asked
+        return FP32
     for unit in offered_units(device):
-        if unit == "bf16x2":
-            if "bf16" in a.exact_in and "bf16x2" in b.exact_in:
-                return GemmPlan(unit, split="b")
-            if "bf16x2" in a.exact_in and "bf16" in b.exact_in:
-                return GemmPlan(unit, split="a")
-        elif unit in a.exact_in and unit in b.exact_in:
-            return GemmPlan(unit)
+        how = exact[REDUCED_UNITS.index(unit)]
+        if how is not None:
+            return how
     return FP32
+
+
+def _exact_plan(unit: str, a: Format, b: Format) -> GemmPlan | None:
+    """``unit``'s plan for operands of formats ``a`` and ``b``, or None when it is not exact for
+    them (bf16x2 splits the operand that is exact in bf16x2 only)."""
+    if unit != "bf16x2":
+        return GemmPlan(unit) if unit in a.exact_in and unit in b.exact_in else None
+    if "bf16" in a.exact_in and "bf16x2" in b.exact_in:
+        return GemmPlan(unit, split="b")
+    if "bf16x2" in a.exact_in and "bf16" in b.exact_in:
+        return GemmPlan(unit, split="a")
+    return None
 
 
 # -- what ran where -----------------------------------------------------------------------------

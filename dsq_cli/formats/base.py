@@ -22,7 +22,8 @@ ROUNDINGS = ("nearest", "stochastic")
 # The compute dtypes a GEMM unit can multiply in, by the significant bits each holds exactly
 # (docs/formats.md, "Exact compute dtypes"): bf16 (8), TF32 (11), and bf16x2 (16: a value held
 # as an exact pair hi + lo of bf16 numbers, multiplied as two GEMMs). All three have float32's
-# exponent range; a value below 2^-126 in magnitude (subnormal there) is outside every claim.
+# exponent range; a value below 2^-126 in magnitude (subnormal there) is outside every claim, and
+# for bf16x2 one below 2^-111 (its low part, up to 15 binary places lower, would be subnormal).
 COMPUTE_DTYPES = {"bf16": 8, "tf32": 11, "bf16x2": 16}
 
 
