@@ -174,10 +174,15 @@ int dsq_gemm_bf16(const uint16_t *a, const uint16_t *b, float *c, const float *b
                             accumulate != 0, 0};
     int status = 0;
     pthread_mutex_lock(&lock);
-    if (!engine && (dnnl_engine_create(&engine, dnnl_cpu, 0) != 0 ||
-                    dnnl_stream_create(&stream, engine, dnnl_stream_default_flags) != 0)) {
-        engine = NULL;
-        status = 1;
+    if (!engine) {
+        dnnl_engine_t made = NULL;
+        if (dnnl_engine_create(&made, dnnl_cpu, 0) != 0 ||
+            dnnl_stream_create(&stream, made, dnnl_stream_default_flags) != 0) {
+            if (made) dnnl_engine_destroy(made);
+            status = 1;
+        } else {
+            engine = made;
+        }
     }
     entry_t *e = status ? NULL : primitive_for(key);
     if (!status && !e) status = 2;

@@ -170,3 +170,31 @@ def test_no_module_imports_a_layer_above_its_own(module):
 @pytest.mark.parametrize("module, allowed", sorted(LEAVES.items()))
 def test_the_launcher_and_rank_helpers_import_nothing_above_them(module, allowed):
     assert graph()[module] <= allowed
+
+
+# The kernels (kernels/, imported as dsq_kernels) sit below formats: the formats layer is their
+# host glue, and the benchmarks time them beside it. The engine and everything above reach them
+# only through formats.
+KERNEL_USERS = ("dsq_cli.formats", "dsq_cli.bench")
+
+
+def kernel_imports(path: Path) -> bool:
+    """Whether ``path`` imports dsq_kernels anywhere in its body (function-level too)."""
+    for node in _runtime_nodes(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import) and any(
+            a.name.split(".")[0] == "dsq_kernels" for a in node.names
+        ):
+            return True
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "dsq_kernels":
+            return True
+    return False
+
+
+def test_only_formats_and_the_benchmarks_import_the_kernels():
+    users = sorted(name for name, path in modules().items() if kernel_imports(path))
+    assert users and all(u.startswith(KERNEL_USERS) for u in users), users
+
+
+def test_the_kernel_import_finder_sees_a_lazy_import(tmp_path):
+    (tmp_path / "a.py").write_text("def f():\n    from dsq_kernels import onednn\n")
+    assert kernel_imports(tmp_path / "a.py")

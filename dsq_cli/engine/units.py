@@ -9,7 +9,7 @@ the order of the float32 sums: every product is exact. So each GEMM of ``dsq_lin
 ======== ================================================ ========================================
 unit     runs on                                           when both operands are exact in
 ======== ================================================ ========================================
-bf16     CPU: oneDNN's bf16 matmul (``dsq_kernels.onednn``); bf16
+bf16     CPU: oneDNN's bf16 matmul (``formats.compute``);   bf16
          CUDA: ``torch.mm(..., out_dtype=float32)``
 tf32     CUDA: float32 GEMM with TF32 allowed for that call tf32 (and not both in bf16)
 bf16x2   CUDA: the wider operand split into an exact pair   bf16 for one, bf16x2 for the other
@@ -39,7 +39,7 @@ import logging
 
 import torch
 
-from dsq_cli.formats import Format
+from dsq_cli.formats import Format, compute
 
 UNITS = ("fp32", "bf16", "tf32", "bf16x2")
 # quant.gemm_unit: auto picks a unit per GEMM; fp32 runs every GEMM in float32
@@ -81,13 +81,17 @@ FP32 = GemmPlan("fp32")
 # -- what the machine offers --------------------------------------------------------------------
 def cpu_unavailable_reason() -> str | None:
     """Why the CPU has no exact bf16 GEMM here, or None when it has one."""
-    from dsq_kernels import onednn
-
-    return onednn.unavailable_reason()
+    return compute.cpu_bf16_unavailable_reason()
 
 
 def cuda_capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
+
+
+def torch_mm_takes_out_dtype() -> bool:
+    """Whether torch.mm and torch.bmm take ``out_dtype`` (bf16 in, float32 out): torch 2.8+."""
+    major, minor = (int(part) for part in torch.__version__.split(".")[:2])
+    return (major, minor) >= (2, 8)
 
 
 def offered_units(device: torch.device) -> tuple[str, ...]:
@@ -101,7 +105,13 @@ def offered_units(device: torch.device) -> tuple[str, ...]:
     if device.type == "cuda":
         capability = cuda_capability(device)
         if tuple(capability) >= MIN_CUDA_CAPABILITY:
-            return REDUCED_UNITS  # all three
+            if torch_mm_takes_out_dtype():
+                return REDUCED_UNITS  # all three
+            _say_once(
+                "dsq: bf16 GEMMs need torch.mm(..., out_dtype=) (torch 2.8 and later); this "
+                f"torch {torch.__version__} runs quantized GEMMs on TF32 or in float32"
+            )
+            return ("tf32",)
         _say_once(
             f"dsq: quantized GEMMs run in float32 on this GPU: compute capability "
             f"{capability[0]}.{capability[1]} has no bf16 or TF32 tensor cores (8.0 and later do)"
@@ -178,7 +188,9 @@ def gemm(a: torch.Tensor, b: torch.Tensor, how: GemmPlan, kind: str, bias=None) 
     exactness check there, else in float32. ``a`` [..., m, k], ``b`` [..., k, n]; ``bias`` [n]
     only with 2-D operands. ``kind`` (one of GEMM_KINDS) is what the call is counted as."""
     out = None
-    if how.unit != "fp32":
+    # the units are exact for float32 operands (a float64 model keeps its float64 GEMMs)
+    float32 = a.dtype == b.dtype == torch.float32 and (bias is None or bias.dtype == a.dtype)
+    if how.unit != "fp32" and float32:
         run = _run_cpu if a.device.type == "cpu" else _run_cuda
         out = run(a, b, how, bias)
     unit = how.unit
@@ -197,30 +209,14 @@ def _fallback(how: GemmPlan) -> None:
 
 
 def _run_cpu(a, b, how: GemmPlan, bias):
-    from dsq_kernels import onednn
-
     if how.unit != "bf16":
         raise ValueError(f"the CPU has no {how.unit} unit")
     if a.shape[:-2] != b.shape[:-2]:  # broadcast batch dimensions: torch's matmul handles them
         return None
-    lead, (m, k), n = a.shape[:-2], a.shape[-2:], b.shape[-1]
-    a3, b3 = a.reshape(-1, m, k), b.reshape(-1, k, n)  # views where the layout allows
-    # every side padded to a few sizes per octave: one GEMM shape serves many batch lengths
-    batch, pm, pk, pn = (onednn.padded_size(d) for d in (a3.shape[0], m, k, n))
-    ab = onednn.to_bf16(a3, (batch, pm, pk))
-    bb = onednn.to_bf16(b3, (batch, pk, pn)) if ab is not None else None
-    if bb is None:
+    out = compute.bf16_gemm(a, b, bias)
+    if out is None:
         _fallback(how)
-        return None
-    if bias is not None and pn > n:
-        bias = torch.nn.functional.pad(bias, (0, pn - n))
-    out = onednn.gemm_bf16(ab, bb, bias)  # [batch, pm, pn], a new contiguous tensor
-    rows = a3.shape[0]
-    if pn != n or (rows > 1 and pm != m):
-        out = out[:rows, :m, :n].contiguous()
-    # the result's leading memory, reshaped in place: a new tensor, not a view (a custom
-    # Function's output that a model then modifies in place must not be a view)
-    return out.resize_(*lead, m, n)
+    return out
 
 
 # CUDA: torch's own ops. The checks read the values back (one synchronisation per operand).
@@ -237,8 +233,8 @@ def fits(x: torch.Tensor, dtype: str) -> bool:
 
 def split_bf16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(hi, lo) as float32 tensors holding bf16 numbers, ``hi + lo == x`` exactly; None when x
-    has a value of more than 16 significant bits or one below SMALLEST (the torch twin of
-    ``dsq_kernels.onednn.split_bf16``)."""
+    has a value of more than 16 significant bits or one below SMALLEST (the operands that
+    the split GEMMs of bf16x2 run on)."""
     bits = x.contiguous().view(torch.int32)
     hi = (bits & -65536).view(torch.float32)  # 0xFFFF0000: the top 16 bits
     finite = torch.isfinite(x)

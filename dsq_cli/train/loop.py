@@ -76,6 +76,9 @@ class Trainer(ABC):
             "gemm_shapes": None,  # one training step's GEMMs, for the cost model
             "gemm_units": {},  # the quantized GEMMs run, per GEMM kind and unit (units.tally)
         }
+        # the GEMMs counted before this process trained, and the tally when it started (`train`)
+        self._units_before: dict = {}
+        self._tally_at_start: dict | None = None
 
     # -- what a trainer provides ----------------------------------------------------------------
     @classmethod
@@ -201,8 +204,15 @@ class Trainer(ABC):
             segments.append([points, 1])
 
     def _stop_clock(self) -> None:
-        """wall_seconds and the GEMM unit counts add up across resumes."""
+        """wall_seconds adds up across resumes (and so do the GEMM unit counts)."""
         self.progress["wall_seconds"] = self._wall_before + time.monotonic() - self._started
+        self._count_units()
+
+    def _count_units(self) -> None:
+        """progress["gemm_units"]: the checkpoint's counts plus this process's GEMMs so far
+        (training and validation); brought up to date before every checkpoint."""
+        if self._tally_at_start is None:  # not training yet: nothing of this process to add
+            return
         since_start = units.merge_tallies(units.tally(), units.negated(self._tally_at_start))
         self.progress["gemm_units"] = units.merge_tallies(self._units_before, since_start)
 
@@ -314,6 +324,7 @@ class Trainer(ABC):
         set_rng_state(state["rng"])  # last: restoring the rest may draw random numbers
 
     def checkpoint(self) -> None:
+        self._count_units()
         if self.rank.is_main:  # every rank holds the same state
             save_checkpoint(self.recorder.last_checkpoint, self.state_dict())
 
