@@ -326,8 +326,9 @@ def demo_transformer(seed: int = 0):
     return TransformerModel.build_model(args, task)
 
 
-def demo_batch(sentences: int = 24, length: int = 24):
-    """576 tokens a side: the FFN's GEMMs (576 x 128 x 512) are large enough for the bf16 unit."""
+def demo_batch(sentences: int = 16, length: int = 16):
+    """256 tokens a side: the FFN's GEMMs (256 x 128 x 512, 2^24 multiply-adds) are just large
+    enough for the bf16 unit (units.MIN_MACS)."""
     g = torch.Generator().manual_seed(5)
     src, prev, target = (torch.randint(4, 500, (sentences, length), generator=g) for _ in "abc")
     return src, torch.full((sentences,), length), prev, target
