@@ -31,12 +31,6 @@ static inline uint32_t bits_of(float f) {
     return u;
 }
 
-static inline float float_of(uint32_t u) {
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
 /* 1 when the float32 pattern u is a bf16 number that the bf16 unit multiplies exactly: zero,
  * an infinity, a NaN with a high payload, or a normal value of magnitude at least 2^-63. */
 static inline int fits_bf16(uint32_t u) {
