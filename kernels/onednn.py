@@ -62,11 +62,7 @@ def onednn_paths() -> tuple[Path, Path]:
 @functools.cache
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags (Linux), empty where /proc/cpuinfo does not say."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
+    for line in cpu._cpu_identity().splitlines():
         if line.startswith("flags"):
             return frozenset(line.split(":", 1)[1].split())
     return frozenset()

@@ -131,18 +131,6 @@ class Setup:
         loss.backward()
         self.optimizer.step()
 
-    def units(self, batch: Batch) -> dict[str, list[str]]:
-        """The units one step runs its quantized GEMMs on: {GEMM kind: [units]} (a kind
-        absent ran no quantized GEMM)."""
-        before = units.tally()
-        self.step(batch)
-        after = units.tally()
-        return {
-            kind: [u for u, n in counts.items() if n > before.get(kind, {}).get(u, 0)]
-            for kind, counts in after.items()
-            if any(n > before.get(kind, {}).get(u, 0) for u, n in counts.items())
-        }
-
     def state_bytes(self) -> int:
         """Bytes live now in the model and optimizer, summed from the tensors' sizes (each
         storage once): parameters, buffers, gradients if kept, and the optimizer's state (Adam's
@@ -311,7 +299,9 @@ def run(
     rows = []
     base = statistics.median(next(iter(times.values())))
     for (name, scope, unit), setup in setups.items():
-        memory = setup.memory(batch)
+        before = units.tally()
+        memory = setup.memory(batch)  # one step: the units its quantized GEMMs ran on
+        ran = units.merge_tallies(units.tally(), units.negated(before))
         forward = allocated_during(
             lambda m=setup.model: m(batch.src, batch.lengths, batch.prev)[0], dev
         )
@@ -322,7 +312,7 @@ def run(
                 "preset": name,
                 "scope": scope,
                 "gemm_unit": unit,
-                "units": setup.units(batch),
+                "units": {kind: sorted(counts) for kind, counts in ran.items()},
                 "points": setup.points,
                 "first_step_s": warmup[(name, scope, unit)],
                 "step_ms": median * 1e3,

@@ -41,7 +41,6 @@ import torch
 
 from dsq_cli.formats import Format, compute
 
-UNITS = ("fp32", "bf16", "tf32", "bf16x2")
 # quant.gemm_unit: auto picks a unit per GEMM; fp32 runs every GEMM in float32
 SETTINGS = ("auto", "fp32")
 # The GEMM kinds of the two DSQ functions (docs/spec.md §2), in the order they run.
@@ -128,7 +127,7 @@ def plan(
         raise ValueError(f"gemm_unit must be one of {SETTINGS}, got {setting!r}")
     if setting == "fp32" or macs < MIN_MACS:
         return FP32
-    exact = [_exact_plan(unit, a, b) for unit in REDUCED_UNITS]
+    exact = _exact_plans(a, b)
     if not any(exact):  # no unit could take these formats: the device need not be asked
         return FP32
     for unit in offered_units(device):
@@ -136,6 +135,13 @@ def plan(
         if how is not None:
             return how
     return FP32
+
+
+@functools.cache
+def _exact_plans(a: Format, b: Format) -> tuple[GemmPlan | None, ...]:
+    """`_exact_plan` of every reduced unit, in REDUCED_UNITS' order: a function of the two
+    formats only, asked three times per layer call, so kept."""
+    return tuple(_exact_plan(unit, a, b) for unit in REDUCED_UNITS)
 
 
 def _exact_plan(unit: str, a: Format, b: Format) -> GemmPlan | None:
@@ -204,7 +210,8 @@ def gemm(a: torch.Tensor, b: torch.Tensor, how: GemmPlan, kind: str, bias=None) 
 def _fallback(how: GemmPlan) -> None:
     _say_once(
         f"dsq: a GEMM planned on {how.unit} ran in float32: an operand held a value that is not "
-        f'a {how.unit} number, or is below 2^-63 in magnitude (docs/dsq.md, "GEMM units")'
+        f"a {how.unit} number or is below 2^-63 in magnitude, or the unit refused the call "
+        f'(docs/dsq.md, "GEMM units")'
     )
 
 
