@@ -275,13 +275,22 @@ def bench_memory(
 OVERRIDES_HELP = (
     "Hydra overrides: group choices (task=multi30k model=transformer_tiny quant=dsq logger=none) "
     "and keys (train.max_updates=100 quant.q1=bfp3 data.raw_dir=DIR seed=2 resume=RUN_DIR). "
+    "A scheduled point's ladder moves by its precision policy: plateau (default, DSQ's: "
+    "patience, min_delta), cyclic (CPT: periods), shape (Wolfe & Kyrillidis: shape, direction, "
+    "periods, exponent, flip_vertically) or pfq (FracTrain: threshold, decay, keep, "
+    "scale_windows, turning_points); e.g. quant.q1.policy=cyclic quant.q1.periods=32 "
+    "(docs/dsq.md, Precision policies). "
     "Each quantization point q0..q3 rounds to nearest unless told "
     "quant.rounding.q1=stochastic (noise seeded by seed, continued on resume). "
     "quant.gemm_unit=auto (default) runs each quantized GEMM on the fastest unit exact for its "
     "two operands' formats: bf16 (CPUs with AVX512-BF16, GPUs) where both are exact in bf16 "
     "(bfp2..bfp9, bf16, e4m3, e5m2, fixed<=9), TF32 on GPUs (up to bfp12, fp16), float32 "
     "otherwise (fixed16 and bfp16 operands on a CPU, fp32, fixed32); quant.gemm_unit=fp32 runs "
-    "every GEMM in float32. result.json's gemm_units counts the GEMMs per kind and unit."
+    "every GEMM in float32. result.json's gemm_units counts the GEMMs per kind and unit. "
+    "train.stop_patience=K (default 0: off) ends a run once K validations in a row did not "
+    "lower the validation loss; the budget stays the cap. eval.checkpoint=best (default) or "
+    "last: the model result.json's value scores (checkpoint_best.pt, the best validation "
+    "loss's, or the final model; GLUE: the best or the last dev metric); both are recorded."
 )
 
 
@@ -326,23 +335,45 @@ def train_cmd(
     result = outcome.result
     evaluation = result.evaluation
     typer.echo(f"run: {outcome.run_dir}")
+    if outcome.status == "completed" and result.stopped_early:
+        stop = result.stopped_early
+        typer.echo(
+            f"stopped early at update {stop['update']}: {stop['reason']}; "
+            f"cap {result.budget['total_updates']}"
+        )
     if outcome.status == "completed" and cfg.task.family == "translation":
         typer.echo(
             f"completed: {result.updates} updates, valid loss {result.valid_loss:.3f}, "
-            f"{evaluation['eval_split']} BLEU {result.value:.2f} "
-            f"(copying the source scores {evaluation['copy_source_bleu']:.2f})"
+            f"{evaluation['eval_split']} BLEU {result.value:.2f} ({_scored_model(evaluation)}"
+            f"copying the source scores {evaluation['copy_source_bleu']:.2f})"
         )
-    elif outcome.status == "completed":  # GLUE: the best dev value over the validations
+    elif outcome.status == "completed":  # GLUE: the best (or last) dev value
+        other = "final" if evaluation["eval_checkpoint"] == "best" else "best"
         typer.echo(
             f"completed: {result.updates} updates, dev loss {result.valid_loss:.3f}, "
-            f"best dev {result.metric} {result.value:.4f} (update {evaluation['best_update']}; "
-            f"final {evaluation['final_dev']['value']:.4f})"
+            f"{evaluation['eval_checkpoint']} dev {result.metric} {result.value:.4f} "
+            f"(update {evaluation['checkpoints'][evaluation['eval_checkpoint']]['update']}; "
+            f"{other} {result.value_of('last' if other == 'final' else 'best'):.4f})"
         )
     else:
         typer.echo(f"{outcome.status}: {result.error or ''}", err=True)
         if outcome.status == "interrupted":
             typer.echo(f"continue with: dsq train resume={outcome.run_dir}", err=True)
     raise typer.Exit(outcome.exit_code)
+
+
+def _scored_model(evaluation: dict) -> str:
+    """``best model, update 160; last model, update 200: 27.10; ``: which model the BLEU is of,
+    and the other's BLEU, when best and last are two models (nothing when they are one)."""
+    chosen = evaluation["eval_checkpoint"]
+    entries = evaluation["checkpoints"]
+    other = "last" if chosen == "best" else "best"
+    if not entries.get(other) or entries[other]["update"] == entries[chosen]["update"]:
+        return ""
+    return (
+        f"{chosen} model, update {entries[chosen]['update']}; {other} model, update "
+        f"{entries[other]['update']}: {entries[other]['bleu']:.2f}; "
+    )
 
 
 @app.command("data")
@@ -412,6 +443,13 @@ def table_cmd(
         help="After the table, list each scheduled run's formats over its updates and its mean "
         "stash bits (markdown only).",
     ),
+    checkpoint: str = typer.Option(
+        None,
+        "--checkpoint",
+        help="best | last: every run's metric from that model (result.json's checkpoints) "
+        "instead of its own headline value (its eval.checkpoint).",
+        show_default=False,
+    ),
 ):
     """Table 1 (docs/spec.md §6) from runs' result.json: presets as rows, tasks as columns
     (docs/table.md).
@@ -430,7 +468,7 @@ def table_cmd(
         raise ValueError(
             f"--moves adds a markdown list; drop it or use --format markdown, not {fmt}"
         )
-    result_table = table.collect(paths or ["runs"])
+    result_table = table.collect(paths or ["runs"], checkpoint)
     for warning in result_table.warnings:
         typer.echo(f"dsq: warning: {warning}", err=True)
     text = table.render(result_table, fmt)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import re
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import (
@@ -25,8 +25,16 @@ from omegaconf.errors import (
 
 from dsq_cli.data.glue import get_glue_task
 from dsq_cli.data.tasks import TASKS
-from dsq_cli.presets import CONF_DIR
-from dsq_cli.run_config import MODEL_FAMILIES, TASK_FAMILIES, RunConfig, expects
+from dsq_cli.engine.policies import DEFAULT_POLICY, policy_defaults
+from dsq_cli.presets import CONF_DIR, QUANT_KEYS, load_quant_preset
+from dsq_cli.run_config import (
+    EVAL_CHECKPOINTS,
+    MODEL_FAMILIES,
+    TASK_FAMILIES,
+    RunConfig,
+    expects,
+)
+from dsq_cli.run_result import POINTS
 
 GROUPS = ("task", "model", "quant", "logger")
 
@@ -98,14 +106,60 @@ def compose(overrides: Sequence[str] = ()) -> DictConfig:
     """The resolved `dsq train` config for Hydra-style ``overrides`` (``key=value`` strings)."""
     overrides = list(overrides)
     _check_group_overrides(overrides)
+    overrides, policy_overrides = _split_policy_overrides(overrides)
     with _COMPOSING:  # Hydra's state and the schema swap below are process-global
-        return _compose_locked(overrides)
+        return _compose_locked(overrides, policy_overrides)
+
+
+# quant.<point>.policy and the policies' parameters, set on a ladder the preset defines
+_POLICY_KEY = re.compile(r"quant\.(q[0-3])\.(\w+)")
+
+
+def _split_policy_overrides(overrides: list[str]) -> tuple[list[str], list[tuple[str, str, str]]]:
+    """(overrides for Hydra, [(point, key, value)] for `_apply_policy_overrides`). A preset's
+    ladder names only its own policy's parameters, so Hydra could not set another policy or its
+    parameters (an unknown key); they are applied after composition instead."""
+    from dsq_cli.engine.policies import all_parameter_names
+
+    for_hydra, ours = [], []
+    for override in overrides:
+        key, sep, value = override.partition("=")
+        match = _POLICY_KEY.fullmatch(key)
+        if sep and match and (match[2] == "policy" or match[2] in all_parameter_names()):
+            ours.append((match[1], match[2], value))
+        else:
+            for_hydra.append(override)
+    return for_hydra, ours
+
+
+def _apply_policy_overrides(quant: DictConfig, overrides: list[tuple[str, str, str]]) -> None:
+    """Set each point's policy, then its parameters. A new policy drops the parameters the
+    preset gave the old one (``quant=dsq quant.q1.policy=cyclic`` leaves out dsq's patience);
+    a parameter given on the command line that the policy does not take stays, so that
+    `QuantConfig` refuses it by name."""
+    import yaml
+
+    from dsq_cli.engine.policies import DEFAULT_POLICY, all_parameter_names
+
+    for point in dict.fromkeys(point for point, _, _ in overrides):
+        node = quant.get(point)
+        if not isinstance(node, DictConfig):
+            raise ConfigError(
+                f"quant.{point} is one format ({node}); a policy moves along a ladder: "
+                f"quant.{point}={{levels: [bfp3, bfp4, bfp6], policy: cyclic}}"
+            )
+        given = {key: value for p, key, value in overrides if p == point}
+        if "policy" in given and given["policy"] != node.get("policy", DEFAULT_POLICY):
+            for key in [k for k in node if k in all_parameter_names() and k not in given]:
+                node.pop(key)
+        for key, value in given.items():
+            node[key] = yaml.safe_load(value) if value != "" else None
 
 
 _COMPOSING = threading.Lock()
 
 
-def _compose_locked(overrides: list[str]) -> DictConfig:
+def _compose_locked(overrides: list[str], policy_overrides=()) -> DictConfig:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
@@ -124,6 +178,8 @@ def _compose_locked(overrides: list[str]) -> DictConfig:
     with _unlocked(cfg):
         cfg.pop("hydra", None)
         cfg.choices = choices
+        if policy_overrides:
+            _apply_policy_overrides(cfg.quant, list(policy_overrides))
     if "family" not in cfg.task:
         raise ConfigError(
             f"conf/task/{choices['task']}.yaml sets no task.family; add `family: translation` "
@@ -254,6 +310,14 @@ def _check(cfg: DictConfig) -> None:
         value = train[key]
         if value != "auto" and (isinstance(value, str) or value < 0):
             raise ConfigError(f"train.{key} must be a non-negative integer or auto, got {value!r}")
+    if train.stop_patience < 0:
+        raise ConfigError(
+            f"train.stop_patience must be a non-negative integer, got {train.stop_patience!r}"
+        )
+    if cfg.eval.checkpoint not in EVAL_CHECKPOINTS:
+        raise ConfigError(
+            f"eval.checkpoint must be {' or '.join(EVAL_CHECKPOINTS)}, got {cfg.eval.checkpoint!r}"
+        )
     if train.max_epochs == 0 and train.max_updates == 0:
         raise ConfigError("set a budget: train.max_epochs or train.max_updates must be positive")
     for key in ("batch_size", "distributed_world_size"):
@@ -354,3 +418,59 @@ def to_yaml(cfg: DictConfig) -> str:
 
 def to_plain(cfg: DictConfig | ListConfig) -> dict:
     return OmegaConf.to_container(cfg, resolve=True)
+
+
+# -- how a run's quant config differs from its preset (a run with differences is not a run of its
+# preset: its own row in the tables) -------------------------------------------------------------
+def _every_point_rounding(rounding: Mapping | None) -> dict:
+    return {point: (rounding or {}).get(point, "nearest") for point in POINTS}
+
+
+def _render_point(value) -> str:
+    if isinstance(value, Mapping) and "levels" in value:
+        return ">".join(str(level) for level in value["levels"])
+    if isinstance(value, (list, tuple)):
+        return ">".join(str(v) for v in value)
+    return str(value)
+
+
+def quant_differences(quant: Mapping) -> list[str] | None:
+    """``point=value`` for each quant key of a run (``quant``: the preset name and its points)
+    that differs from the stored preset; None when the preset is not in conf/quant/. A run with
+    differences is not a run of its preset (its own row in Table 1)."""
+    try:
+        stored = load_quant_preset(str(quant["preset"]))
+    except ValueError:
+        return None
+    differences = []
+    for key in QUANT_KEYS:
+        mine, theirs = quant.get(key), stored.get(key)
+        if key == "rounding":  # a point not named rounds to nearest (runs from before rounding)
+            mine, theirs = _every_point_rounding(mine), _every_point_rounding(theirs)
+        if mine == theirs or (key == "stash_scope" and mine is None):
+            continue
+        if isinstance(mine, Mapping) and isinstance(theirs, Mapping):
+            differences += _ladder_differences(key, mine, theirs)
+        else:
+            differences.append(f"{key}={_render_point(mine)}")
+    return differences
+
+
+def _ladder_differences(point: str, mine: Mapping, theirs: Mapping) -> list[str]:
+    """How a run's ladder (``{levels, policy, <its parameters>}``) differs from the preset's.
+    A parameter left out stands at its policy's default, so naming it changes nothing; under
+    another policy the preset's parameters (the old policy's) do not apply, and only the new
+    policy's parameters that differ from its defaults are named."""
+    policy = mine.get("policy", DEFAULT_POLICY)
+    same_policy = policy == theirs.get("policy", DEFAULT_POLICY)
+    defaults = policy_defaults(policy)
+    reference = {**defaults, **theirs} if same_policy else defaults
+    differences = [] if same_policy else [f"{point}.policy={policy}"]
+    if mine.get("levels") != theirs.get("levels"):
+        differences.append(f"{point}.levels={_render_point(mine.get('levels'))}")
+    for sub in sorted(set(mine) | set(reference)):
+        if sub in ("levels", "policy"):
+            continue
+        if {**defaults, **mine}.get(sub) != reference.get(sub):
+            differences.append(f"{point}.{sub}={_render_point({**defaults, **mine}.get(sub))}")
+    return differences

@@ -66,6 +66,9 @@ class TrainConfig:
     # epoch and at least 10 times in the run.
     validate_every: int | str = _expects("a non-negative integer or auto")
     log_every: int = _expects("a non-negative integer")  # a metrics.jsonl line every N updates
+    # End the run when the validation loss has not improved (fallen below its best) for this
+    # many validations in a row, before the cap of max_updates / max_epochs; 0: train to the cap.
+    stop_patience: int = _expects("a non-negative integer")
     distributed_world_size: int = _expects("a non-negative integer")  # data-parallel processes
 
 
@@ -80,7 +83,8 @@ class RunDirConfig:
 
 @dataclass
 class EvalConfig:
-    """``eval``: the final BLEU evaluation of translation tasks (beam search)."""
+    """``eval``: the final evaluation: which model is scored, and translation's BLEU (beam
+    search)."""
 
     split: str = MISSING  # the split scored with BLEU at the end
     beam: int = MISSING  # beam size
@@ -88,6 +92,9 @@ class EvalConfig:
     max_len_a: float = MISSING  # maximum output length: a * source length + b
     max_len_b: int = MISSING
     max_sentences: int = MISSING  # sentences per generation batch
+    # The model result.json's `value` scores: best (the best validation loss's checkpoint;
+    # GLUE: the best dev metric's validation) or last (the final model).
+    checkpoint: str = _expects("best or last")
 
 
 @dataclass
@@ -148,6 +155,9 @@ class RunConfig:
     quant: Any = None
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     choices: dict[str, str] = field(default_factory=dict)  # group -> the file it chose
+
+
+EVAL_CHECKPOINTS = ("best", "last")  # eval.checkpoint: which model `value` scores
 
 
 _PHRASES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}

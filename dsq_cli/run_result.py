@@ -4,8 +4,9 @@ The trainer writes it when a run starts (status ``running``) and again when it e
 ``dsq table``, ``dsq plot``, ``dsq sweep`` and ``dsq train``'s own summary read it, all through
 this type. The fields and their meaning are in docs/spec.md §5 (run files); the evaluation fields
 that depend on the task family (``bleu`` and its signature for translation; the GLUE metrics,
-``best_update`` and ``final_dev`` for GLUE) sit in ``evaluation`` and are written at the top level
-of the file beside the common ones.
+``best_update`` and ``final_dev`` for GLUE; ``eval_checkpoint`` and ``checkpoints``, the last and
+the best model's scores, for both) sit in ``evaluation`` and are written at the top level of the
+file beside the common ones.
 
 A leaf of the reporting side: it imports only `runs` (atomic JSON writes without secrets).
 """
@@ -61,7 +62,9 @@ class RunResult:
     task: str
     quant: dict[str, Any]
     metric: str
-    value: float | None = None  # the headline metric: test BLEU, or the best GLUE dev value
+    # the headline metric, of the model eval.checkpoint names (best | last): test BLEU, or the
+    # GLUE dev value; result.json's `checkpoints` has both
+    value: float | None = None
     valid_loss: float | None = None
     updates: int = 0
     wall_seconds: float = 0.0
@@ -79,7 +82,8 @@ class RunResult:
     error: str | None = None  # why the run did not complete
     # what training recorded (absent until a run ends)
     epochs: int | None = None
-    budget: dict[str, int] | None = None
+    # the Budget (total_updates is the cap), and stopped_early: {update, reason} or None
+    budget: dict[str, Any] | None = None
     best_valid_loss: float | None = None
     bits_final: dict[str, str] | None = None
     precision_segments: list[dict[str, Any]] | None = None  # [{points, updates}, ...]
@@ -186,6 +190,27 @@ class RunResult:
     @property
     def preset(self) -> str:
         return str(self.quant["preset"])
+
+    @property
+    def stopped_early(self) -> dict[str, Any] | None:
+        """``{update, reason}`` when the run ended at a validation before its cap."""
+        return (self.budget or {}).get("stopped_early")
+
+    def value_of(self, checkpoint: str | None) -> float | None:
+        """The metric of the model ``checkpoint`` names: ``best`` or ``last`` (None: `value`,
+        the run's own headline), from ``checkpoints``. A result.json written before it has: a
+        GLUE run's best is its `value` and its last `final_dev`; a translation run scored only
+        its last model, so its best is unknown (None)."""
+        if checkpoint is None:
+            return self.value
+        entries = self.evaluation.get("checkpoints")
+        if isinstance(entries, Mapping):
+            entry = entries.get(checkpoint)
+            return entry.get(self.metric) if isinstance(entry, Mapping) else None
+        final_dev = self.evaluation.get("final_dev")
+        if isinstance(final_dev, Mapping):
+            return self.value if checkpoint == "best" else final_dev.get("value")
+        return self.value if checkpoint == "last" else None
 
     def summary(self) -> dict[str, Any]:
         """The headline numbers, for the experiment logger's run summary."""

@@ -65,6 +65,12 @@ def last_checkpoint(run_dir: str | os.PathLike) -> Path:
     return Path(run_dir) / "checkpoints" / "checkpoint_last.pt"
 
 
+def best_checkpoint(run_dir: str | os.PathLike) -> Path:
+    """The checkpoint of a run's best validation loss so far (fairseq's name), the model scored
+    as ``best`` (docs/training.md, "Which model is scored")."""
+    return Path(run_dir) / "checkpoints" / "checkpoint_best.pt"
+
+
 def write_json(path: str | os.PathLike, obj) -> None:
     write_atomic(path, json.dumps(scrub_secrets(obj), indent=2, sort_keys=True) + "\n")
 

@@ -18,10 +18,12 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from dsq_cli.presets import PRESET_ORDER, quant_differences
+from dsq_cli.config import quant_differences
+from dsq_cli.presets import PRESET_ORDER
 from dsq_cli.run_result import POINTS, RunResult, metric_decimals
 
 FORMATS = ("markdown", "csv", "latex", "json")
+CHECKPOINTS = ("best", "last")  # --checkpoint: the model whose metric every run shows
 METRIC_LABELS = {
     "bleu": "BLEU",
     "accuracy": "Acc",
@@ -211,8 +213,14 @@ def find_result_files(paths: Iterable[str | os.PathLike]) -> list[Path]:
     return sorted(found)
 
 
-def read_runs(paths: Iterable[str | os.PathLike]) -> tuple[list[Run], list[str]]:
-    """The readable runs under ``paths`` and a warning for each result.json skipped."""
+def read_runs(
+    paths: Iterable[str | os.PathLike], checkpoint: str | None = None
+) -> tuple[list[Run], list[str]]:
+    """The readable runs under ``paths`` and a warning for each result.json skipped. With
+    ``checkpoint`` (best | last) each run's metric is that model's (`RunResult.value_of`)
+    instead of its own headline; a completed run that did not score it is skipped."""
+    if checkpoint is not None and checkpoint not in CHECKPOINTS:
+        raise ValueError(f"--checkpoint must be best or last, got {checkpoint!r}")
     warnings: list[str] = []
     found: list[Run] = []
     files = find_result_files(paths)
@@ -222,6 +230,12 @@ def read_runs(paths: Iterable[str | os.PathLike]) -> tuple[list[Run], list[str]]
         except ValueError as err:
             warnings.append(f"skipped {path}: {err}")
             continue
+        if checkpoint is not None:
+            value = result.value_of(checkpoint)
+            if result.completed and value is None:
+                warnings.append(f"skipped {path}: it records no score of its {checkpoint} model")
+                continue
+            result = replace(result, value=value)
         found.append(
             Run(
                 path=path,
@@ -266,23 +280,36 @@ def _row_order(row: str) -> tuple:
     return (rank, preset, row != preset, row)
 
 
+def budget_recipe(budget: Mapping | None) -> dict:
+    """What of result.json's ``budget`` is the recipe a run followed: all but ``stopped_early``,
+    which is where a run of the recipe happened to end (splitting seeds by it would keep the
+    seeds that stalled apart from those that did not); ``stop_patience`` 0 is what a budget
+    without the key meant, so it is left out."""
+    recipe = {k: v for k, v in (budget or {}).items() if k != "stopped_early"}
+    if not recipe.get("stop_patience"):
+        recipe.pop("stop_patience", None)
+    return recipe
+
+
 def budget_rows(found: list[Run]) -> list[Run]:
     """The runs, each one trained on another budget (result.json's ``budget``: updates,
-    validation interval, warm-up) than most runs of its column moved to a row of its own, named
-    after what differs: ``dsq (validate_every=40)``. The budget is part of the recipe (a
-    scheduled stash moves only at validations), so such runs are never averaged with the others.
-    When no budget has more runs than every other, each run is named after the budget keys that
-    vary in its column. Runs without a budget (running, failed before training began, or written
-    before result.json had one) stay in their quant's row."""
+    validation interval, warm-up, stop_patience; `budget_recipe`) than most runs of its column
+    moved to a row of its own, named after what differs: ``dsq (validate_every=40)``,
+    ``dsq (stop_patience=4)``. The budget is part of the recipe (a scheduled stash moves only at
+    validations; a run that may stop early is not a run of the full cap), so such runs are never
+    averaged with the others. When no budget has more runs than every other, each run is named
+    after the budget keys that vary in its column. Runs without a budget (running, failed before
+    training began, or written before result.json had one) stay in their quant's row."""
     by_column: dict[tuple, dict[str, int]] = {}
     for run in found:
         if run.result.budget:
-            key = json.dumps(run.result.budget, sort_keys=True)
+            key = json.dumps(budget_recipe(run.result.budget), sort_keys=True)
             counts = by_column.setdefault(_column_key(run), {})
             counts[key] = counts.get(key, 0) + 1
     out = []
     for run in found:
-        budget, counts = run.result.budget, by_column.get(_column_key(run), {})
+        budget = budget_recipe(run.result.budget)
+        counts = by_column.get(_column_key(run), {})
         if not budget or len(counts) < 2:
             out.append(run)
             continue
@@ -348,8 +375,8 @@ def build_table(found: list[Run], warnings: list[str] | None = None) -> Table:
     )
 
 
-def collect(paths: Iterable[str | os.PathLike]) -> Table:
-    found, warnings = read_runs(paths)
+def collect(paths: Iterable[str | os.PathLike], checkpoint: str | None = None) -> Table:
+    found, warnings = read_runs(paths, checkpoint)
     return build_table(found, warnings)
 
 
@@ -367,6 +394,9 @@ def _metric_text(cell: Cell, pm: str) -> str:
     digits = metric_decimals(cell.runs[0].metric)
     text = f"{cell.metric_mean:.{digits}f}"
     notes = [cell.note] if cell.note else []
+    stopped = sum(1 for r in cell.completed if r.result.stopped_early)
+    if stopped:
+        notes.insert(0, f"{stopped} stopped early")
     if cell.metric_std is not None:
         text += f" {pm} {cell.metric_std:.{digits}f}"
         notes.insert(0, f"n={len(cell.completed)}")

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dsq_cli.config import quant_differences
 from dsq_cli.engine import QuantConfig, dsq_linear
-from dsq_cli.presets import load_quant_preset, quant_differences
+from dsq_cli.presets import load_quant_preset
 
 
 def _stash_seen_by_gemm3(cfg: QuantConfig, x: torch.Tensor) -> torch.Tensor:

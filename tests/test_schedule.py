@@ -37,22 +37,22 @@ def test_patience_one_moves_up_after_each_stall():
 def test_patience_counts_consecutive_bad_validations_and_resets_on_improvement():
     s = Schedule(["bfp2", "bfp4"], patience=3)
     walk(s, [5.0, 5.1, 5.2])  # two bad
-    assert s.level == 0 and s.bad == 2
+    assert s.level == 0 and s.policy.bad == 2
     s.step(4.0)  # improvement resets
-    assert s.bad == 0 and s.best == 4.0
+    assert s.policy.bad == 0 and s.policy.best == 4.0
     walk(s, [4.0, 4.5])
     assert s.level == 0
     s.step(4.2)  # third bad in a row
-    assert s.level == 1 and s.bad == 0 and s.best == 4.2
+    assert s.level == 1 and s.policy.bad == 0 and s.policy.best == 4.2
 
 
 def test_min_delta_requires_a_large_enough_improvement():
     s = Schedule(["bfp2", "bfp4", "bfp8"], patience=1, min_delta=0.1)
     s.step(3.0)
     s.step(2.95)  # improves by 0.05 < min_delta: a stall
-    assert s.level == 1 and s.best == 2.95
+    assert s.level == 1 and s.policy.best == 2.95
     s.step(2.8)  # 2.8 < 2.95 - 0.1: improvement
-    assert s.level == 1 and s.best == 2.8
+    assert s.level == 1 and s.policy.best == 2.8
     s.step(2.7)  # exactly min_delta: not strictly better
     assert s.level == 2
 
@@ -119,5 +119,5 @@ def test_quant_config_errors():
         QuantConfig().format("q4")
     with pytest.raises(ValueError, match="stash_scope"):
         QuantConfig(stash_scope="everything")
-    with pytest.raises(ValueError, match="schedule is"):
+    with pytest.raises(ValueError, match="a ladder is"):
         QuantConfig(q1={"level": ["bfp2"]})

@@ -497,3 +497,76 @@ def test_moves_lists_each_scheduled_runs_formats_over_its_updates(tmp_path):
     refused = invoke("table", root, "--moves", "--format", "csv")
     assert refused.exit_code == 2
     assert "--moves adds a markdown list" in refused.output
+
+
+# -- stopping early and the scored checkpoint -------------------------------------------------
+
+
+def scored(seed, best, last, stop_patience=None, stopped_at=None):
+    """A completed dsq run whose headline is its best model's BLEU; ``stop_patience`` set: a run
+    that may stop early, and did at ``stopped_at`` (None: it trained the whole cap)."""
+    run = budgeted("dsq", seed, best)
+    run["eval_checkpoint"] = "best"
+    run["checkpoints"] = {
+        "last": {"update": 640, "valid_loss": 4.9, "bleu": last},
+        "best": {"update": 560, "valid_loss": 4.8, "bleu": best},
+    }
+    if stop_patience is not None:
+        stop = None if stopped_at is None else {"update": stopped_at, "reason": "stalled"}
+        run["budget"] = {**run["budget"], "stop_patience": stop_patience, "stopped_early": stop}
+    return run
+
+
+def test_early_stopping_runs_get_their_own_row_and_pool_wherever_they_stopped(tmp_path):
+    """stop_patience is part of the recipe (row ``dsq (stop_patience=4)``); where a run stopped
+    is not: seeds of one recipe pool whether they stopped early or not, and the cell counts the
+    early stops. stop_patience 0 is a budget without the key: old and new runs pool."""
+    root = tmp_path / "runs"
+    write_run(root, scored(1, 26.0, 25.0))  # written before the keys existed
+    write_run(root, scored(2, 27.0, 26.0, stop_patience=0))
+    write_run(root, scored(6, 28.0, 27.0, stop_patience=0))
+    write_run(root, scored(3, 20.0, 19.0, stop_patience=4, stopped_at=400))
+    write_run(root, scored(4, 22.0, 21.0, stop_patience=4))
+    found = table.collect([root])
+    assert found.rows == ["dsq", "dsq (stop_patience=4)"]
+    column = found.columns[0]
+    assert found.cell("dsq", column).metric_values == [26.0, 27.0, 28.0]
+    assert found.cell("dsq (stop_patience=4)", column).metric_values == [20.0, 22.0]
+    _, rows = parse_markdown(invoke("table", root).output)
+    assert rows["dsq (stop_patience=4)"][0] == "21.00 ± 1.41 (n=2; 1 stopped early)"
+    assert rows["dsq"][0] == "27.00 ± 1.00 (n=3)"
+
+
+def test_checkpoint_option_shows_that_models_metric(tmp_path):
+    root = tmp_path / "runs"
+    write_run(root, scored(1, 26.0, 25.0))
+    write_run(root, scored(2, 28.0, 27.0))
+    assert table.collect([root]).cell("dsq", table.collect([root]).columns[0]).metric_mean == 27
+    _, rows = parse_markdown(invoke("table", root, "--checkpoint", "last").output)
+    assert rows["dsq"][0] == "26.00 ± 1.41 (n=2)"
+    _, rows = parse_markdown(invoke("table", root, "--checkpoint", "best").output)
+    assert rows["dsq"][0] == "27.00 ± 1.41 (n=2)"
+    refused = invoke("table", root, "--checkpoint", "middle")
+    assert refused.exit_code == 2 and "--checkpoint must be best or last" in refused.output
+
+
+def test_checkpoint_option_on_runs_written_before_checkpoints(tmp_path):
+    """A translation run of old scored its last model only: ``--checkpoint best`` skips it with
+    a warning, ``last`` is its value. An old GLUE run's value is its best dev, final_dev its
+    last."""
+    root = tmp_path / "runs"
+    write_run(root, budgeted("dsq", 1, 26.0))
+    write_run(root, scored(2, 28.0, 27.0))
+    result = invoke("table", root, "--checkpoint", "best")
+    assert result.exit_code == 0, result.output
+    assert "records no score of its best model" in result.stderr
+    assert parse_markdown(result.stdout)[1]["dsq"][0] == "28.00"
+    assert parse_markdown(invoke("table", root, "--checkpoint", "last").stdout)[1]["dsq"][0] == (
+        "26.50 ± 0.71 (n=2)"
+    )
+    from dsq_cli.run_result import RunResult
+
+    glue = {**budgeted("dsq", 3, 0.86), "metric": "accuracy", "best_update": 400,
+            "final_dev": {"accuracy": 0.85, "value": 0.85}}  # fmt: skip
+    old = RunResult.from_dict(glue)
+    assert (old.value_of("best"), old.value_of("last"), old.value_of(None)) == (0.86, 0.85, 0.86)

@@ -48,6 +48,8 @@ def train(args):
         ("train.warmup_updates=-1", "train.warmup_updates must be a non-negative integer or auto"),
         ("train.validate_every=soon", "validate_every must be a non-negative integer or auto"),
         ("data.raw_dir=/no/such/dir", "data.raw_dir=/no/such/dir does not exist"),
+        ("quant.q1.policy=sawtooth", "unknown precision policy 'sawtooth'; choose one of"),
+        ("quant.q1.periods=3", "periods is a parameter of policy cyclic, not plateau"),
     ],
 )
 def test_config_errors_exit_2_and_leave_no_run(tmp_path, cache_dir, override, message):
@@ -300,15 +302,60 @@ def test_sigterm_checkpoints_and_resume_matches_an_uninterrupted_run(tmp_path, c
     a = json.loads((tmp_path / "straight" / "result.json").read_text())
     b = json.loads((stopped / "result.json").read_text())
     assert b["status"] == "completed" and b["resumed"] is True
-    for key in ("updates", "valid_loss", "best_valid_loss", "bleu", "stash_bits_mean", "cost"):
+    for key in ("updates", "valid_loss", "best_valid_loss", "bleu", "stash_bits_mean", "cost",
+                "checkpoints"):  # fmt: skip
         assert a[key] == b[key], key
-    assert (tmp_path / "straight" / "test.hyp").read_text() == (stopped / "test.hyp").read_text()
+    for name in ("test.hyp", "test.last.hyp", "test.best.hyp"):
+        straight_hyp = tmp_path / "straight" / name
+        assert straight_hyp.is_file() == (stopped / name).is_file(), name
+        if straight_hyp.is_file():
+            assert straight_hyp.read_text() == (stopped / name).read_text(), name
 
     def losses(run_dir):
         return [(m["kind"], m["update"], m.get("loss", m.get("valid_loss")))
                 for m in read_jsonl(run_dir / "metrics.jsonl")]  # fmt: skip
 
     assert losses(tmp_path / "straight") == losses(stopped)
+
+
+def test_every_policy_continues_exactly_after_sigterm(tmp_path, cache_dir):
+    # one run, a policy per point: q0 a decaying exp shape, q1 FracTrain's pfq (windows between
+    # validations, thresholds loose enough to move in a tiny run), q2 CPT's cyclic; the plateau
+    # policy is the test above's (quant=dsq). Stopped mid-run, resumed: the same level changes,
+    # losses and result as a run never stopped.
+    args = small(cache_dir, tmp_path / "x", "train.max_updates=12", "train.validate_every=2",
+                 "quant.q0={levels: [bfp4, bfp6, bfp8], policy: shape, shape: exp, "
+                 "direction: decay, periods: 2}",
+                 "quant.q1.policy=pfq", "quant.q1.keep=2", "quant.q1.threshold=10",
+                 "quant.q2={levels: [bfp4, bfp6, bfp8], policy: cyclic, periods: 3}")  # fmt: skip
+    args = [a for a in args if not a.startswith("run.root")]
+    # the uninterrupted run trains beside the one to be stopped (the suite's time)
+    straight_dir = tmp_path / "straight"
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+    straight = subprocess.Popen([DSQ, "train", *args, f"run.dir={straight_dir}"], **pipes)
+    stopped = tmp_path / "stopped"
+    proc = subprocess.Popen([DSQ, "train", *args, f"run.dir={stopped}"], **pipes)
+    wait_for_update(stopped / "metrics.jsonl", 7, proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert json.loads((stopped / "result.json").read_text())["updates"] < 12
+    resumed = subprocess.run([DSQ, "train", f"resume={stopped}"], capture_output=True,
+                             text=True, timeout=600)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr
+    _, err = straight.communicate(timeout=600)
+    assert straight.returncode == 0, err
+
+    changes = read_jsonl(straight_dir / "schedule.jsonl")
+    assert {c["policy"] for c in changes} == {"shape", "pfq", "cyclic"}, changes
+    assert read_jsonl(stopped / "schedule.jsonl") == changes
+    a = json.loads((straight_dir / "result.json").read_text())
+    b = json.loads((stopped / "result.json").read_text())
+    for key in ("updates", "valid_loss", "precision_segments", "stash_bits_mean", "cost"):
+        assert a[key] == b[key], key
+    assert [m.get("loss", m.get("valid_loss")) for m in read_jsonl(stopped / "metrics.jsonl")] == [
+        m.get("loss", m.get("valid_loss")) for m in read_jsonl(straight_dir / "metrics.jsonl")
+    ]
 
 
 def test_resume_refuses_a_completed_run(finished_run):

@@ -17,6 +17,7 @@ from dsq_cli.formats import Format
 from dsq_cli.formats.base import ROUNDINGS
 from dsq_cli.run_result import POINTS
 
+from .policies import DEFAULT_POLICY
 from .schedule import LevelChange, Schedule
 from .units import SETTINGS as GEMM_UNIT_SETTINGS
 
@@ -36,15 +37,16 @@ def _as_schedule(point: str, value) -> Schedule:
     if isinstance(value, (str, Format)):
         return Schedule([value if isinstance(value, str) else value.spec])
     if isinstance(value, Mapping):
-        unknown = set(value) - {"levels", "patience", "min_delta"}
-        if unknown or "levels" not in value:
+        if "levels" not in value:
             raise ValueError(
-                f"{point}: a schedule is {{levels: [...], patience: N, min_delta: X}}, "
-                f"got keys {sorted(value)}"
+                f"{point}: a ladder is {{levels: [...], policy: NAME, <its parameters>}}, got "
+                f'keys {sorted(value)} (docs/dsq.md, "Precision policies")'
             )
-        return Schedule(
-            list(value["levels"]), int(value.get("patience", 1)), float(value.get("min_delta", 0.0))
-        )
+        params = {k: v for k, v in value.items() if k not in ("levels", "policy")}
+        try:
+            return Schedule(list(value["levels"]), value.get("policy", DEFAULT_POLICY), **params)
+        except ValueError as err:
+            raise ValueError(f"{point}: {err}") from None
     raise ValueError(f"{point}: expected a format spec or a schedule, got {value!r}")
 
 
@@ -131,12 +133,28 @@ class QuantConfig:
             self._generators[kind] = torch.Generator(device=kind).manual_seed(self.seed)
         return self._generators[kind]
 
+    def start(self, total_updates: int, updates_done: int = 0) -> None:
+        """Before training (and on resume, after `load_state_dict`): give every policy the
+        run's planned updates and let it set the level for the next update."""
+        for schedule in self.schedules.values():
+            schedule.start(total_updates, updates_done)
+
+    def after_update(
+        self, update: int, train_loss: float | None = None
+    ) -> list[tuple[str, LevelChange]]:
+        """Tell every policy that ``update`` is done; return the changes it caused (in force
+        from the next update)."""
+        return self._changes(lambda s: s.after_update(update, train_loss))
+
     def step(self, valid_loss: float, update: int | None = None) -> list[tuple[str, LevelChange]]:
         """Step every schedule on one validation loss; return the changes it caused."""
+        return self._changes(lambda s: s.step(valid_loss, update))
+
+    def _changes(self, act) -> list[tuple[str, LevelChange]]:
         changes = []
         for point, schedule in self.schedules.items():
             before = len(schedule.changes)
-            schedule.step(valid_loss, update)
+            act(schedule)
             changes += [(point, c) for c in schedule.changes[before:]]
         return changes
 

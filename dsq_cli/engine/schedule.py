@@ -1,34 +1,52 @@
-"""Time-adaptive precision (docs/spec.md §3): a schedule of formats that only rises.
+"""Time-adaptive precision (docs/dsq.md, "Precision policies"): a ladder of formats, rising in
+bits, and the policy that decides which level is in force at each update.
 
-After every validation: if ``valid_loss < best - min_delta`` the loss improved (``best`` moves,
-``bad`` resets); otherwise ``bad`` grows, and when it reaches ``patience`` and a higher level
-exists, the schedule moves one level up and starts afresh (``bad = 0``, ``best = valid_loss``).
+The default policy, ``plateau``, is DSQ's rule: after every validation, if ``valid_loss < best -
+min_delta`` the loss improved (``best`` moves, ``bad`` resets); otherwise ``bad`` grows, and when
+it reaches ``patience`` and a higher level exists, the ladder moves one level up and starts
+afresh (``bad = 0``, ``best = valid_loss``). The others (``cyclic``, ``pfq``, ``shape``) are in
+`policies`. A level put in force after an update or a validation applies from the next update.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 
 from dsq_cli.formats import parse_format
+
+from .policies import DEFAULT_POLICY, Move, make_policy
 
 
 @dataclasses.dataclass(frozen=True)
 class LevelChange:
-    """One precision change: at ``update``, ``from_spec`` -> ``to_spec`` (level indices too)."""
+    """One precision change: after ``update``, ``from_spec`` -> ``to_spec`` (level indices too);
+    the loss that triggered it (validation loss for ``plateau``, the window's mean training loss
+    for ``pfq``; None for a policy of the update count)."""
 
     update: int | None
     from_level: int
     to_level: int
     from_spec: str
     to_spec: str
-    valid_loss: float
+    valid_loss: float | None
+    train_loss: float | None = None
+    policy: str = DEFAULT_POLICY
+
+
+def level_bits(fmt) -> int:
+    """A level's bit width for the policies of the update count: sign plus significant bits
+    (``bfpN``: N, ``fixedW``: W)."""
+    return fmt.significant_bits + 1
 
 
 class Schedule:
-    """An ascending list of formats, starting at the first (docs/spec.md §3)."""
+    """An ascending ladder of formats and its policy (``plateau`` unless named), starting at the
+    first level unless the policy says otherwise at `start`. ``params`` are the policy's
+    (``patience=2`` for ``plateau``, ``periods=32`` for ``cyclic``)."""
 
-    def __init__(self, levels, patience: int = 1, min_delta: float = 0.0) -> None:
+    def __init__(self, levels, policy: str = DEFAULT_POLICY, **params) -> None:
         if isinstance(levels, str):
             levels = [levels]
         levels = list(levels)
@@ -42,17 +60,10 @@ class Schedule:
                     f"({higher.bits_per_value:g} bits) follows {lower.spec} "
                     f"({lower.bits_per_value:g} bits); order them from fewest to most bits"
                 )
-        if not isinstance(patience, int) or isinstance(patience, bool) or patience < 1:
-            raise ValueError(f"patience must be an integer >= 1, got {patience!r}")
-        if not math.isfinite(min_delta) or min_delta < 0:
-            raise ValueError(f"min_delta must be a finite number >= 0, got {min_delta!r}")
         self.levels = [f.spec for f in formats]
         self.formats = formats
-        self.patience = patience
-        self.min_delta = float(min_delta)
+        self.policy = make_policy(policy, params, [level_bits(f) for f in formats])
         self.level = 0
-        self.best = math.inf
-        self.bad = 0
         self.changes: list[LevelChange] = []
 
     @property
@@ -64,56 +75,79 @@ class Schedule:
     def format(self):
         return self.formats[self.level]
 
+    @property
+    def moves(self) -> bool:
+        """Whether the level can ever change (a ladder of more than one format)."""
+        return len(self.levels) > 1
+
+    def start(self, total_updates: int, updates_done: int = 0) -> None:
+        """Before training (and on resume, after `load_state_dict`): the run's planned updates,
+        which the policies of the update count need, and the level in force for the next
+        update. Setting it here is not a change: the run has not trained at any level yet, or
+        (on resume) it sets the level the checkpoint already holds."""
+        level = self.policy.start(total_updates, updates_done)
+        if level is not None and self.moves:
+            self.level = level
+
+    def after_update(self, update: int, train_loss: float | None = None) -> str:
+        """Tell the policy that ``update`` is done (with its training loss); the spec in force
+        for the next update."""
+        if self.moves:
+            self._apply(self.policy.after_update(update, train_loss), update)
+        return self.current
+
     def step(self, valid_loss: float, update: int | None = None) -> str:
-        """Apply the docs/spec.md §3 rule to one validation loss; return the spec now in force."""
+        """Tell the policy a validation's loss; the spec in force for the next update."""
         valid_loss = float(valid_loss)
         if not math.isfinite(valid_loss):
             raise ValueError(
                 f"validation loss is {valid_loss}: the run diverged; a schedule steps on finite "
                 "losses only"
             )
-        if valid_loss < self.best - self.min_delta:
-            self.best = valid_loss
-            self.bad = 0
-            return self.current
-        self.bad += 1
-        if self.bad >= self.patience and self.level + 1 < len(self.levels):
-            change = LevelChange(
+        self._apply(self.policy.after_validation(update, valid_loss, self.level), update)
+        return self.current
+
+    def _apply(self, move: Move | None, update: int | None) -> None:
+        if move is None or move.level == self.level:
+            return
+        self.changes.append(
+            LevelChange(
                 update,
                 self.level,
-                self.level + 1,
+                move.level,
                 self.current,
-                self.levels[self.level + 1],
-                valid_loss,
-            )
-            self.level += 1
-            self.bad = 0
-            self.best = valid_loss
-            self.changes.append(change)
-        return self.current
+                self.levels[move.level],
+                move.valid_loss,
+                move.train_loss,
+                self.policy.name,
+            )  # fmt: skip
+        )
+        self.level = move.level
 
     def state_dict(self) -> dict:
         return {
             "levels": list(self.levels),
             "level": self.level,
-            "best": self.best,
-            "bad": self.bad,
+            "policy": self.policy.name,
+            **self.policy.state_dict(),
             "changes": [dataclasses.asdict(c) for c in self.changes],
         }
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: Mapping) -> None:
         if list(state["levels"]) != self.levels:
             raise ValueError(
                 f"checkpoint schedule levels {state['levels']} differ from this run's "
                 f"{self.levels}; resume with the same quant config"
             )
+        policy = state.get("policy", DEFAULT_POLICY)  # checkpoints before policies: plateau's
+        if policy != self.policy.name:
+            raise ValueError(
+                f"the checkpoint's ladder {self.levels} follows policy {policy}, this run's "
+                f"{self.policy.name}; resume with the same quant config"
+            )
         self.level = int(state["level"])
-        self.best = float(state["best"])
-        self.bad = int(state["bad"])
+        self.policy.load_state_dict(state)
         self.changes = [LevelChange(**c) for c in state.get("changes", [])]
 
     def __repr__(self) -> str:
-        return (
-            f"Schedule({self.levels}, patience={self.patience}, min_delta={self.min_delta}, "
-            f"level={self.level})"
-        )
+        return f"Schedule({self.levels}, policy={self.policy.describe()}, level={self.level})"

@@ -1,5 +1,5 @@
-"""`Budget`: how long a run trains, how it warms up and how often it validates, known before its
-first update (docs/training.md, "Budgets")."""
+"""`Budget`: how long a run trains at most, how it warms up, how often it validates and when it
+stops early, known before its first update (docs/training.md, "Budgets")."""
 
 from __future__ import annotations
 
@@ -25,12 +25,17 @@ AUTO = "auto"
 class Budget:
     """How a run trains, known before its first update: the total number of updates (from
     ``train.max_updates`` or ``train.max_epochs`` x updates per epoch, whichever ends first), the
-    warmup and the validation interval, each resolved from ``auto`` against that total."""
+    warmup and the validation interval, each resolved from ``auto`` against that total.
+
+    ``total_updates`` is a cap when ``stop_patience`` is set: the run may end at a validation
+    before it (`Trainer.validate`). Warmup and the validation interval still follow the cap, so
+    that a run's schedule does not depend on when it happens to stop."""
 
     total_updates: int
     updates_per_epoch: int
     warmup_updates: int
     validate_every: int  # 0: at the end of every epoch
+    stop_patience: int = 0  # validations without improvement that end the run; 0: never
 
     @classmethod
     def plan(cls, train: TrainConfig, updates_per_epoch: int) -> Budget:
@@ -54,14 +59,20 @@ class Budget:
         every = train.validate_every
         if every == AUTO:
             every = min(updates_per_epoch, max(1, math.ceil(total / MIN_VALIDATIONS)))
-        return cls(total, updates_per_epoch, warmup, every)
+        return cls(total, updates_per_epoch, warmup, every, train.get("stop_patience", 0))
 
     def describe(self) -> str:
         every = f"every {self.validate_every} updates" if self.validate_every else "every epoch"
-        return (
+        text = (
             f"budget: {self.total_updates} updates ({self.updates_per_epoch} per epoch), "
             f"warmup {self.warmup_updates}, validation {every}"
         )
+        if self.stop_patience:
+            text += (
+                f"; stops early after {self.stop_patience} validations without improvement "
+                f"({self.total_updates} updates is the cap)"
+            )
+        return text
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)

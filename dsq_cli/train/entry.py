@@ -168,6 +168,9 @@ def spawned_outcome(run_dir: Path, codes: dict[int, int | None], started: RunRes
 FIXED_ON_RESUME = ("seed", "task", "model", "data", "run", "choices")
 # Keys a run directory written by an older dsq lacks; resume may add them.
 ADDABLE_ON_RESUME = ("task.family",)
+# Keys a run directory written by an older dsq lacks, with the values that keep such a run as it
+# started: no early stop, and the final model is the one scored.
+PREDATED_KEYS = {"train.stop_patience": 0, "eval.checkpoint": "last"}
 UNSET = "<unset>"
 
 
@@ -186,6 +189,9 @@ def load_resume(run_dir: str, overrides: list[str]) -> tuple[RunConfig, Path, di
             "first checkpoint); start it again instead"
         )
     stored = OmegaConf.load(config_path)
+    predated = [k for k in PREDATED_KEYS if OmegaConf.select(stored, k, default=UNSET) is UNSET]
+    for key in predated:
+        OmegaConf.update(stored, key, PREDATED_KEYS[key])
     extra = _resume_overrides(stored, [o for o in overrides if not o.startswith("resume=")])
     try:  # unknown keys are refused by the schema (`typed`), with the keys that exist
         merged = OmegaConf.merge(stored, OmegaConf.from_dotlist(extra))
@@ -197,7 +203,7 @@ def load_resume(run_dir: str, overrides: list[str]) -> tuple[RunConfig, Path, di
             "needs: add task.family=translation (or task.family=glue for a GLUE task)"
         )
     cfg = typed(merged)
-    if extra:  # config.yaml stays the fully resolved config the run actually uses
+    if extra or predated:  # config.yaml stays the fully resolved config the run actually uses
         write_atomic(config_path, config_yaml(cfg))
     return cfg, path, load_checkpoint(checkpoint)
 

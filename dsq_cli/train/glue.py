@@ -13,8 +13,8 @@ The recipe (RoBERTa's GLUE fine-tuning, Liu et al. 2019, Table 10; docs/glue.md)
 
 Every ``train.validate_every`` updates (0: each epoch) the dev set is scored: its loss steps the
 DSQ schedule (docs/spec.md §3) and its GLUE metrics go to metrics.jsonl. result.json's ``value``
-is the best dev value over the validations (the usual GLUE dev reporting); the final one is kept
-too.
+is the best dev value over the validations (the usual GLUE dev reporting) or, with
+``eval.checkpoint=last``, the final one; both are kept, under ``checkpoints``.
 """
 
 from __future__ import annotations
@@ -43,11 +43,13 @@ _NO_DECAY = ("bias", "layer_norm", "layernorm", "LayerNorm")
 
 
 class GlueTrainer(Trainer):
-    """One GLUE run: `train` to the budget, `evaluate` reports the best dev metric."""
+    """One GLUE run: `train` to the budget, `evaluate` reports the best (or the last) dev
+    metric."""
 
     @classmethod
     def from_run_config(cls, cfg: RunConfig, quant, data, recorder, device, rank):
-        return cls(cfg.train, cfg.model, cfg.seed, quant, data, recorder, device, rank)
+        return cls(cfg.train, cfg.model, cfg.seed, quant, data, recorder, device, rank,
+                   cfg.eval.checkpoint)  # fmt: skip
 
     def __init__(
         self,
@@ -59,9 +61,11 @@ class GlueTrainer(Trainer):
         recorder: RunRecorder,
         device: str,
         rank: ranks.Rank = ranks.SINGLE,
+        checkpoint: str = "best",
     ):
         super().__init__(train, quant, recorder, device, rank)
         self.seed = seed
+        self.headline = checkpoint  # eval.checkpoint: which validation's scores are `value`
         self.data, self.task = data, data.task
         self.regression = self.task.labels is None
         torch.manual_seed(self.seed)  # roberta_tiny's initialisation and the new head
@@ -216,21 +220,38 @@ class GlueTrainer(Trainer):
 
     def validation_loss(self) -> tuple[float, dict]:
         valid_loss, scores = self.dev_scores()
-        self.progress["last_dev"] = {"update": self.updates, **scores}
+        self.progress["last_dev"] = {"update": self.updates, "valid_loss": valid_loss, **scores}
         best = self.progress["best_dev"]
         if best is None or scores["value"] > best["value"]:  # every GLUE metric: higher is better
-            self.progress["best_dev"] = {"update": self.updates, **scores}
+            self.progress["best_dev"] = self.progress["last_dev"]
         return valid_loss, {f"dev_{name}": value for name, value in scores.items()}
 
     def evaluate(self, stop: StopRequest) -> dict:
-        """result.json's evaluation fields: the best dev scores (``value`` is the task's GLUE
-        metric there), the update they came from, and the final model's dev scores."""
+        """result.json's evaluation fields: the dev scores of the validation ``eval.checkpoint``
+        names (``value`` is the task's GLUE metric there; best: the best dev metric's, last: the
+        final model's), the best one's update, the final model's dev scores, and both under
+        ``checkpoints`` with their updates and dev losses. Nothing is scored again: the
+        validations already scored both models."""
         best, last = self.progress["best_dev"], self.progress["last_dev"]
-        fields = {name: v for name, v in best.items() if name != "update"}
+        chosen = best if self.headline == "best" else last
         return {
-            **fields,
+            **_scores(chosen),
             "best_update": best["update"],
-            "final_dev": {name: v for name, v in last.items() if name != "update"},
+            "final_dev": _scores(last),
             "eval_split": "dev",
             "eval_examples": len(self.dev_set),
+            "eval_checkpoint": self.headline,
+            "checkpoints": {"last": _checkpoint(last), "best": _checkpoint(best)},
         }
+
+
+def _scores(dev: dict) -> dict:
+    """A validation's GLUE scores, without its update and dev loss."""
+    return {name: v for name, v in dev.items() if name not in ("update", "valid_loss")}
+
+
+def _checkpoint(dev: dict) -> dict:
+    """result.json's entry of one validation under ``checkpoints``: update, dev loss (None for a
+    validation booked by a checkpoint that predates it) and the task's metrics."""
+    metrics = {name: v for name, v in _scores(dev).items() if name != "value"}
+    return {"update": dev["update"], "valid_loss": dev.get("valid_loss"), **metrics}

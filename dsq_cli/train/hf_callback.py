@@ -7,7 +7,8 @@
     trainer.train()                      # or trainer.train(resume_from_checkpoint=True)
 
 * After each evaluation the schedule steps on its ``eval_loss`` (docs/spec.md §3, as
-  ``dsq train`` steps it on the validation loss), at ``state.global_step``.
+  ``dsq train`` steps it on the validation loss), at ``state.global_step``; after each step the
+  policies of the step count (``cyclic``, ``shape``; docs/dsq.md, "Precision policies") move.
 * Every log line the Trainer sends to its loggers carries the bits per value in force at each
   point (``dsq/q1_bits``) and the number of level changes so far (``dsq/level_changes``); each
   change is also logged (logger ``dsq.hf``) and kept in ``callback.changes``.
@@ -32,7 +33,6 @@ from transformers import Trainer, TrainerCallback
 from dsq_cli import runs
 from dsq_cli.cost.run_cost import run_cost, stash_bits_mean
 from dsq_cli.engine import POINTS, QuantConfig, record_gemms
-from dsq_cli.presets import quant_differences
 from dsq_cli.run_result import RunResult
 
 log = logging.getLogger("dsq.hf")
@@ -81,14 +81,14 @@ class DSQCallback(TrainerCallback):
                 "DSQCallback steps the schedule on eval_loss, and this evaluation has none; "
                 "give the Trainer an eval_dataset with labels"
             )
-        for point, change in self.cfg.step(float(loss), state.global_step):
-            record = {"point": point, **dataclasses.asdict(change)}
-            self.changes.append(record)
-            log.info(
-                "dsq: %s %s -> %s at step %d (eval_loss %.4f)",
-                point, change.from_spec, change.to_spec, state.global_step, loss,
-            )  # fmt: skip
+        self._book(self.cfg.step(float(loss), state.global_step), state.global_step)
         return control
+
+    def _book(self, changes, step: int) -> None:
+        for point, change in changes:
+            self.changes.append({"point": point, **dataclasses.asdict(change)})
+            log.info("dsq: %s %s -> %s after step %d (%s)", point, change.from_spec,
+                     change.to_spec, step, change.policy)  # fmt: skip
 
     def bits_in_force(self) -> dict[str, float]:
         return {f"dsq/{p}_bits": self.cfg.format(p).bits_per_value for p in POINTS}
@@ -118,6 +118,7 @@ class DSQCallback(TrainerCallback):
             self.segments[-1][1] += 1
         else:
             self.segments.append([points, 1])
+        self._book(self.cfg.after_update(state.global_step), state.global_step)
         return control
 
     def result(self, *, task: str, preset: str, points: Mapping, metric: str, value: float,
@@ -125,6 +126,8 @@ class DSQCallback(TrainerCallback):
                evaluation: Mapping | None = None) -> RunResult:  # fmt: skip
         """The completed run's result.json (write it with ``.write(run_dir)``): ``preset`` and
         ``points`` are the conf/quant preset the QuantConfig was made from, as in ``dsq train``."""
+        from dsq_cli.config import quant_differences  # Hydra's config, only for a result
+
         steps = sum(n for _, n in self.segments)
         return RunResult(
             status="completed",
@@ -164,8 +167,19 @@ class DSQCallback(TrainerCallback):
         return control
 
     def on_train_begin(self, args, state, control, **kwargs):
-        if state.global_step == 0:
-            return control  # a fresh run
+        needs_losses = [p for p, s in self.cfg.schedules.items() if s.policy.name == "pfq"]
+        if needs_losses:
+            raise ValueError(
+                f"{needs_losses[0]}: policy pfq needs every step's training loss, which a "
+                "Trainer callback does not see; use plateau, cyclic or shape here"
+            )
+        if state.global_step > 0:
+            self._restore(args, state)
+        # the policies of the step count need the planned steps (a resumed run: its level)
+        self.cfg.start(state.max_steps, state.global_step)
+        return control
+
+    def _restore(self, args, state) -> None:
         candidates = [Path(args.output_dir) / f"checkpoint-{state.global_step}" / CHECKPOINT_FILE]
         if isinstance(args.resume_from_checkpoint, str):
             candidates.insert(0, Path(args.resume_from_checkpoint) / CHECKPOINT_FILE)
@@ -182,4 +196,3 @@ class DSQCallback(TrainerCallback):
         self.segments = [list(segment) for segment in saved["segments"]]
         self.gemm_shapes = list(saved["gemm_shapes"])
         log.info("dsq: schedule restored from %s: %s", found, self.cfg.current())
-        return control

@@ -55,6 +55,9 @@ class Trainer(ABC):
 
     patch_report: PatchReport
     budget: Budget
+    # Whether a validation that sets a new best loss writes checkpoint_best.pt (the model a
+    # trainer scores as ``best``); GLUE's best is its best dev metric, booked without one.
+    saves_best_checkpoint = False
 
     def __init__(
         self,
@@ -69,8 +72,11 @@ class Trainer(ABC):
         # Progress that a checkpoint carries (and a resumed run restores).
         self.progress: dict[str, Any] = {
             "best_valid_loss": None,
+            "best_valid_update": None,  # the update of best_valid_loss (checkpoint_best.pt's)
             "last_valid_loss": None,
             "validations": 0,
+            "validations_without_improvement": 0,  # in a row: train.stop_patience counts them
+            "stopped_early": None,  # {"update", "reason"} once a run ends before its cap
             "segments": [],  # [points in force, updates trained with them]
             "wall_seconds": 0.0,
             "gemm_shapes": None,  # one training step's GEMMs, for the cost model
@@ -79,6 +85,7 @@ class Trainer(ABC):
         # the GEMMs counted before this process trained, and the tally when it started (`train`)
         self._units_before: dict = {}
         self._tally_at_start: dict | None = None
+        self._best_due = False  # a validation set a new best: the next checkpoint writes it
 
     # -- what a trainer provides ----------------------------------------------------------------
     @classmethod
@@ -150,8 +157,8 @@ class Trainer(ABC):
         return self.budget
 
     def budget_left(self) -> bool:
-        """Whether the planned updates are not all made yet."""
-        return self.updates < self.budget.total_updates
+        """Whether the planned updates are not all made yet and the run has not stopped early."""
+        return self.updates < self.budget.total_updates and not self.progress["stopped_early"]
 
     def train(self, stop: StopRequest, resume_state: dict | None) -> None:
         """Train from the start, or from ``resume_state``, to the end of the budget."""
@@ -165,12 +172,15 @@ class Trainer(ABC):
         # GEMMs this process runs from here on, added to those of the checkpoint's processes
         self._units_before = dict(self.progress.get("gemm_units") or {})
         self._tally_at_start = units.tally()
+        # the policies of the update count need the planned updates (a resumed run: its level)
+        self.quant.start(self.budget.total_updates, self.updates)
         window: list[float] = []
         try:
             with self.training_context():
                 for batch, end_of_epoch in self.batches():
                     loss, extra = self._recorded_step(batch)
                     self._count_update()
+                    self._book_changes(self.quant.after_update(self.updates, loss))
                     window.append(loss)
                     self._stop_clock()
                     if self.updates % self.train_cfg.log_every == 0 or end_of_epoch:
@@ -249,12 +259,19 @@ class Trainer(ABC):
 
     def validate(self, step_schedule: bool) -> float:
         """Book a validation: best/last loss, the DSQ schedule step (the new formats apply from
-        the next update), the metrics line and one schedule.jsonl line per precision change."""
+        the next update), the metrics line, one schedule.jsonl line per precision change, and
+        the early stop when ``train.stop_patience`` validations in a row did not improve."""
         valid_loss, record = self.validation_loss()
         if not math.isfinite(valid_loss):
             raise Diverged(f"validation loss is {valid_loss} at update {self.updates}")
         best = self.progress["best_valid_loss"]
-        self.progress["best_valid_loss"] = valid_loss if best is None else min(best, valid_loss)
+        if best is None or valid_loss < best:  # improved: strictly below the best so far
+            self.progress["best_valid_loss"] = valid_loss
+            self.progress["best_valid_update"] = self.updates
+            self.progress["validations_without_improvement"] = 0
+            self._best_due = self.saves_best_checkpoint
+        else:
+            self.progress["validations_without_improvement"] += 1
         self.progress["last_valid_loss"] = valid_loss
         self.progress["validations"] += 1
         self.progress["validated_at"] = self.updates
@@ -274,9 +291,16 @@ class Trainer(ABC):
                 "bits": bits_before,
             }
         )
+        self._book_changes(changes)
+        self._stop_if_stalled()
+        return valid_loss
+
+    def _book_changes(self, changes) -> None:
+        """One log line and one schedule.jsonl line per precision change (in force from the next
+        update)."""
         for point, change in changes:
-            log.info("DSQ %s: %s -> %s at update %d", point, change.from_spec, change.to_spec,
-                     self.updates)  # fmt: skip
+            log.info("DSQ %s: %s -> %s after update %d (%s)", point, change.from_spec,
+                     change.to_spec, self.updates, change.policy)  # fmt: skip
             self.recorder.schedule_change(
                 {
                     "update": self.updates,
@@ -285,14 +309,30 @@ class Trainer(ABC):
                     "to": change.to_spec,
                     "from_level": change.from_level,
                     "to_level": change.to_level,
+                    "policy": change.policy,
                     "valid_loss": change.valid_loss,
+                    **({"train_loss": change.train_loss} if change.train_loss is not None else {}),
                 }
             )
-        return valid_loss
+
+    def _stop_if_stalled(self) -> None:
+        """End the run after this validation (`budget_left` turns false) when the last
+        ``stop_patience`` validations did not improve and updates are left under the cap. The
+        decision sits in progress, so the checkpoint after this validation carries it."""
+        patience, cap = self.budget.stop_patience, self.budget.total_updates
+        stalled = self.progress["validations_without_improvement"]
+        if not patience or stalled < patience or self.updates >= cap:
+            return
+        best, best_update = self.progress["best_valid_loss"], self.progress["best_valid_update"]
+        at = f" at update {best_update}" if best_update is not None else ""
+        reason = (f"validation loss has not improved for {stalled} validations "
+                  f"(best {best:.3f}{at})")  # fmt: skip
+        self.progress["stopped_early"] = {"update": self.updates, "reason": reason}
+        log.info("stopped early at update %d: %s; cap %d", self.updates, reason, cap)
 
     def _finish(self) -> None:
-        """One last validation unless the last update had one, the final checkpoint, and the
-        parameter checksum every rank logs."""
+        """One last validation unless the last update had one (a run that stopped early stopped
+        at a validation), the final checkpoint, and the parameter checksum every rank logs."""
         if self.progress["validations"] == 0 or self.progress.get("validated_at") != self.updates:
             self.validate(step_schedule=True)
         self.checkpoint()
@@ -320,13 +360,20 @@ class Trainer(ABC):
         # stream from its seed (docs/dsq.md, "Rounding"); older checkpoints have none
         if self.rank.is_main:
             self.quant.load_noise_state(state.get("dsq_noise", {}))
-        self.progress = dict(state["progress"])
+        # over the fresh progress: a checkpoint written before a key existed starts it afresh
+        self.progress = {**self.progress, **state["progress"]}
         set_rng_state(state["rng"])  # last: restoring the rest may draw random numbers
 
     def checkpoint(self) -> None:
         self._count_units()
         if self.rank.is_main:  # every rank holds the same state
-            save_checkpoint(self.recorder.last_checkpoint, self.state_dict())
+            state = self.state_dict()
+            # checkpoint_best.pt first: checkpoint_last.pt's progress, which a resume continues,
+            # then never names a best update whose model is not on disk
+            if self._best_due:
+                save_checkpoint(self.recorder.best_checkpoint, state)
+            save_checkpoint(self.recorder.last_checkpoint, state)
+        self._best_due = False
 
     def parameter_checksum(self) -> str:
         """A digest of every parameter's bytes (replicas of one run must agree exactly)."""

@@ -19,12 +19,11 @@ from pathlib import Path
 import torch
 
 from dsq_cli import runs
-from dsq_cli.config import to_plain
+from dsq_cli.config import quant_differences, to_plain
 from dsq_cli.cost.run_cost import COST_BASELINE, run_cost, stash_bits_mean
 from dsq_cli.cpu_allocator import keep_freed_memory
 from dsq_cli.engine import QuantConfig
 from dsq_cli.loggers import make_logger
-from dsq_cli.presets import quant_differences
 from dsq_cli.run_config import RunConfig
 from dsq_cli.run_result import RunResult, memory_record, unpriced
 
@@ -176,7 +175,8 @@ def trained_result(result: RunResult, trainer: Trainer) -> RunResult:
         result,
         updates=trainer.updates,
         epochs=trainer.epoch,
-        budget=trainer.budget.as_dict(),
+        # the plan (the cap, stop_patience) and whether the run stopped before its cap, and why
+        budget={**trainer.budget.as_dict(), "stopped_early": progress["stopped_early"]},
         valid_loss=progress["last_valid_loss"],
         best_valid_loss=progress["best_valid_loss"],
         wall_seconds=round(progress["wall_seconds"], 3),

@@ -71,6 +71,10 @@ class RunRecorder:
     def last_checkpoint(self) -> Path:
         return runs.last_checkpoint(self.dir)
 
+    @property
+    def best_checkpoint(self) -> Path:
+        return runs.best_checkpoint(self.dir)
+
     def metrics(self, record: Mapping) -> None:
         runs.append_jsonl(self.metrics_path, record)
         self.logger.log(record)

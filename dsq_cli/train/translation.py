@@ -5,11 +5,13 @@ exactly: every update runs ``Trainer.train_step`` (which seeds dropout from seed
 after each validation the DSQ schedule steps; a checkpoint holds model, optimizer, lr schedule,
 the batch iterator's position and the schedule state, so that a resumed run repeats the
 uninterrupted one update for update. At the end, beam search on the test split is scored with
-sacrebleu on detokenized text.
+sacrebleu on detokenized text, for the final model and for the checkpoint of the best validation
+loss (checkpoint_best.pt); ``eval.checkpoint`` says which of the two is the run's ``value``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from pathlib import Path
@@ -23,7 +25,7 @@ from dsq_cli.run_config import EvalConfig, ModelConfig, RunConfig, TrainConfig
 from . import ranks
 from .fairseq_compat import namespace_to_config, nan_detector_disabled
 from .loop import Trainer
-from .recorder import RunRecorder
+from .recorder import RunRecorder, load_checkpoint
 from .stop import Diverged, StopRequest
 
 log = logging.getLogger(__name__)
@@ -106,6 +108,8 @@ def fairseq_config(
 class TranslationTrainer(Trainer):
     """One translation run: `train` to the budget (fairseq's Trainer makes each update), then
     `evaluate` scores BLEU on the eval split."""
+
+    saves_best_checkpoint = True
 
     @classmethod
     def from_run_config(cls, cfg: RunConfig, quant, data, recorder, device, rank):
@@ -256,13 +260,64 @@ class TranslationTrainer(Trainer):
 
     # -- evaluation ---------------------------------------------------------------------------
     def evaluate(self, stop: StopRequest) -> dict:
-        """result.json's evaluation fields: BLEU is the run's ``value``."""
-        scores = self.bleu(stop)
-        return {"value": scores["bleu"], **scores}
+        """result.json's evaluation fields: BLEU of the final model and of checkpoint_best.pt,
+        each with its update and validation loss under ``checkpoints``; ``value``, ``bleu`` and
+        ``{split}.hyp`` are those of the model ``eval.checkpoint`` names, the other's hypotheses
+        go to ``{split}.last.hyp`` or ``{split}.best.hyp``. When the best validation was the
+        last one the two are one model, scored once."""
+        progress = self.progress
+        last = {"update": self.updates, "valid_loss": progress["last_valid_loss"]}
+        scored = {"last": self.bleu(stop)}  # first: the final model is the one in memory
+        best = None
+        if progress["best_valid_update"] is not None:
+            best = {"update": progress["best_valid_update"],
+                    "valid_loss": progress["best_valid_loss"]}  # fmt: skip
+            if best["update"] == last["update"]:
+                scored["best"] = scored["last"]
+            else:
+                with self._best_checkpoint_loaded():
+                    scored["best"] = self.bleu(stop)
+        headline = self.eval_cfg.checkpoint
+        if headline not in scored:  # resumed from a checkpoint that predates checkpoint_best.pt
+            log.warning("no checkpoint_best.pt of this run: value scores the last model")
+            headline = "last"
+        last["bleu"] = scored["last"][0]["bleu"]
+        if best is not None:
+            best["bleu"] = scored["best"][0]["bleu"]
+        split = self.eval_cfg.split
+        scores, hypotheses = scored[headline]
+        _write_lines(self.recorder.dir / f"{split}.hyp", hypotheses)
+        other = "last" if headline == "best" else "best"
+        if other in scored and scored[other] is not scored[headline]:
+            _write_lines(self.recorder.dir / f"{split}.{other}.hyp", scored[other][1])
+        return {
+            "value": scores["bleu"],
+            **scores,
+            "eval_checkpoint": headline,
+            "checkpoints": {"last": last, "best": best},
+        }
 
-    def bleu(self, stop: StopRequest) -> dict:
-        """Beam search on the eval split, detokenized, scored by sacrebleu against the raw
-        references."""
+    @contextlib.contextmanager
+    def _best_checkpoint_loaded(self):
+        """checkpoint_best.pt's model and DSQ schedule (the formats in force after its
+        validation, as the final model is scored with the formats in force at the end) in place
+        of the final ones, which come back afterwards."""
+        model = self.trained_model()
+        final_model = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+        final_schedule = self.quant.state_dict()
+        best = load_checkpoint(self.recorder.best_checkpoint)
+        model.load_state_dict(best["model"])
+        self.quant.load_state_dict(best["dsq_schedule"])
+        log.info("scoring checkpoint_best.pt (update %d)", best["num_updates"])
+        try:
+            yield
+        finally:
+            model.load_state_dict(final_model)
+            self.quant.load_state_dict(final_schedule)
+
+    def bleu(self, stop: StopRequest) -> tuple[dict, list[str]]:
+        """Beam search on the eval split with the model in memory, detokenized, scored by
+        sacrebleu against the raw references; the scores and the hypotheses."""
         import sacrebleu
         import sentencepiece as spm
         from fairseq import utils
@@ -299,14 +354,18 @@ class TranslationTrainer(Trainer):
         metric = sacrebleu.metrics.BLEU()
         score = metric.corpus_score(hypotheses, [references])
         copy_score = sacrebleu.metrics.BLEU().corpus_score(sources, [references])
-        (self.recorder.dir / f"{split}.hyp").write_text("".join(h + "\n" for h in hypotheses))
-        return {
+        scores = {
             "bleu": round(score.score, 4),
             "bleu_signature": str(metric.get_signature()),
             "copy_source_bleu": round(copy_score.score, 4),
             "eval_split": split,
             "eval_sentences": len(references),
         }
+        return scores, hypotheses
+
+
+def _write_lines(path: Path, lines: list[str]) -> None:
+    path.write_text("".join(line + "\n" for line in lines))
 
 
 def _read(path: Path) -> list[str]:
