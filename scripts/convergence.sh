@@ -38,8 +38,9 @@ PY
 )
 echo "convergence study: every row trains for $budget updates (fp32's stall)"
 
-rows() {  # rows SEED: every row of the study, one sweep per family of overrides
-    local seed=$1 common=("${task[@]}" "train.max_updates=$budget" run.root=results/convergence)
+rows() {  # rows SEED: every row of the study (a root per seed: a sweep names jobs by what varies)
+    local seed=$1
+    local common=("${task[@]}" "train.max_updates=$budget" "run.root=results/convergence/seed$seed")
     dsq sweep --resume-unfinished "seed=$seed" "${common[@]}" \
         quant=fp32,dsq,bfp6,bfp6_rising_stash,dsq_bfp3,stash_bfp,bf16
     dsq sweep --resume-unfinished "seed=$seed" "${common[@]}" quant=dsq \
