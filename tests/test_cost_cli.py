@@ -291,7 +291,8 @@ def test_derived_records_equal_what_a_real_step_records(
     model_cfg, points, sentences, src_len, tgt_len, exclude, monkeypatch
 ):
     pytest.importorskip("fairseq")
-    from dsq_cli.engine import QuantConfig, quantize_model
+    from dsq.integrations import quantize_model
+    from dsq_cli.engine import QuantConfig
 
     monkeypatch.setenv("DSQ_BACKEND", "reference")  # no compilation for a handful of tiny GEMMs
     vocab = 64

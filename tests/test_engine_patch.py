@@ -10,10 +10,11 @@ import types
 
 import pytest
 import torch
-from conftest import SHARED_DATA
+from helpers.paths import SHARED_DATA
 from torch import nn
 
-from dsq_cli.engine import QuantConfig, quantize_model, record_gemms
+from dsq.integrations import quantize_model
+from dsq_cli.engine import QuantConfig, record_gemms
 
 fairseq = pytest.importorskip("fairseq")
 

@@ -22,7 +22,8 @@ import math
 import pytest
 import torch
 
-from dsq_cli.engine import QuantConfig, dsq_linear, dsq_matmul, quantize_model, units
+from dsq.integrations import quantize_model
+from dsq_cli.engine import QuantConfig, dsq_linear, dsq_matmul, units
 from dsq_cli.formats import parse_format
 from dsq_cli.formats.base import COMPUTE_DTYPES
 from dsq_cli.presets import CONF_DIR, at_first_level, load_quant_preset

@@ -11,7 +11,7 @@ precision controlled from one ``QuantConfig``.
 from .accounting import GemmRecord, record_gemms
 from .config import POINT_HELP, POINTS, STASH_SCOPES, QuantConfig
 from .functions import DSQLinearFunction, DSQMatmulFunction, dsq_linear, dsq_matmul
-from .patch import DSQLinear, PatchReport, quantize_model, stash_all_hooks
+from .patch import DSQLinear, Patcher, PatchReport, make_dsq_linear, patch_model, stash_all_hooks
 from .schedule import LevelChange, Schedule
 
 __all__ = [
@@ -19,7 +19,9 @@ __all__ = [
     "DSQLinearFunction",
     "GemmRecord",
     "PatchReport",
-    "quantize_model",
+    "Patcher",
+    "make_dsq_linear",
+    "patch_model",
     "record_gemms",
     "stash_all_hooks",
     "DSQMatmulFunction",

@@ -1,35 +1,24 @@
-"""Patching real models: every Linear (and ``transformers``' Conv1D) through ``dsq_linear``,
-attention products through ``dsq_matmul``, and (``stash_scope="all"``) every other saved
-activation packed in q1. ``transformers`` models route their attention through ``hf.py``.
-
-fairseq's ``MultiheadAttention`` has a fast path that hands the q/k/v/out projection weights to
-``F.multi_head_attention_forward``: swapped Linear modules would never run there. Patching forces
-its slow path (``_set_skip_embed_dim_check``), where the projections are module calls and the two
-products are ``torch.bmm(q, k^T)`` and ``torch.bmm(P, v)``; those ``bmm`` calls are routed to
-``dsq_matmul`` while a patched attention module runs (a proxy for ``torch`` in fairseq's module
-namespace, active only inside patched modules). The accounting records count the GEMMs that
-really execute.
+"""Patching a model for DSQ training: the generic walk, which makes every ``nn.Linear`` a
+`DSQLinear` (``dsq_linear``), and the `Patcher` protocol through which a framework's integration
+(``dsq.integrations``) patches its own layers and attention products; with ``stash_scope="all"``
+every other saved activation is packed in q1. The accounting records count the GEMMs that really
+execute. ``dsq.integrations.quantize_model`` chooses the patchers a model needs and calls
+`patch_model`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import fnmatch
-import importlib
-import types
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 from torch import nn
 
-from . import hf
 from .config import QuantConfig
-from .functions import dsq_linear, dsq_matmul
-
-_ACTIVE_ATTENTION: contextvars.ContextVar[QuantConfig | None] = contextvars.ContextVar(
-    "dsq_active_attention", default=None
-)
+from .functions import dsq_linear
 
 
 class DSQLinear(nn.Linear):
@@ -40,33 +29,6 @@ class DSQLinear(nn.Linear):
 
     def forward(self, x):
         return dsq_linear(x, self.weight, self.bias, self.dsq_cfg)
-
-
-class _TorchWithDSQBmm(types.ModuleType):
-    """Stands for ``torch`` in fairseq's attention module: ``bmm`` goes through ``dsq_matmul``
-    while a patched attention module is running, everything else is torch itself."""
-
-    def __init__(self) -> None:
-        super().__init__("torch")
-
-    def __getattr__(self, name):
-        return getattr(torch, name)
-
-    @staticmethod
-    def bmm(a, b, *args, **kwargs):
-        cfg = _ACTIVE_ATTENTION.get()
-        if cfg is None or args or kwargs:
-            return torch.bmm(a, b, *args, **kwargs)
-        return dsq_matmul(a, b, cfg)
-
-
-def _fairseq_attention():
-    """fairseq's MultiheadAttention class and module, or (None, None) without fairseq."""
-    try:
-        module = importlib.import_module("fairseq.modules.multihead_attention")
-    except Exception:  # fairseq missing or broken: plain PyTorch models still patch
-        return None, None
-    return module.MultiheadAttention, module
 
 
 @dataclasses.dataclass
@@ -125,54 +87,56 @@ def _does_gemm(module: nn.Module) -> bool:
     return any(p.dim() >= 2 for p in module.parameters(False))
 
 
-def quantize_model(
-    model: nn.Module, cfg: QuantConfig, exclude=(), strict: bool = False
+class Patcher(Protocol):
+    """What an integration patches beyond ``nn.Linear``: its framework's layers (`claims`,
+    `patch`, one module at a time during the walk) and anything model-wide afterwards
+    (`finish`: attention routing, a module-level hook)."""
+
+    def claims(self, module: nn.Module) -> bool:
+        """Whether ``module`` is one this patcher patches."""
+        ...
+
+    def patch(self, name: str, module: nn.Module, cfg: QuantConfig, report: PatchReport) -> None:
+        """Patch ``module`` (not excluded) in place and book it in ``report``."""
+        ...
+
+    def finish(self, model: nn.Module, cfg: QuantConfig, report: PatchReport,
+               excluded: Callable[[str], bool]) -> None:  # fmt: skip
+        """After the walk: what the patcher does model-wide (may do nothing)."""
+        ...
+
+
+def patch_model(
+    model: nn.Module,
+    cfg: QuantConfig,
+    patchers: Sequence[Patcher] = (),
+    exclude=(),
+    strict: bool = False,
 ) -> nn.Module:
-    """Patch ``model`` in place for DSQ training and return it; ``model.dsq_report`` tells what
-    was patched. ``exclude`` holds glob patterns of module names (``decoder.output_projection``,
-    ``*.out_proj``). Works on plain PyTorch, fairseq and ``transformers`` models (docs/hf.md).
-    ``strict=True``: a GEMM that would run unquantized (an unknown layer holding a matrix, an
-    attention implementation dsq cannot route) is an error instead of a line of the report."""
+    """Patch ``model`` in place with the engine's Linear rule and ``patchers``; see
+    ``dsq.integrations.quantize_model``, which picks the patchers, for the arguments."""
     if not isinstance(cfg, QuantConfig):
         raise TypeError(f"cfg must be a QuantConfig, got {type(cfg).__name__}")
-    attention_cls, attention_module = _fairseq_attention()
-    conv1d = hf.conv1d_class()
     report = PatchReport(stash_scope=cfg.stash_scope)
     for name, module in model.named_modules():
         if not name:
             continue
-        if isinstance(module, nn.Linear) or (conv1d is not None and isinstance(module, conv1d)):
+        patcher = next((p for p in patchers if p.claims(module)), None)
+        if isinstance(module, nn.Linear) or patcher is not None:
             if _excluded(name, exclude):
                 report.excluded.append(name)
-                continue
-            if type(module) is nn.Linear:
-                module.__class__ = DSQLinear
-            else:  # a Linear subclass, or Conv1D
-                mixin = DSQLinear if isinstance(module, nn.Linear) else hf.DSQConv1D
-                module.__class__ = _dsq_subclass(module, mixin)
-            module.dsq_cfg = cfg
-            report.linears.append(name)
-        elif attention_cls is not None and isinstance(module, attention_cls):
-            if _excluded(name, exclude):
-                report.excluded.append(name)
-                continue
-            module._set_skip_embed_dim_check()  # the slow path: projections run as modules
-            module.register_forward_pre_hook(_enter_attention(cfg))
-            module.register_forward_hook(_exit_attention, always_call=True)
-            report.attention.append(name)
+            elif patcher is not None:
+                patcher.patch(name, module, cfg, report)
+            else:
+                make_dsq_linear(module, cfg)
+                report.linears.append(name)
         elif not list(module.children()) and any(True for _ in module.parameters(False)):
             kind = type(module).__name__
             report.left[kind] = report.left.get(kind, 0) + 1
             if _does_gemm(module) and not _excluded(name, exclude):
                 report.unquantized.append(f"{name} ({kind}: not a layer dsq knows)")
-    if hf.is_transformers_model(model):
-        try:
-            routed, excluded, note = hf.route_attention(model, cfg, lambda n: _excluded(n, exclude))
-            report.attention += routed
-            report.excluded += excluded
-            report.notes.append(note)
-        except ValueError as err:
-            report.unquantized.append(f"attention products ({err})")
+    for patcher in patchers:
+        patcher.finish(model, cfg, report, lambda n: _excluded(n, exclude))
     if strict and report.unquantized:
         raise ValueError(
             "quantize_model(strict=True): GEMMs would run unquantized: "
@@ -183,14 +147,24 @@ def quantize_model(
             f"quantize_model found nothing to patch in {type(model).__name__}: no nn.Linear or "
             f"attention module outside the excluded patterns {list(exclude)}"
         )
-    if report.attention and attention_module is not None:
-        attention_module.torch = _TorchWithDSQBmm()
     if cfg.stash_scope == "all":
         model.register_forward_pre_hook(_enter_stash_all(cfg))
         model.register_forward_hook(_exit_stash_all, always_call=True)
     model.dsq_report = report
     model.dsq_cfg = cfg
     return model
+
+
+def make_dsq_linear(module: nn.Module, cfg: QuantConfig, mixin: type | None = None) -> None:
+    """Re-class ``module`` in place so that its forward runs through DSQ: an ``nn.Linear`` becomes
+    `DSQLinear`; a subclass of it, or another linear layer with ``mixin`` (its DSQ forward), gets
+    a subclass that keeps its own class for isinstance checks. Its parameters (and an
+    optimizer's references to them) stay the same."""
+    if mixin is None and type(module) is nn.Linear:
+        module.__class__ = DSQLinear
+    else:
+        module.__class__ = _dsq_subclass(module, mixin or DSQLinear)
+    module.dsq_cfg = cfg
 
 
 _SUBCLASSES: dict[type, type] = {}
@@ -203,20 +177,6 @@ def _dsq_subclass(module: nn.Module, mixin: type) -> type:
     if cls not in _SUBCLASSES:
         _SUBCLASSES[cls] = type(f"DSQ{cls.__name__}", (mixin, cls), {})
     return _SUBCLASSES[cls]
-
-
-_ATTENTION_TOKENS: dict[int, list] = {}
-
-
-def _enter_attention(cfg):
-    def hook(module, args):
-        _ATTENTION_TOKENS.setdefault(id(module), []).append(_ACTIVE_ATTENTION.set(cfg))
-
-    return hook
-
-
-def _exit_attention(module, args, output):
-    _ACTIVE_ATTENTION.reset(_ATTENTION_TOKENS[id(module)].pop())
 
 
 # ----------------------------------------------------------------------------- stash_scope=all

@@ -1,5 +1,6 @@
-"""DSQ in Hugging Face ``transformers`` models (docs/hf.md): GPT-2's ``Conv1D`` projections and
-the two attention products, under the eager and the SDPA attention implementations.
+"""DSQ in Hugging Face ``transformers`` models (docs/hf.md), registered for models built from
+``transformers``: GPT-2's ``Conv1D`` projections and the two attention products, under the eager
+and the SDPA attention implementations.
 
 ``transformers`` models call their attention through ``ALL_ATTENTION_FUNCTIONS`` under the name in
 ``config._attn_implementation``, and build their masks through ``ALL_MASK_ATTENTION_FUNCTIONS``
@@ -24,31 +25,27 @@ from __future__ import annotations
 import importlib
 
 import torch
+import transformers
 from torch import nn
+from transformers.pytorch_utils import Conv1D
 
-from .config import QuantConfig
-from .functions import dsq_linear, dsq_matmul
+from dsq_cli.engine.config import QuantConfig
+from dsq_cli.engine.functions import dsq_linear, dsq_matmul
+from dsq_cli.engine.patch import PatchReport, make_dsq_linear
+
+from . import register_patcher
 
 #: The attention implementations patching replaces, and what replaces them.
 REPLACED = {"eager": "dsq_eager", "sdpa": "dsq_sdpa"}
 
 
 def transformers_module():
-    """``transformers``, or None where it is not installed (``pip install dsq[hf]``)."""
-    try:
-        return importlib.import_module("transformers")
-    except ImportError:
-        return None
-
-
-def conv1d_class() -> type | None:
-    module = transformers_module()
-    return None if module is None else module.pytorch_utils.Conv1D
+    """``transformers`` (this integration is loaded for models built from it)."""
+    return transformers
 
 
 def is_transformers_model(model: nn.Module) -> bool:
-    module = transformers_module()
-    return module is not None and isinstance(model, module.PreTrainedModel)
+    return isinstance(model, transformers.PreTrainedModel)
 
 
 class DSQConv1D(nn.Module):
@@ -169,3 +166,30 @@ def route_attention(model: nn.Module, cfg: QuantConfig, exclude) -> tuple[list, 
     )  # fmt: skip
     note = f"attention: {implementation} -> {REPLACED[implementation]}, computed {how}"
     return routed, excluded, note
+
+
+class TransformersPatcher:
+    """``Conv1D`` layers (as linear layers on the transposed weight) and, after the walk, the
+    model's attention implementation switched to the DSQ one matching it."""
+
+    def claims(self, module: nn.Module) -> bool:
+        return isinstance(module, Conv1D)
+
+    def patch(self, name: str, module: nn.Module, cfg: QuantConfig, report: PatchReport) -> None:
+        make_dsq_linear(module, cfg, mixin=DSQConv1D)
+        report.linears.append(name)
+
+    def finish(self, model, cfg, report, excluded) -> None:
+        if not is_transformers_model(model):
+            return
+        try:
+            routed, excluded_names, note = route_attention(model, cfg, excluded)
+        except ValueError as err:
+            report.unquantized.append(f"attention products ({err})")
+            return
+        report.attention += routed
+        report.excluded += excluded_names
+        report.notes.append(note)
+
+
+register_patcher("transformers", TransformersPatcher())

@@ -1,0 +1,79 @@
+"""fairseq's ``MultiheadAttention`` under DSQ (registered for models built from fairseq).
+
+Its fast path hands the q/k/v/out projection weights to ``F.multi_head_attention_forward``, where
+swapped Linear modules would never run. Patching forces its slow path
+(``_set_skip_embed_dim_check``), where the projections are module calls (patched as Linear layers)
+and the two products are ``torch.bmm(q, k^T)`` and ``torch.bmm(P, v)``; those ``bmm`` calls are
+routed to ``dsq_matmul`` while a patched attention module runs (a proxy for ``torch`` in fairseq's
+module namespace, active only inside patched modules).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import types
+
+import torch
+from fairseq.modules import multihead_attention
+from torch import nn
+
+from dsq_cli.engine.config import QuantConfig
+from dsq_cli.engine.functions import dsq_matmul
+from dsq_cli.engine.patch import PatchReport
+
+from . import register_patcher
+
+_ACTIVE_ATTENTION: contextvars.ContextVar[QuantConfig | None] = contextvars.ContextVar(
+    "dsq_active_attention", default=None
+)
+_ATTENTION_TOKENS: dict[int, list] = {}
+
+
+class _TorchWithDSQBmm(types.ModuleType):
+    """Stands for ``torch`` in fairseq's attention module: ``bmm`` goes through ``dsq_matmul``
+    while a patched attention module is running, everything else is torch itself."""
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def bmm(a, b, *args, **kwargs):
+        cfg = _ACTIVE_ATTENTION.get()
+        if cfg is None or args or kwargs:
+            return torch.bmm(a, b, *args, **kwargs)
+        return dsq_matmul(a, b, cfg)
+
+
+def _enter_attention(cfg):
+    def hook(module, args):
+        _ATTENTION_TOKENS.setdefault(id(module), []).append(_ACTIVE_ATTENTION.set(cfg))
+
+    return hook
+
+
+def _exit_attention(module, args, output):
+    _ACTIVE_ATTENTION.reset(_ATTENTION_TOKENS[id(module)].pop())
+
+
+class MultiheadAttentionPatcher:
+    """fairseq's MultiheadAttention: its slow path, and its two ``bmm`` products routed to
+    ``dsq_matmul`` (its projections are Linear layers, patched by the engine's rule)."""
+
+    def claims(self, module: nn.Module) -> bool:
+        return isinstance(module, multihead_attention.MultiheadAttention)
+
+    def patch(self, name: str, module: nn.Module, cfg: QuantConfig, report: PatchReport) -> None:
+        module._set_skip_embed_dim_check()  # the slow path: projections run as modules
+        module.register_forward_pre_hook(_enter_attention(cfg))
+        module.register_forward_hook(_exit_attention, always_call=True)
+        report.attention.append(name)
+
+    def finish(self, model, cfg, report, excluded) -> None:
+        if report.attention and not isinstance(multihead_attention.torch, _TorchWithDSQBmm):
+            multihead_attention.torch = _TorchWithDSQBmm()
+
+
+register_patcher("fairseq", MultiheadAttentionPatcher())
