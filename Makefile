@@ -17,7 +17,7 @@ help:
 	@echo "make setup  - create $(VENV) and install dsq with torch, fairseq, triton and dev tools"
 	@echo "make demo   - set up, then train DSQ on the embedded demo task (about 2 CPU minutes)"
 	@echo "make test   - set up, then run the test suite"
-	@echo "make test-fast - the suite without the tests marked slow (under 2 minutes)"
+	@echo "make test-fast - the suite without the tests marked slow (a few minutes on 2 cores)"
 	@echo "make bench  - run the benchmarks recorded in docs/benchmarks.md"
 	@echo "make lint   - ruff"
 

@@ -23,7 +23,11 @@ bench_app = typer.Typer(
 )
 app.add_typer(bench_app, name="bench")
 
-USAGE_ERRORS = (ValueError, TypeError, IndexError)
+# dsq's checks of user input raise ValueError or a subclass (ConfigError, DataError, EncoderError)
+# with a message meant for the user. TypeError, IndexError, KeyError and AttributeError come from
+# programming errors (the argument checks of the library API included), so they keep their
+# traceback and exit code 1.
+USAGE_ERRORS = (ValueError,)
 
 
 def usage_errors(fn):

@@ -270,10 +270,10 @@ def bf16_step(repeats: int) -> None:
           f"({bf16_ms / fp32_ms:.2f}x fp32)")  # fmt: skip
 
 
-def gemm_units() -> None:
+def gemm_units_exactness() -> tuple[torch.Tensor, torch.Tensor]:
     """The engine's CUDA units (bf16, TF32, bf16x2) on integer-valued operands, whose products and
-    sums are exact: each must equal the float64 product bit for bit; then their time against a
-    float32 GEMM at the benchmark model's FFN shape."""
+    sums are exact: each must equal the float64 product bit for bit. Returns the operands, the
+    benchmark model's FFN shape, for gemm_units' timing."""
     from dsq_cli.engine import units
 
     gen_ = torch.Generator(device="cuda").manual_seed(0)
@@ -288,6 +288,14 @@ def gemm_units() -> None:
     ):
         out = units.gemm(left, b, plan, f"gpu_check.{name}")
         report(f"GEMM unit {name} (integers)", same(out, expected))
+    return a, b
+
+
+def gemm_units() -> None:
+    """gemm_units_exactness, then each unit's time against a float32 GEMM of the same shape."""
+    from dsq_cli.engine import units
+
+    a, b = gemm_units_exactness()
     print(f"\nGEMM units, [4096, 512] @ [512, 2048]: {units.tally()}")
     fp32_ms = cuda_ms(lambda: a @ b, 20)
     for name, plan in (("bf16", units.GemmPlan("bf16")), ("tf32", units.GemmPlan("tf32"))):

@@ -8,8 +8,8 @@ import logging
 import subprocess
 
 import pytest
+from helpers.runs import DSQ, only_run, read_jsonl, small
 from omegaconf import OmegaConf
-from train_helpers import DSQ, only_run, read_jsonl, small
 
 from dsq_cli.train.budget import Budget
 

@@ -12,8 +12,8 @@ import time
 
 import pytest
 import torch
-from conftest import assert_bitwise_equal
 from dsq_kernels import cpu as c_kernels
+from helpers.tensors import assert_bitwise_equal
 
 from dsq_cli.formats import compiled, parse_format
 from dsq_cli.formats.dispatch import compiled_unavailable_reason

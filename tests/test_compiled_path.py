@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_bitwise_equal
 from dsq_kernels import cpu as c_kernels
+from helpers.tensors import assert_bitwise_equal
 from test_packing import edge_tensor, with_nonfinite
 
 from dsq_cli.formats import parse_format

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from train_helpers import read_jsonl
+from helpers.runs import read_jsonl
 from typer.testing import CliRunner
 
 from dsq_cli.cli import app

@@ -8,7 +8,7 @@ import gzip
 import json
 
 import pytest
-from conftest import SHARED_DATA
+from helpers.paths import SHARED_DATA
 from typer.testing import CliRunner
 
 from dsq_cli.cli import app

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from train_helpers import DSQ, only_run, read_jsonl, small, wait_for_update
+from helpers.runs import DSQ, only_run, read_jsonl, small, wait_for_update
 
 from dsq_cli.config import ConfigError, compose
 from dsq_cli.run_result import RunResult
@@ -97,7 +97,13 @@ def test_sigterm_stops_both_ranks_after_one_update_and_resume_finishes(tmp_path,
     assert result["bits_final"]["q1"] == "bfp6e8b16"  # validations at 2, 4, 6, 8: 3 levels up
     validations = rank_lines(run_dir, "validation at update")
     assert validations["train.log"] == validations["train.rank1.log"]
+    # both runs append to the logs: each validation of the budget once (the resumed run starts
+    # from the stop's checkpoint), in order, the last one the resumed run's
+    log = validations["train.log"]
+    assert [int(re.search(r"validation at update (\d+):", v)[1]) for v in log] == [2, 4, 6, 8]
+    assert validations["train.log"][-1].endswith("stash q1 now bfp6e8b16")
     checksums = rank_lines(run_dir, "parameter checksum")
+    assert "parameter checksum at update 8: " in checksums["train.log"][-1]
     assert checksums["train.log"][-1] == checksums["train.rank1.log"][-1]
 
 
@@ -115,7 +121,13 @@ def test_torchrun_processes_share_one_run_directory(tmp_path, cache_dir):
     assert (run_dir / "train.rank1.log").is_file()
     assert "distributed_world_size: 2" in (run_dir / "config.yaml").read_text()
     assert json.loads((run_dir / "result.json").read_text())["status"] == "completed"
+    validations = rank_lines(run_dir, "validation at update")
+    assert len(validations["train.log"]) == 1  # at update 2, the last
+    assert "validation at update 2: " in validations["train.log"][0]
+    assert validations["train.log"] == validations["train.rank1.log"]
     checksums = rank_lines(run_dir, "parameter checksum")
+    assert len(checksums["train.log"]) == 1
+    assert "parameter checksum at update 2: " in checksums["train.log"][0]
     assert checksums["train.log"] == checksums["train.rank1.log"]
 
 

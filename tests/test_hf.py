@@ -12,7 +12,8 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from dsq_cli.engine import QuantConfig, quantize_model
+from dsq.integrations import quantize_model
+from dsq_cli.engine import QuantConfig
 from dsq_cli.engine.functions import DSQLinearFunction, DSQMatmulFunction
 
 transformers = pytest.importorskip("transformers")
@@ -195,11 +196,8 @@ def test_hf_minilm_and_the_fairseq_path_minilm_are_the_same_quantized_model():
     computations differ in the last bits (LayerNorm, GELU and mask arithmetic), and a quantizer
     rounds such a difference to a whole step wherever a value sits near a rounding boundary
     (docs/hf.md, "How to check")."""
-    import sys
-
     pytest.importorskip("fairseq")
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
-    from test_encoders import HAS_MINILM, SENTENCES, model_cfg, right_padded
+    from helpers.encoders import HAS_MINILM, SENTENCES, model_cfg, right_padded
 
     from dsq_cli.engine import record_gemms
     from dsq_cli.models import encoders

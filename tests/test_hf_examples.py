@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO
+from helpers.paths import REPO, SHARED_DATA
 from typer.testing import CliRunner
 
 from dsq_cli.cli import app
@@ -19,7 +19,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 pytestmark = pytest.mark.slow  # trains
 
-SST2 = REPO.parent / "shared" / "data" / "glue" / "SST-2"
+SST2 = SHARED_DATA / "glue" / "SST-2"
 
 
 def run_example(name: str, *args: str) -> str:
@@ -69,18 +69,60 @@ def test_hf_glue_fine_tunes_minilm_and_reports(tmp_path):
 )
 def test_hf_glue_run_again_resumes_from_its_checkpoint_at_the_same_level(tmp_path):
     """A second run into the same folder continues from the Trainer's last checkpoint, with the
-    schedule (level, changes, steps per level) as the checkpoint left it."""
+    schedule (level, changes, steps per level) as the checkpoint left it. The stash must have
+    moved before the checkpoint for that to show, whatever the losses: q1.min_delta=100 (no
+    evaluation beats the best by that much) moves it one level at every evaluation after the
+    first (patience 1), as test_distributed.py's runs do."""
     common = ["--data", str(SST2), "--subset", "64", "--eval-every", "2", "--out", str(tmp_path)]
-    run_example("hf_glue.py", *common, "--steps", "4")
+    run_example_rising("hf_glue.py", *common, "--steps", "4")
     first = json.loads((tmp_path / "result.json").read_text())
     saved = torch.load(tmp_path / "checkpoint-4" / "dsq_schedule.pt", weights_only=False)
-    run_example("hf_glue.py", *common, "--steps", "6")
+    run_example_rising("hf_glue.py", *common, "--steps", "6")
     second = json.loads((tmp_path / "result.json").read_text())
-    assert second["updates"] == 6  # 4 restored with the checkpoint, 2 trained now
-    assert second["level_changes"][: len(first["level_changes"])] == first["level_changes"]
-    assert saved["schedule"]["q1"]["level"] == len(first["level_changes"])
-    # the resumed run started at the saved level: its first segment is the first run's
-    assert (
-        second["precision_segments"][: len(first["precision_segments"])][:-1]
-        == (first["precision_segments"][:-1])
-    )
+
+    def moves(record):
+        return [(c["point"], c["update"], c["from_spec"], c["to_spec"])
+                for c in record["level_changes"]]  # fmt: skip
+
+    def segments(record):
+        return [(s["points"]["q1"], s["updates"]) for s in record["precision_segments"]]
+
+    # the first run: evaluations at 2 (the best) and 4 (no improvement: up one level)
+    assert moves(first) == [("q1", 4, "bfp2e8b16", "bfp3e8b16")]
+    assert segments(first) == [("bfp2e8b16", 4)]
+    assert saved["schedule"]["q1"]["level"] == 1 and saved["changes"] == first["level_changes"]
+    # the second: 4 steps restored with the checkpoint, 2 trained now at the saved level (bfp3),
+    # its change list continued, and its evaluation at 6 measured against the restored best
+    assert second["updates"] == 6
+    assert second["level_changes"][:1] == first["level_changes"]
+    assert moves(second) == [
+        ("q1", 4, "bfp2e8b16", "bfp3e8b16"),
+        ("q1", 6, "bfp3e8b16", "bfp4e8b16"),
+    ]
+    assert segments(second) == [("bfp2e8b16", 4), ("bfp3e8b16", 2)]
+    assert second["bits_final"]["q1"] == "bfp4e8b16"
+
+
+def run_example_rising(name: str, *args: str) -> str:
+    """``run_example`` with the quant preset's q1.min_delta at 100 (the examples take a preset
+    name only, so the preset is changed as the example loads it)."""
+    script = str(REPO / "examples" / name)
+    code = "\n".join([
+        "import runpy, sys",
+        "import dsq_cli.presets as presets",
+        "load = presets.load_quant_preset",
+        "def rising(name):",
+        "    preset = load(name)",
+        "    if isinstance(preset['q1'], dict):  # a schedule (not the cost model's baseline)",
+        "        preset['q1']['min_delta'] = 100.0",
+        "    return preset",
+        "presets.load_quant_preset = rising",
+        f"sys.argv = [{script!r}, *sys.argv[1:]]",
+        f"runpy.run_path({script!r}, run_name='__main__')",
+    ])  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *args],
+        capture_output=True, text=True, timeout=900, cwd=REPO,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout

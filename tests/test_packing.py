@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from conftest import assert_bitwise_equal
+from helpers.tensors import assert_bitwise_equal
 
 from dsq_cli.formats import parse_format
 from dsq_cli.formats import reference as ref
@@ -76,10 +76,20 @@ def test_unpack_of_pack_equals_quantize(spec, nonfinite, axis):
 
 @pytest.mark.parametrize("spec", ["bfp2", "bfp4", "fixed8f4", "fixed12"])
 def test_stochastic_pack_matches_stochastic_quantize(spec):
+    """The default path's stochastic pack, bytes and unpacked values, against the reference's
+    pack and quantize with the same seed (not against the default path's own quantize)."""
     fmt = parse_format(spec)
     x = edge_tensor(seed=3)
-    p = fmt.pack(x, rounding="stochastic", generator=torch.Generator().manual_seed(9))
-    q = fmt.quantize(x, rounding="stochastic", generator=torch.Generator().manual_seed(9))
+
+    def seeded():
+        return torch.Generator().manual_seed(9)
+
+    p = fmt.pack(x, rounding="stochastic", generator=seeded())
+    want = fmt.pack(x, rounding="stochastic", generator=seeded(), backend="reference")
+    assert p.payload.keys() == want.payload.keys()
+    for name, stream in want.payload.items():
+        assert torch.equal(p.payload[name], stream), name
+    q = fmt.quantize(x, rounding="stochastic", generator=seeded(), backend="reference")
     assert_bitwise_equal(p.unpack(), q)
 
 

@@ -14,7 +14,7 @@ from fractions import Fraction
 
 import pytest
 import torch
-from conftest import assert_bitwise_equal
+from helpers.tensors import assert_bitwise_equal
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

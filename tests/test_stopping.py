@@ -10,8 +10,8 @@ import signal
 import pytest
 import torch
 import yaml
+from helpers.runs import only_run, read_jsonl, small
 from omegaconf import OmegaConf
-from train_helpers import only_run, read_jsonl, small
 from typer.testing import CliRunner
 
 from dsq_cli.cli import app

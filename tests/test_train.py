@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from train_helpers import DSQ, only_run, read_jsonl, small, wait_for_update
+from helpers.runs import DSQ, only_run, read_jsonl, small, wait_for_update
 from typer.testing import CliRunner
 
 from dsq_cli import runs
@@ -177,7 +177,7 @@ def test_metrics_and_schedule_agree_with_result(finished_run):
 
 
 def test_wandb_offline_run_holds_the_same_final_numbers(finished_run):
-    from wandb_records import summary_and_history
+    from helpers.wandb_records import summary_and_history
 
     _, run_dir, _ = finished_run
     res = json.loads((run_dir / "result.json").read_text())

@@ -79,11 +79,18 @@ def _module(backend: str) -> ModuleType:
     return importlib.import_module(f"dsq_cli.formats.{name}")
 
 
-def select_path(x: torch.Tensor, backend: str | None = None) -> ModuleType:
-    """The path module to run ``x`` on (see the module docstring for the rules)."""
+def requested_backend(backend: str | None = None) -> str | None:
+    """The explicit choice (``backend``, else ``DSQ_BACKEND``), or None for the automatic one;
+    a name outside ``BACKENDS`` is a ValueError."""
     requested = backend or os.environ.get("DSQ_BACKEND") or None
     if requested is not None and requested not in BACKENDS:
         raise ValueError(f"unknown backend {requested!r}; choose one of {BACKENDS}")
+    return requested
+
+
+def select_path(x: torch.Tensor, backend: str | None = None) -> ModuleType:
+    """The path module to run ``x`` on (see the module docstring for the rules)."""
+    requested = requested_backend(backend)
     if x.numel() == 0:
         return _module("reference")  # nothing to compute: every path gives the same empty result
     if requested is not None:

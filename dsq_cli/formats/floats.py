@@ -1,8 +1,10 @@
 """Floating formats: fp32 (identity), IEEE half, bfloat16 and the two 8-bit floats.
 
 Their quantizers are torch's own casts, which are already single fused kernels on every device,
-so every path uses them (dispatch has nothing faster to offer). Stochastic rounding is defined
-for BFP and fixed point only (docs/spec.md §1.1); asking for it here is a ValueError.
+so every path uses them (dispatch has nothing faster to offer): ``backend`` chooses nothing here,
+but it is checked as on the other formats (an unknown name, or an unknown ``DSQ_BACKEND``, is a
+ValueError). Stochastic rounding is defined for BFP and fixed point only (docs/spec.md §1.1);
+asking for it here is a ValueError.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import re
 import torch
 
 from .base import Format, PackedTensor, check_input, register
+from .dispatch import requested_backend
 
 _MANTISSA_BITS = {
     torch.float32: 23,
@@ -45,7 +48,8 @@ class FloatCast(Format):
             x = x.clamp(-self.saturate_at, self.saturate_at)  # clamp keeps NaN; inf -> max
         return x.to(self.dtype)
 
-    def _check(self, x, axis, rounding, generator):
+    def _check(self, x, axis, rounding, generator, backend):
+        requested_backend(backend)  # one implementation on every path, but no unknown names
         axis = check_input(x, axis, rounding, generator)
         if rounding != "nearest":
             raise ValueError(
@@ -55,12 +59,12 @@ class FloatCast(Format):
         return axis
 
     def quantize(self, x, axis=-1, rounding="nearest", generator=None, *, backend=None):
-        self._check(x, axis, rounding, generator)
+        self._check(x, axis, rounding, generator, backend)
         with torch.no_grad():
             return self._cast(x).to(x.dtype)
 
     def pack(self, x, axis=-1, rounding="nearest", generator=None, *, backend=None):
-        axis = self._check(x, axis, rounding, generator)
+        axis = self._check(x, axis, rounding, generator, backend)
         with torch.no_grad():
             values = self._cast(x)
             if values.data_ptr() == x.data_ptr():
@@ -68,6 +72,7 @@ class FloatCast(Format):
         return PackedTensor(self, tuple(x.shape), x.dtype, axis, {"values": values})
 
     def _unpack(self, packed, backend=None):
+        requested_backend(backend)
         return packed.payload["values"].to(packed.dtype)
 
 

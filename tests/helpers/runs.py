@@ -1,4 +1,4 @@
-"""Helpers shared by the training tests: a tiny demo run's overrides, run-directory readers."""
+"""The training tests' tiny demo run (its overrides), the `dsq` executable, run readers."""
 
 from __future__ import annotations
 
