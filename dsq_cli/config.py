@@ -23,10 +23,11 @@ from omegaconf.errors import (
     ValidationError,
 )
 
+from dsq.engine.config import POINTS
+from dsq.engine.policies import DEFAULT_POLICY, policy_defaults
 from dsq_cli.data.glue import get_glue_task
 from dsq_cli.data.tasks import TASKS
-from dsq_cli.engine.policies import DEFAULT_POLICY, policy_defaults
-from dsq_cli.presets import CONF_DIR, QUANT_KEYS, load_quant_preset
+from dsq_cli.presets import CONF_DIR, PRESET_KEYS, load_quant_preset
 from dsq_cli.run_config import (
     EVAL_CHECKPOINTS,
     MODEL_FAMILIES,
@@ -34,7 +35,6 @@ from dsq_cli.run_config import (
     RunConfig,
     expects,
 )
-from dsq_cli.run_result import POINTS
 
 GROUPS = ("task", "model", "quant", "logger")
 
@@ -119,7 +119,7 @@ def _split_policy_overrides(overrides: list[str]) -> tuple[list[str], list[tuple
     """(overrides for Hydra, [(point, key, value)] for `_apply_policy_overrides`). A preset's
     ladder names only its own policy's parameters, so Hydra could not set another policy or its
     parameters (an unknown key); they are applied after composition instead."""
-    from dsq_cli.engine.policies import all_parameter_names
+    from dsq.engine.policies import all_parameter_names
 
     for_hydra, ours = [], []
     for override in overrides:
@@ -139,7 +139,7 @@ def _apply_policy_overrides(quant: DictConfig, overrides: list[tuple[str, str, s
     `QuantConfig` refuses it by name."""
     import yaml
 
-    from dsq_cli.engine.policies import DEFAULT_POLICY, all_parameter_names
+    from dsq.engine.policies import DEFAULT_POLICY, all_parameter_names
 
     for point in dict.fromkeys(point for point, _, _ in overrides):
         node = quant.get(point)
@@ -291,7 +291,7 @@ def _resolve(cfg: DictConfig) -> None:
 def _check(cfg: DictConfig) -> None:
     """What the schema's types cannot say: choices, ranges, budgets, a model that suits the task,
     a task family that names a registered task, the quant config. Resolves ``cfg`` in place."""
-    from dsq_cli.engine import QuantConfig
+    from dsq.engine import QuantConfig
 
     _check_task_family(cfg)
     _check_model_suits_task(cfg)  # before resolving: GLUE tasks read the encoder's model.lr
@@ -443,7 +443,7 @@ def quant_differences(quant: Mapping) -> list[str] | None:
     except ValueError:
         return None
     differences = []
-    for key in QUANT_KEYS:
+    for key in PRESET_KEYS:
         mine, theirs = quant.get(key), stored.get(key)
         if key == "rounding":  # a point not named rounds to nearest (runs from before rounding)
             mine, theirs = _every_point_rounding(mine), _every_point_rounding(theirs)

@@ -130,7 +130,7 @@ def _bits_as_numbers(bits, prefix: str) -> dict:
     """q0..q3 specs in force as bits per value, so that wandb can plot them."""
     if not isinstance(bits, Mapping):
         return {}
-    from dsq_cli.formats import parse_format
+    from dsq.formats import parse_format
 
     return {f"{prefix}_{p}": parse_format(spec).bits_per_value for p, spec in bits.items()}
 

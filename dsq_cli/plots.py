@@ -12,8 +12,8 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
+from dsq.engine.config import POINTS
 from dsq_cli.atomic_files import atomic_path
-from dsq_cli.engine.config import POINTS
 from dsq_cli.run_result import RunResult, metric_decimals
 from dsq_cli.table import METRIC_LABELS, PAPER_REFERENCE, Table, row_preset
 
@@ -72,7 +72,7 @@ def _read_jsonl(path: Path) -> list[dict]:
 
 
 def _bits_per_value(spec: str) -> float:
-    from dsq_cli.formats import parse_format
+    from dsq.formats import parse_format
 
     return parse_format(spec).bits_per_value
 

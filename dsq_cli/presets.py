@@ -7,7 +7,7 @@ from pathlib import Path
 
 import yaml
 
-from dsq_cli.run_result import POINTS
+from dsq.engine.config import QUANT_KEYS
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 TABLE1_ORDER = (
@@ -26,7 +26,9 @@ TABLE1_ORDER = (
 # and bfp6 (the CPU-scale frontier) with DSQ's rising stash, the convergence study's design.
 BEYOND_TABLE1 = ("dsq_bfp3", "bf16", "bfp6_rising_stash")
 PRESET_ORDER = TABLE1_ORDER + BEYOND_TABLE1
-QUANT_KEYS = (*POINTS, "stash_scope", "rounding")
+# what a preset decides: every quant key but where the GEMMs run (the same numbers on every unit,
+# up to float32 summation order: docs/dsq.md, "GEMM units")
+PRESET_KEYS = tuple(key for key in QUANT_KEYS if key != "gemm_unit")
 
 
 def load_quant_preset(name: str) -> dict:

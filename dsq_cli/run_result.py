@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from dsq.engine.config import POINTS
 from dsq_cli import runs
 
 FILENAME = "result.json"
@@ -29,7 +30,6 @@ STATUSES = ("completed", "interrupted", "diverged", "failed", "running")
 # GLUE's metrics, fractions from 0 (or -1) to 1; BLEU is 0 to 100, perplexity 1 and up
 FRACTION_METRICS = ("accuracy", "mcc", "f1", "pearson", "spearman")
 METRICS = ("bleu", *FRACTION_METRICS, "perplexity")
-POINTS = ("q0", "q1", "q2", "q3")  # the four quantization points (docs/dsq.md); defined once, here
 COST_KEYS = ("arith_ratio", "dram_ratio", "baseline")
 # What a reader cannot do without (the rest has defaults for result.json files of older runs).
 REQUIRED = ("status", "task", "quant", "metric", "value", "valid_loss", "updates",

@@ -18,9 +18,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from dsq.engine.config import POINTS
 from dsq_cli.config import quant_differences
 from dsq_cli.presets import PRESET_ORDER
-from dsq_cli.run_result import POINTS, RunResult, metric_decimals
+from dsq_cli.run_result import RunResult, metric_decimals
 
 FORMATS = ("markdown", "csv", "latex", "json")
 CHECKPOINTS = ("best", "last")  # --checkpoint: the model whose metric every run shows

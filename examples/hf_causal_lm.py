@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 import transformers
 
+from dsq.engine import QuantConfig
 from dsq.integrations import quantize_model
 from dsq_cli.data import demo
-from dsq_cli.engine import QuantConfig
 from dsq_cli.presets import load_quant_preset
 from dsq_cli.train.hf_callback import DSQCallback, quiet_logs
 

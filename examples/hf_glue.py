@@ -26,10 +26,10 @@ import numpy as np
 import torch
 import transformers
 
+from dsq.engine import QuantConfig
 from dsq.integrations import quantize_model
 from dsq_cli.data.glue.reader import read_examples
 from dsq_cli.data.glue.tasks import get_glue_task
-from dsq_cli.engine import QuantConfig
 from dsq_cli.models.encoders import minilm_folder
 from dsq_cli.presets import load_quant_preset
 from dsq_cli.train.glue_metrics import compute_metrics

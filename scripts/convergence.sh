@@ -8,12 +8,9 @@
 #           which it stopped is the study's budget (read back from its result.json)
 #   seed1, seed2: every row at that budget, one seed (seed 1 first: a complete table early)
 set -euo pipefail
-# this checkout's dsq, also when the study runs in a clone beside an installed one (see
-# scripts/table1_cpu.sh): dsq_cli and dsq_kernels both from here
-kernels_path=$(mktemp -d)
-trap 'rm -rf "$kernels_path"' EXIT
-ln -s "$PWD/kernels" "$kernels_path/dsq_kernels"
-export PYTHONPATH="$PWD:$kernels_path${PYTHONPATH:+:$PYTHONPATH}"
+# this checkout's packages (dsq, the library, and dsq_cli, the suite), also when the study runs
+# in a clone beside an editable install of another checkout: both resolve to the working directory
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 dsq() { "${PYTHON:-python}" -m dsq_cli.cli "$@"; }
 data=${DSQ_SHARED_DATA:-../shared/data}
 task=(task=multi30k "data.raw_dir=$data/multi30k" data.subset=7000 model=transformer_tiny)

@@ -32,8 +32,8 @@ if not CUDA:
     os.environ["TRITON_INTERPRET"] = "1"  # before Triton is imported
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from dsq_cli.formats import reference as ref  # noqa: E402
-from dsq_cli.formats import triton_path as tp  # noqa: E402
+from dsq.formats import reference as ref  # noqa: E402
+from dsq.formats import triton_path as tp  # noqa: E402
 
 DEVICE = "cuda" if CUDA else "cpu"
 FAILS: list[str] = []
@@ -274,7 +274,7 @@ def gemm_units_exactness() -> tuple[torch.Tensor, torch.Tensor]:
     """The engine's CUDA units (bf16, TF32, bf16x2) on integer-valued operands, whose products and
     sums are exact: each must equal the float64 product bit for bit. Returns the operands, the
     benchmark model's FFN shape, for gemm_units' timing."""
-    from dsq_cli.engine import units
+    from dsq.engine import units
 
     gen_ = torch.Generator(device="cuda").manual_seed(0)
     a = torch.randint(-8, 9, (4096, 512), device="cuda", generator=gen_).float()
@@ -293,7 +293,7 @@ def gemm_units_exactness() -> tuple[torch.Tensor, torch.Tensor]:
 
 def gemm_units() -> None:
     """gemm_units_exactness, then each unit's time against a float32 GEMM of the same shape."""
-    from dsq_cli.engine import units
+    from dsq.engine import units
 
     a, b = gemm_units_exactness()
     print(f"\nGEMM units, [4096, 512] @ [512, 2048]: {units.tally()}")

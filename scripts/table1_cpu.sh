@@ -6,13 +6,9 @@
 # continues an interrupted study; keep the argument order, it names the jobs.
 # Usage: scripts/table1_cpu.sh [multi30k|sst2|ablations|all]   (from the repository root)
 set -euo pipefail
-# this checkout's dsq, also when the study runs in a clone beside an installed one: dsq_cli from
-# here (the working directory), and dsq_kernels from here too (the installed package maps that
-# name to the other checkout's kernels/, whose C kernels may expect other arguments)
-kernels_path=$(mktemp -d)
-trap 'rm -rf "$kernels_path"' EXIT
-ln -s "$PWD/kernels" "$kernels_path/dsq_kernels"
-export PYTHONPATH="$PWD:$kernels_path${PYTHONPATH:+:$PYTHONPATH}"
+# this checkout's packages (dsq, the library, and dsq_cli, the suite), also when the study runs
+# in a clone beside an editable install of another checkout: both resolve to the working directory
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 dsq() { "${PYTHON:-python}" -m dsq_cli.cli "$@"; }
 data=${DSQ_SHARED_DATA:-../shared/data}
 presets=fp32,dsq,fixed32,fixed16,bfp16,bfp8,bfp6,stash_fixed,stash_bfp

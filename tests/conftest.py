@@ -34,7 +34,7 @@ def backend(request):
     if request.param != "torch.compile":
         yield request.param
         return
-    from dsq_kernels import cpu
+    from dsq.kernels import cpu
 
     with cpu.switched_off():
         yield "compiled"

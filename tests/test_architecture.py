@@ -1,5 +1,6 @@
-"""The layers of dsq_cli (docs/architecture.md) as a test: the import graph, function-level
-imports included, has no cycle, and no module imports a layer above its own."""
+"""The layers of dsq (the library) and dsq_cli (the suite) (docs/architecture.md) as a test: the
+import graph, function-level imports included, has no cycle, and no module imports a layer above
+its own. The suite sits above the library: dsq_cli imports dsq, never the other way."""
 
 from __future__ import annotations
 
@@ -8,10 +9,12 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[1] / "dsq_cli"
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = (REPO / "dsq_cli", REPO / "dsq")
 
 # Each layer may import its own modules and those of the layers after it, never one before it.
 LAYERS = [
+    # the suite
     ("cli", ["dsq_cli.cli", "dsq_cli.__main__"]),
     ("studies", ["dsq_cli.sweep"]),
     ("train", ["dsq_cli.train"]),
@@ -19,8 +22,6 @@ LAYERS = [
     ("config", ["dsq_cli.config"]),
     ("data and models", ["dsq_cli.data", "dsq_cli.models"]),
     ("cost", ["dsq_cli.cost"]),
-    ("engine", ["dsq_cli.engine"]),
-    ("formats", ["dsq_cli.formats"]),
     (
         "files",
         [
@@ -32,7 +33,13 @@ LAYERS = [
             "dsq_cli.cpu_allocator",
         ],
     ),  # fmt: skip
-    ("root", ["dsq_cli"]),
+    ("suite root", ["dsq_cli"]),
+    # the library
+    ("library api", ["dsq"]),
+    ("integrations", ["dsq.integrations"]),
+    ("engine", ["dsq.engine"]),
+    ("formats", ["dsq.formats"]),
+    ("kernels", ["dsq.kernels"]),
 ]
 # Inside train/: the launcher and the rank helpers import nothing above them.
 LEAVES = {
@@ -42,12 +49,12 @@ LEAVES = {
 
 
 def module_name(path: Path) -> str:
-    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    parts = path.relative_to(REPO).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def modules() -> dict[str, Path]:
-    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+    return {module_name(p): p for package in PACKAGES for p in sorted(package.rglob("*.py"))}
 
 
 def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
@@ -73,7 +80,7 @@ def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
         for target in targets:
             while target and target not in known:
                 target = target.rpartition(".")[0]
-            if target and target.startswith("dsq_cli") and target != name:
+            if target and target.split(".")[0] in ("dsq", "dsq_cli") and target != name:
                 found.add(target)
     return found
 
@@ -172,20 +179,19 @@ def test_the_launcher_and_rank_helpers_import_nothing_above_them(module, allowed
     assert graph()[module] <= allowed
 
 
-# The kernels (kernels/, imported as dsq_kernels) sit below formats: the formats layer is their
-# host glue, and the benchmarks time them beside it. The engine and everything above reach them
-# only through formats.
-KERNEL_USERS = ("dsq_cli.formats", "dsq_cli.bench")
+# The kernels sit below formats: the formats layer is their host glue, and the benchmarks time
+# them beside it. The engine and everything above reach them only through formats.
+KERNEL_USERS = ("dsq.formats", "dsq.kernels", "dsq_cli.bench")
 
 
 def kernel_imports(path: Path) -> bool:
-    """Whether ``path`` imports dsq_kernels anywhere in its body (function-level too)."""
+    """Whether ``path`` imports dsq.kernels anywhere in its body (function-level too)."""
     for node in _runtime_nodes(ast.parse(path.read_text())):
         if isinstance(node, ast.Import) and any(
-            a.name.split(".")[0] == "dsq_kernels" for a in node.names
+            a.name.startswith("dsq.kernels") for a in node.names
         ):
             return True
-        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "dsq_kernels":
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("dsq.kernels"):
             return True
     return False
 
@@ -196,5 +202,20 @@ def test_only_formats_and_the_benchmarks_import_the_kernels():
 
 
 def test_the_kernel_import_finder_sees_a_lazy_import(tmp_path):
-    (tmp_path / "a.py").write_text("def f():\n    from dsq_kernels import onednn\n")
+    (tmp_path / "a.py").write_text("def f():\n    from dsq.kernels import onednn\n")
     assert kernel_imports(tmp_path / "a.py")
+
+
+def test_the_library_loads_no_module_of_the_suite_or_its_frameworks():
+    # what a user of the library imports pulls in nothing they did not ask for
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, dsq, dsq.engine, dsq.formats, dsq.integrations; "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & "
+        "{'fairseq', 'hydra', 'wandb', 'submitit', 'dsq_cli', 'transformers', 'omegaconf'}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

@@ -1,4 +1,4 @@
-"""The C kernels of the compiled path (kernels/bfp_cpu.c) against the reference, bit for bit,
+"""The C kernels of the compiled path (dsq/kernels/bfp_cpu.c) against the reference, bit for bit,
 over the formats they cover (nearest rounding, E <= 8, 2 <= m <= 23; codes for m <= 8), with
 values at every edge of float32; the same results on any number of threads; and the loader:
 its cache, a failed build and the switch that turns them off (the torch.compile kernels then
@@ -12,11 +12,11 @@ import time
 
 import pytest
 import torch
-from dsq_kernels import cpu as c_kernels
 from helpers.tensors import assert_bitwise_equal
 
-from dsq_cli.formats import compiled, parse_format
-from dsq_cli.formats.dispatch import compiled_unavailable_reason
+from dsq.formats import compiled, parse_format
+from dsq.formats.dispatch import compiled_unavailable_reason
+from dsq.kernels import cpu as c_kernels
 
 pytestmark = pytest.mark.skipif(
     c_kernels.unavailable_reason() is not None or compiled_unavailable_reason() is not None,

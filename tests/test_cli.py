@@ -11,8 +11,8 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
+from dsq.formats import parse_format
 from dsq_cli.cli import app
-from dsq_cli.formats import parse_format
 
 runner = CliRunner()
 REPO = Path(__file__).resolve().parents[1]
@@ -69,7 +69,7 @@ def test_a_programming_error_is_no_usage_error(monkeypatch, error):
     def broken(spec):
         raise error("a bug, not bad input")
 
-    monkeypatch.setattr("dsq_cli.formats.parse_format", broken)
+    monkeypatch.setattr("dsq.formats.parse_format", broken)
     result = runner.invoke(app, ["format", "bfp4"])
     assert result.exit_code == 1
     assert isinstance(result.exception, error)

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dsq_kernels import cpu as c_kernels
 from helpers.tensors import assert_bitwise_equal
 from test_packing import edge_tensor, with_nonfinite
 
-from dsq_cli.formats import parse_format
-from dsq_cli.formats.dispatch import compiled_unavailable_reason
+from dsq.formats import parse_format
+from dsq.formats.dispatch import compiled_unavailable_reason
+from dsq.kernels import cpu as c_kernels
 
 pytestmark = [
     pytest.mark.slow,
@@ -132,7 +132,7 @@ def test_new_batch_lengths_reuse_the_compiled_kernels(spec, axis):
 def test_stream_stage_equals_reference_pack_bits(width):
     """The bit packing alone, every narrow width (one-byte codes read as int64 words below 8
     bits, the byte gather above), on counts that leave a partial word and a partial byte."""
-    from dsq_cli.formats import compiled, reference
+    from dsq.formats import compiled, reference
 
     g = torch.Generator().manual_seed(width)
     dtype = torch.uint8 if width <= 8 else torch.int16
@@ -148,6 +148,6 @@ def test_stream_stage_equals_reference_pack_bits(width):
 
 
 def test_dispatch_picks_the_compiled_path_on_cpu():
-    from dsq_cli.formats import default_backend
+    from dsq.formats import default_backend
 
     assert default_backend("cpu") == "compiled"

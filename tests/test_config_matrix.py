@@ -23,9 +23,9 @@ import torch
 from helpers.runs import read_jsonl
 from typer.testing import CliRunner
 
+from dsq.engine import QuantConfig
+from dsq.engine.config import STASH_SCOPES
 from dsq_cli.cli import app
-from dsq_cli.engine import QuantConfig
-from dsq_cli.engine.config import STASH_SCOPES
 from dsq_cli.presets import CONF_DIR, TABLE1_ORDER, load_quant_preset
 from dsq_cli.run_result import RunResult
 from dsq_cli.train import recorder, stop
@@ -233,7 +233,7 @@ def test_cell_trains_resumes_and_is_priced(family, preset, scope, shared, tmp_pa
 
 
 def bits(spec: str) -> float:
-    from dsq_cli.formats import parse_format
+    from dsq.formats import parse_format
 
     return parse_format(spec).bits_per_value
 

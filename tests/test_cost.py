@@ -13,6 +13,9 @@ import yaml
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
+from dsq.engine.accounting import GemmRecord
+from dsq.engine.config import POINTS
+from dsq.formats import parse_format
 from dsq_cli.cost import (
     CostModel,
     baseline_points,
@@ -23,9 +26,7 @@ from dsq_cli.cost import (
     scheduled_cost,
     step_cost,
 )
-from dsq_cli.cost.model import COST_DIR, POINTS
-from dsq_cli.engine.accounting import GemmRecord
-from dsq_cli.formats import parse_format
+from dsq_cli.cost.model import COST_DIR
 from dsq_cli.presets import CONF_DIR, load_quant_preset
 
 STASH_BFP = {"q0": "bfp8", "q1": "bfp4", "q2": "bfp8", "q3": "fixed16"}

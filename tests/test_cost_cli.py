@@ -12,9 +12,9 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
+from dsq.engine.config import POINTS
 from dsq_cli.cli import app
 from dsq_cli.cost import derive_gemms, derive_records, ratios, step_cost
-from dsq_cli.cost.model import POINTS
 from dsq_cli.presets import CONF_DIR
 
 runner = CliRunner()
@@ -235,7 +235,7 @@ def build_fairseq_model(model_cfg: dict, vocab: int):
 def recorded_step(model, sentences: int, src_len: int, tgt_len: int, vocab: int):
     import torch
 
-    from dsq_cli.engine import record_gemms
+    from dsq.engine import record_gemms
 
     g = torch.Generator().manual_seed(0)
     src = torch.randint(4, vocab, (sentences, src_len), generator=g)
@@ -291,8 +291,8 @@ def test_derived_records_equal_what_a_real_step_records(
     model_cfg, points, sentences, src_len, tgt_len, exclude, monkeypatch
 ):
     pytest.importorskip("fairseq")
+    from dsq.engine import QuantConfig
     from dsq.integrations import quantize_model
-    from dsq_cli.engine import QuantConfig
 
     monkeypatch.setenv("DSQ_BACKEND", "reference")  # no compilation for a handful of tiny GEMMs
     vocab = 64

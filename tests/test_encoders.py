@@ -17,8 +17,8 @@ from helpers.encoders import HAS_MINILM, MODEL_CONF, SENTENCES, model_cfg, right
 from helpers.paths import REPO
 from omegaconf import OmegaConf
 
+from dsq.engine import QuantConfig, record_gemms
 from dsq.integrations import quantize_model
-from dsq_cli.engine import QuantConfig, record_gemms
 from dsq_cli.models import encoders
 from dsq_cli.models.bert_weights import bert_state_to_fairseq, minilm_dictionary
 from dsq_cli.models.encoders import (

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsq_cli.engine import QuantConfig, dsq_linear, dsq_matmul
-from dsq_cli.formats import parse_format
+from dsq.engine import QuantConfig, dsq_linear, dsq_matmul
+from dsq.formats import parse_format
 
 
 def q(spec, t, axis):
@@ -132,7 +132,7 @@ def test_stash_is_held_packed_between_forward_and_backward():
 
 
 def test_no_stash_is_packed_when_no_backward_can_come():
-    from dsq_cli.engine import record_gemms
+    from dsq.engine import record_gemms
 
     x, w, b, _ = data((16, 64), m=32)
     w.requires_grad_()

@@ -13,8 +13,8 @@ import torch
 from helpers.paths import SHARED_DATA
 from torch import nn
 
+from dsq.engine import QuantConfig, record_gemms
 from dsq.integrations import quantize_model
-from dsq_cli.engine import QuantConfig, record_gemms
 
 fairseq = pytest.importorskip("fairseq")
 

@@ -32,17 +32,17 @@ from helpers.tensors import assert_bitwise_equal
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dsq_cli.formats import parse_format, reference
-from dsq_cli.formats.base import registered_formats
-from dsq_cli.formats.bfp import BFP, FixedDynamic
-from dsq_cli.formats.dispatch import (
+from dsq.formats import parse_format, reference
+from dsq.formats.base import registered_formats
+from dsq.formats.bfp import BFP, FixedDynamic
+from dsq.formats.dispatch import (
     BACKENDS,
     compiled_unavailable_reason,
     select_path,
     triton_unavailable_reason,
 )
-from dsq_cli.formats.fixed import FixedStatic
-from dsq_cli.formats.floats import FP32, FloatCast
+from dsq.formats.fixed import FixedStatic
+from dsq.formats.floats import FP32, FloatCast
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # the Triton kernels run on CUDA tensors, or on CPU tensors under the interpreter (conftest)
@@ -353,7 +353,7 @@ def test_compiled_path_equals_reference(spec, data):
     small_tiles=st.booleans(),
 )
 def test_triton_path_equals_reference(case, small_tiles):
-    import dsq_kernels.bfp as kernels
+    import dsq.kernels.bfp as kernels
 
     # tiny launch tiles: many programs even for small tensors, blocks straddling programs
     tiles = dict(TILE_ELEMS=64, PACK_GROUPS=4, ELEM_BLOCK=64, REDUCE_BLOCK=32)

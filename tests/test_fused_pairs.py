@@ -10,8 +10,8 @@ import torch
 from helpers.tensors import assert_bitwise_equal
 from test_packing import edge_tensor, with_nonfinite
 
-from dsq_cli.formats import parse_format
-from dsq_cli.formats.dispatch import (
+from dsq.formats import parse_format
+from dsq.formats.dispatch import (
     _module,
     compiled_unavailable_reason,
     triton_unavailable_reason,

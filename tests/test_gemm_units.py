@@ -22,10 +22,10 @@ import math
 import pytest
 import torch
 
+from dsq.engine import QuantConfig, dsq_linear, dsq_matmul, units
+from dsq.formats import parse_format
+from dsq.formats.base import COMPUTE_DTYPES
 from dsq.integrations import quantize_model
-from dsq_cli.engine import QuantConfig, dsq_linear, dsq_matmul, units
-from dsq_cli.formats import parse_format
-from dsq_cli.formats.base import COMPUTE_DTYPES
 from dsq_cli.presets import CONF_DIR, at_first_level, load_quant_preset
 
 PRESETS = sorted(p.stem for p in (CONF_DIR / "quant").glob("*.yaml"))
@@ -33,7 +33,7 @@ U = 2.0**-24  # float32's unit roundoff
 
 
 def bf16_available() -> bool:
-    from dsq_kernels import onednn
+    from dsq.kernels import onednn
 
     return onednn.unavailable_reason() is None
 
@@ -159,7 +159,7 @@ def test_a_value_the_bf16_unit_cannot_take_sends_the_gemm_to_float32(bad, caplog
 
 @needs_bf16
 def test_the_conversion_takes_zeros_infinities_and_plain_nans_and_refuses_nan_payloads():
-    from dsq_kernels import onednn
+    from dsq.kernels import onednn
 
     ok = torch.tensor([[[0.0, -0.0, math.inf, -math.inf, math.nan, 1.5, 2.0**-63, -(2.0**100)]]])
     converted = onednn.to_bf16(ok, (1, 1, 8))
@@ -189,7 +189,7 @@ def test_cpu_plan_with_bf16_instructions(monkeypatch):
 
 
 def test_a_cpu_without_bf16_instructions_takes_float32_and_says_so_once(monkeypatch, caplog):
-    from dsq_kernels import onednn
+    from dsq.kernels import onednn
 
     monkeypatch.setattr(onednn, "cpu_flags", lambda: frozenset({"avx2", "avx512f"}))
     units._say_once.cache_clear()

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dsq_cli.formats import GRAMMAR, parse_format
+from dsq.formats import GRAMMAR, parse_format
 
 
 @pytest.mark.parametrize(
@@ -113,7 +113,7 @@ def test_unknown_backend_and_unavailable_backend_are_errors():
 def test_automatic_dispatch_falls_back_to_the_reference_with_a_logged_reason(caplog):
     import logging
 
-    from dsq_cli.formats import reference, select_path
+    from dsq.formats import reference, select_path
 
     with caplog.at_level(logging.INFO, logger="dsq.formats"):
         path = select_path(torch.empty(4, device="meta"))

@@ -12,9 +12,9 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from dsq.engine import QuantConfig
+from dsq.engine.functions import DSQLinearFunction, DSQMatmulFunction
 from dsq.integrations import quantize_model
-from dsq_cli.engine import QuantConfig
-from dsq_cli.engine.functions import DSQLinearFunction, DSQMatmulFunction
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -199,7 +199,7 @@ def test_hf_minilm_and_the_fairseq_path_minilm_are_the_same_quantized_model():
     pytest.importorskip("fairseq")
     from helpers.encoders import HAS_MINILM, SENTENCES, model_cfg, right_padded
 
-    from dsq_cli.engine import record_gemms
+    from dsq.engine import record_gemms
     from dsq_cli.models import encoders
 
     if not HAS_MINILM:

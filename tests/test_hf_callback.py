@@ -13,8 +13,8 @@ pytest.importorskip("accelerate")  # the Trainer's own requirement
 transformers.logging.set_verbosity_error()
 warnings.filterwarnings("ignore")
 
+from dsq.engine import QuantConfig, Schedule  # noqa: E402
 from dsq.integrations import quantize_model  # noqa: E402
-from dsq_cli.engine import QuantConfig, Schedule  # noqa: E402
 from dsq_cli.run_result import RunResult  # noqa: E402
 from dsq_cli.train.hf_callback import CHECKPOINT_FILE, DSQCallback  # noqa: E402
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 from helpers.tensors import assert_bitwise_equal
 
-from dsq_cli.formats import parse_format
-from dsq_cli.formats import reference as ref
+from dsq.formats import parse_format
+from dsq.formats import reference as ref
 
 ALL_SPECS = [
     "fp32",

@@ -9,8 +9,8 @@ import math
 import numpy as np
 import pytest
 
-from dsq_cli.engine import QuantConfig, Schedule
-from dsq_cli.engine.policies import highest_level_within
+from dsq.engine import QuantConfig, Schedule
+from dsq.engine.policies import highest_level_within
 
 ONE_PER_BIT = ["bfp3", "bfp4", "bfp5", "bfp6", "bfp7", "bfp8"]  # a level's bits = its index + 3
 DSQ_LADDER = ["bfp2", "bfp3", "bfp4", "bfp6", "bfp8"]
@@ -208,8 +208,8 @@ def test_a_one_format_point_never_moves_under_any_policy():
 def test_train_help_and_conf_readme_name_every_policy_and_parameter():
     from typer.testing import CliRunner
 
+    from dsq.engine.policies import parameter_names, policy_names
     from dsq_cli.cli import app
-    from dsq_cli.engine.policies import parameter_names, policy_names
     from dsq_cli.presets import CONF_DIR
 
     help_text = " ".join(CliRunner().invoke(app, ["train", "--help"]).output.split())

@@ -18,7 +18,7 @@ from helpers.tensors import assert_bitwise_equal
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dsq_cli.formats import parse_format
+from dsq.formats import parse_format
 
 REF = "reference"
 

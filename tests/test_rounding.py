@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dsq.engine import QuantConfig, dsq_linear
 from dsq_cli.config import quant_differences
-from dsq_cli.engine import QuantConfig, dsq_linear
 from dsq_cli.presets import load_quant_preset
 
 

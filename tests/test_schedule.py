@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from dsq_cli.engine import QuantConfig, Schedule
+from dsq.engine import QuantConfig, Schedule
 
 
 def walk(schedule: Schedule, losses):

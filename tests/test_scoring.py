@@ -12,7 +12,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from dsq_cli.engine import QuantConfig
+from dsq.engine import QuantConfig
 from dsq_cli.train.glue import GlueTrainer
 from dsq_cli.train.recorder import RunRecorder, save_checkpoint
 from dsq_cli.train.translation import TranslationTrainer

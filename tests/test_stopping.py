@@ -14,9 +14,9 @@ from helpers.runs import only_run, read_jsonl, small
 from omegaconf import OmegaConf
 from typer.testing import CliRunner
 
+from dsq.engine import QuantConfig
 from dsq_cli.cli import app
 from dsq_cli.config import compose, to_plain
-from dsq_cli.engine import QuantConfig
 from dsq_cli.run_result import RunResult
 from dsq_cli.train import loop, ranks
 from dsq_cli.train.loop import Trainer

@@ -19,10 +19,9 @@ from helpers.tensors import assert_bitwise_equal  # noqa: E402
 
 pytest.importorskip("triton")
 
-import dsq_kernels.bfp as kernels  # noqa: E402
-
-from dsq_cli.formats import reference as ref  # noqa: E402
-from dsq_cli.formats import triton_path as tp  # noqa: E402
+import dsq.kernels.bfp as kernels  # noqa: E402
+from dsq.formats import reference as ref  # noqa: E402
+from dsq.formats import triton_path as tp  # noqa: E402
 
 pytestmark = pytest.mark.slow  # trains, compiles or spawns processes (not in make test-fast)
 
@@ -290,7 +289,7 @@ def test_bad_rounding_rejected():
 @pytest.mark.parametrize("spec", ["bfp4", "bfp3e5b7", "fixed12", "fixed8f4"])
 def test_format_api_on_the_triton_backend(spec):
     """parse_format(...).quantize / pack / unpack with backend="triton" end to end."""
-    from dsq_cli.formats import parse_format
+    from dsq.formats import parse_format
 
     fmt = parse_format(spec)
     x = torch.randn(5, 40, generator=gen(1), device=DEVICE)

@@ -15,8 +15,8 @@ import importlib
 
 from torch import nn
 
-from dsq_cli.engine.config import QuantConfig
-from dsq_cli.engine.patch import Patcher, patch_model
+from dsq.engine.config import QuantConfig
+from dsq.engine.patch import Patcher, patch_model
 
 # The integration modules of this package, by the top-level package whose classes they patch.
 INTEGRATIONS = {"fairseq": f"{__name__}.fairseq", "transformers": f"{__name__}.hf"}

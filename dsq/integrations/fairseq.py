@@ -17,9 +17,9 @@ import torch
 from fairseq.modules import multihead_attention
 from torch import nn
 
-from dsq_cli.engine.config import QuantConfig
-from dsq_cli.engine.functions import dsq_matmul
-from dsq_cli.engine.patch import PatchReport
+from dsq.engine.config import QuantConfig
+from dsq.engine.functions import dsq_matmul
+from dsq.engine.patch import PatchReport
 
 from . import register_patcher
 

@@ -29,9 +29,9 @@ import transformers
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from dsq_cli.engine.config import QuantConfig
-from dsq_cli.engine.functions import dsq_linear, dsq_matmul
-from dsq_cli.engine.patch import PatchReport, make_dsq_linear
+from dsq.engine.config import QuantConfig
+from dsq.engine.functions import dsq_linear, dsq_matmul
+from dsq.engine.patch import PatchReport, make_dsq_linear
 
 from . import register_patcher
 

@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from dsq_cli.engine import units
-from dsq_cli.formats import parse_format
+from dsq.engine import units
+from dsq.formats import parse_format
 
 from .quant import machine_description
 

@@ -16,11 +16,11 @@ import time
 from collections.abc import Callable
 
 import torch
-from dsq_kernels import cpu as c_kernels
 
-from dsq_cli.formats import compiled as compiled_path
-from dsq_cli.formats import parse_format
-from dsq_cli.formats.dispatch import unavailable_reason
+from dsq.formats import compiled as compiled_path
+from dsq.formats import parse_format
+from dsq.formats.dispatch import unavailable_reason
+from dsq.kernels import cpu as c_kernels
 
 # The compiled path with its C kernels switched off: the torch.compile kernels alone
 TORCH_COMPILE = "torch.compile"

@@ -30,9 +30,9 @@ from typing import Any
 
 import torch
 
+from dsq.engine import QuantConfig, units
 from dsq.integrations import quantize_model
 from dsq_cli.cpu_allocator import keep_freed_memory
-from dsq_cli.engine import QuantConfig, units
 from dsq_cli.presets import at_first_level, load_quant_preset
 
 from .quant import machine_description  # one description of the machine for both benches

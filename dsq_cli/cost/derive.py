@@ -23,8 +23,8 @@ import dataclasses
 import fnmatch
 from collections.abc import Iterable, Mapping
 
-from dsq_cli.engine.accounting import GemmRecord
-from dsq_cli.engine.config import QuantConfig
+from dsq.engine.accounting import GemmRecord
+from dsq.engine.config import QuantConfig
 
 # conf/config.yaml's data.vocab_size: the joint sentencepiece vocabulary when no task says else
 DEFAULT_VOCAB = 8000

@@ -34,13 +34,13 @@ from types import MappingProxyType
 
 import yaml
 
-from dsq_cli.engine.accounting import GemmRecord
-from dsq_cli.formats import Format, parse_format
-from dsq_cli.formats.bfp import BFP
-from dsq_cli.formats.fixed import FixedStatic
-from dsq_cli.formats.floats import FloatCast
+from dsq.engine.accounting import GemmRecord
+from dsq.engine.config import POINTS
+from dsq.formats import Format, parse_format
+from dsq.formats.bfp import BFP
+from dsq.formats.fixed import FixedStatic
+from dsq.formats.floats import FloatCast
 from dsq_cli.presets import CONF_DIR, at_first_level, load_quant_preset
-from dsq_cli.run_result import POINTS
 
 DRAM_SWITCHES = ("stash_write_when_q1_equals_q0", "flush_activation_grads", "activations_fp32")
 ARITHMETIC_MODELS = ("bit_product", "additive")

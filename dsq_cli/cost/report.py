@@ -14,8 +14,8 @@ import re
 from collections.abc import Mapping, Sequence
 from fractions import Fraction
 
-from dsq_cli.engine.accounting import GemmRecord
-from dsq_cli.engine.config import QuantConfig
+from dsq.engine.accounting import GemmRecord
+from dsq.engine.config import QuantConfig
 
 from .derive import DEFAULT_VOCAB, MODEL_KEYS, as_quant_config, derive_records, step_shape
 from .model import DEFAULT_BASELINE, POINTS, CostModel, baseline_points, gemm_costs

@@ -4,8 +4,8 @@ Hugging Face callback both record these, so a table prices their runs alike."""
 
 from __future__ import annotations
 
-from dsq_cli.engine import GemmRecord
-from dsq_cli.formats import parse_format
+from dsq.engine import GemmRecord
+from dsq.formats import parse_format
 from dsq_cli.run_result import unpriced
 
 from .model import scheduled_cost

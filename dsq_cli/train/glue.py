@@ -25,8 +25,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from dsq.engine import QuantConfig
 from dsq_cli.data.glue import GlueData
-from dsq_cli.engine import QuantConfig
 from dsq_cli.models.encoders import build_encoder, quantize_exclude
 from dsq_cli.run_config import ModelConfig, RunConfig, TrainConfig
 

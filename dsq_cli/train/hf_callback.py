@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 from transformers import Trainer, TrainerCallback
 
+from dsq.engine import POINTS, QuantConfig, record_gemms
 from dsq_cli import runs
 from dsq_cli.cost.run_cost import run_cost, stash_bits_mean
-from dsq_cli.engine import POINTS, QuantConfig, record_gemms
 from dsq_cli.run_result import RunResult
 
 log = logging.getLogger("dsq.hf")

@@ -38,8 +38,8 @@ from typing import Any
 
 import torch
 
+from dsq.engine import PatchReport, QuantConfig, record_gemms, units
 from dsq.integrations import quantize_model
-from dsq_cli.engine import PatchReport, QuantConfig, record_gemms, units
 from dsq_cli.run_config import RunConfig, TrainConfig
 
 from . import ranks

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import torch
 
+from dsq.engine import QuantConfig
 from dsq_cli import runs
 from dsq_cli.config import quant_differences, to_plain
 from dsq_cli.cost.run_cost import COST_BASELINE, run_cost, stash_bits_mean
 from dsq_cli.cpu_allocator import keep_freed_memory
-from dsq_cli.engine import QuantConfig
 from dsq_cli.loggers import make_logger
 from dsq_cli.run_config import RunConfig
 from dsq_cli.run_result import RunResult, memory_record, unpriced

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
+from dsq.engine import QuantConfig
 from dsq_cli.data.prepare import PreparedData
-from dsq_cli.engine import QuantConfig
 from dsq_cli.run_config import EvalConfig, ModelConfig, RunConfig, TrainConfig
 
 from . import ranks

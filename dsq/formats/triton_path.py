@@ -1,8 +1,8 @@
 """The Triton path: the six path functions of ``reference.py`` on Triton kernels.
 
 Same signatures, semantics and return types as the end of ``reference.py``, bit for bit (values,
--0.0, NaN positions, packed bytes). The kernels live in ``kernels/bfp.py`` (``dsq_kernels.bfp``);
-this module only prepares their inputs on the host:
+-0.0, NaN positions, packed bytes). The kernels live in ``dsq.kernels.bfp``; this module only
+prepares their inputs on the host:
 
 * the input becomes float32 (``x.to(torch.float32)``, as the reference does), the block axis is
   moved last and the result made contiguous (``block=None``: the tensor in its own row-major
@@ -20,7 +20,8 @@ from __future__ import annotations
 import math
 
 import torch
-from dsq_kernels import bfp as kernels
+
+from dsq.kernels import bfp as kernels
 
 from . import reference
 

@@ -1,9 +1,9 @@
 /* C kernels for block floating point on the CPU, nearest rounding (docs/formats.md).
  *
- * They compute, bit for bit, what dsq_cli/formats/reference.py defines, for the formats the
+ * They compute, bit for bit, what dsq/formats/reference.py defines, for the formats the
  * training loop quantizes with every step: BFP(m, E, B) with E <= 8 and 2 <= m <= 23, and
- * fixed<w> (one block spanning the tensor) with w <= 23. The host glue (dsq_kernels/cpu.py and
- * dsq_cli/formats/compiled.py) lays the tensor out as float32 with the block axis last and
+ * fixed<w> (one block spanning the tensor) with w <= 23. The host glue (dsq.kernels/cpu.py and
+ * dsq/formats/compiled.py) lays the tensor out as float32 with the block axis last and
  * contiguous, and sends every other case to the torch.compile kernels. Every pointer is to
  * contiguous memory owned by the caller. Built with OpenMP, large calls run on as many threads
  * as dsq_set_threads last said (torch's count); every result is the same for any number of

@@ -1,7 +1,7 @@
 """The fused CPU path: the reference semantics in float32, in C kernels or fused by torch.compile.
 
 The formats a training step uses (nearest rounding, E <= 8, m <= 23; codes up to 8 bits) run in
-the C kernels of ``dsq_kernels.cpu`` (kernels/bfp_cpu.c, docs/formats.md "The C kernels"),
+the C kernels of ``dsq.kernels.cpu`` (dsq/kernels/bfp_cpu.c, docs/formats.md "The C kernels"),
 chosen call by call in `_c_kernels`; everything else runs the torch.compile kernels below, as
 does every call where the C kernels cannot be built or are switched off.
 
@@ -35,7 +35,8 @@ import struct
 import sys
 
 import torch
-from dsq_kernels import cpu as c_kernels
+
+from dsq.kernels import cpu as c_kernels
 
 from . import reference as ref
 
@@ -516,7 +517,7 @@ def _run_whole_tensor(fn, blocks, u, man_bits: int, exp_bits: int):
 
 # ----------------------------------------------------------------------------- C kernels
 def _c_kernels(covered: bool):
-    """``dsq_kernels.cpu`` when its C kernels cover the call (``covered``) and run on this
+    """``dsq.kernels.cpu`` when its C kernels cover the call (``covered``) and run on this
     machine, else None: the torch.compile kernels run. A failed build is a warning, once (the
     run is slower, not different); kernels switched off on purpose are logged at INFO."""
     if not covered:

@@ -13,9 +13,8 @@ from collections.abc import Mapping
 
 import torch
 
-from dsq_cli.formats import Format
-from dsq_cli.formats.base import ROUNDINGS
-from dsq_cli.run_result import POINTS
+from dsq.formats import Format
+from dsq.formats.base import ROUNDINGS
 
 from .policies import DEFAULT_POLICY
 from .schedule import LevelChange, Schedule
@@ -28,7 +27,10 @@ POINT_HELP = {
     "q3": "the incoming gradient dy as fetched (blocks along N)",
 }
 STASH_SCOPES = ("gemm", "all")
-CONFIG_KEYS = (*POINTS, "stash_scope", "rounding", "gemm_unit")
+POINTS = ("q0", "q1", "q2", "q3")  # the four quantization points (docs/dsq.md); defined once, here
+# the keys of a quant config (a conf/quant preset, result.json's quant): the points, the stash
+# scope, the rounding of each point and where its GEMMs run
+QUANT_KEYS = (*POINTS, "stash_scope", "rounding", "gemm_unit")
 
 
 def _as_schedule(point: str, value) -> Schedule:
@@ -102,7 +104,7 @@ class QuantConfig:
     def from_dict(cls, config: Mapping, seed: int = 0) -> QuantConfig:
         """From a preset mapping (conf/quant/*.yaml): q0..q3, stash_scope and rounding.
         ``seed`` seeds the stochastic rounding noise (a run passes its own seed)."""
-        unknown = set(config) - set(CONFIG_KEYS) - {"name"}
+        unknown = set(config) - set(QUANT_KEYS) - {"name"}
         if unknown:
             raise ValueError(
                 f"unknown quantization point(s) {sorted(unknown)}; the points are {POINTS} "

@@ -1,7 +1,7 @@
 """The DSQ engine (docs/spec.md §2 and §3): quantized GEMMs with a packed stash, and time-adaptive
 precision controlled from one ``QuantConfig``.
 
-    >>> from dsq_cli.engine import QuantConfig, Schedule, dsq_linear, dsq_matmul
+    >>> from dsq.engine import QuantConfig, Schedule, dsq_linear, dsq_matmul
     >>> cfg = QuantConfig(q0="bfp8", q1=Schedule(["bfp2", "bfp4", "bfp8"], patience=1),
     ...                   q2="bfp8", q3="fixed16", stash_scope="gemm")
     >>> y = dsq_linear(x, weight, bias, cfg)

@@ -14,7 +14,7 @@ import dataclasses
 import math
 from collections.abc import Mapping
 
-from dsq_cli.formats import parse_format
+from dsq.formats import parse_format
 
 from .policies import DEFAULT_POLICY, Move, make_policy
 

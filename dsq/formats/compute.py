@@ -1,5 +1,5 @@
 """GEMMs in a compute dtype that holds both operands exactly, on the CPU (docs/dsq.md, "GEMM
-units"): the host glue of ``dsq_kernels.onednn``, as ``compiled.py`` is the quantizers'.
+units"): the host glue of ``dsq.kernels.onednn``, as ``compiled.py`` is the quantizers'.
 
 ``bf16_gemm(a, b, bias)`` converts both float32 operands to bf16, checking in the same pass
 that every value is a bf16 number the bf16 unit multiplies exactly (``Format.exact_in`` says
@@ -27,7 +27,7 @@ def _log_once(message: str) -> None:
 def cpu_bf16_unavailable_reason() -> str | None:
     """Why this CPU has no exact bf16 GEMM (no bf16 dot-product instructions, or the oneDNN
     kernels do not build), or None when it has one."""
-    from dsq_kernels import onednn
+    from dsq.kernels import onednn
 
     return onednn.unavailable_reason()
 
@@ -36,7 +36,7 @@ def bf16_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None
     """``a @ b (+ bias)`` in float32 on the CPU's bf16 unit, for float32 ``a`` [..., m, k] and
     ``b`` [..., k, n] with the same leading dimensions (``bias`` [n] with 2-D operands); a new
     contiguous tensor (never a view), or None when it cannot run exactly there."""
-    from dsq_kernels import onednn
+    from dsq.kernels import onednn
 
     lead, (m, k), n = a.shape[:-2], a.shape[-2:], b.shape[-1]
     a3, b3 = a.reshape(-1, m, k), b.reshape(-1, k, n)  # views where the layout allows

@@ -39,7 +39,7 @@ import logging
 
 import torch
 
-from dsq_cli.formats import Format, compute
+from dsq.formats import Format, compute
 
 # quant.gemm_unit: auto picks a unit per GEMM; fp32 runs every GEMM in float32
 SETTINGS = ("auto", "fp32")

@@ -76,7 +76,7 @@ def unavailable_reason(backend: str, x: torch.Tensor) -> str | None:
 
 def _module(backend: str) -> ModuleType:
     name = {"reference": "reference", "compiled": "compiled", "triton": "triton_path"}[backend]
-    return importlib.import_module(f"dsq_cli.formats.{name}")
+    return importlib.import_module(f"dsq.formats.{name}")
 
 
 def requested_backend(backend: str | None = None) -> str | None:

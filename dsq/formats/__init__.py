@@ -1,6 +1,6 @@
 """Number formats (docs/spec.md §1): parse a spec, quantize (fake-quant), pack for real, unpack.
 
-    >>> from dsq_cli.formats import parse_format
+    >>> from dsq.formats import parse_format
     >>> fmt = parse_format("bfp4")
     >>> y = fmt.quantize(x, axis=-1)          # same shape and dtype, values of the format
     >>> p = fmt.pack(x, axis=-1); p.nbytes    # bytes really held

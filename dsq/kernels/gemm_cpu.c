@@ -103,7 +103,7 @@ static uint64_t hash_of(const int64_t *key) {
 
 /* The cached primitive for key, created on first use (open addressing, linear probing); NULL
  * when oneDNN refuses it. The host pads every dimension to a few sizes per octave
- * (kernels/onednn.py), so a training run meets a few hundred keys; should one ever meet more,
+ * (dsq/kernels/onednn.py), so a training run meets a few hundred keys; should one ever meet more,
  * the table is emptied rather than kept by an eviction policy. */
 static entry_t *primitive_for(const int64_t *key) {
     uint64_t slot = hash_of(key) & (CACHE_SLOTS - 1);

@@ -1,6 +1,6 @@
 """The readable reference: docs/spec.md §1 written as PyTorch, the definition in code.
 
-Every fast path (the fused CPU path in ``compiled.py``, the Triton kernels in ``kernels/``) is
+Every fast path (the fused CPU path in ``compiled.py``, the Triton kernels in ``dsq/kernels/``) is
 tested bit for bit against the functions here. They favour clarity over speed:
 
 * BFP and fixed point work in float64. Inputs are first made float32 (exact for fp16/bf16/fp32;

@@ -14,7 +14,7 @@ oneDNN comes from the PyPI packages ``onednn-cpu-gomp`` (the library, on GNU Ope
 runtime torch ships, so both share one thread pool) and ``onednn-devel-cpu-gomp`` (its
 headers), which ``make setup`` installs. Where they are missing, or the CPU has no bf16
 instructions, ``unavailable_reason`` says why and the engine keeps float32 GEMMs.
-Like ``cpu.py``, this module knows nothing of ``dsq_cli``.
+Like ``cpu.py``, this module knows nothing of the formats above it.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-from dsq_cli.formats import Format, PackedTensor
+from dsq.formats import Format, PackedTensor
 
 from . import accounting, units
 from .config import POINTS, QuantConfig

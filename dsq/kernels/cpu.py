@@ -8,9 +8,9 @@ the CPU's model and feature flags, so a cluster's shared home never hands one no
 another kind of CPU. The build writes a temporary file and renames it into place, so
 concurrent first uses (test workers, ranks) never load half a file.
 
-Like ``bfp.py`` this module knows nothing of ``dsq_cli``: its wrappers take contiguous float32
-(or uint8) CPU tensors laid out as ``bfp_cpu.c`` states and return new tensors. The host glue
-is ``dsq_cli/formats/compiled.py``, which decides what runs here.
+Like ``bfp.py`` this module knows nothing of the formats above it: its wrappers take contiguous
+float32 (or uint8) CPU tensors laid out as ``bfp_cpu.c`` states and return new tensors. The host
+glue is ``dsq/formats/compiled.py``, which decides what runs here.
 """
 
 from __future__ import annotations
