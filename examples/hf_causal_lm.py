@@ -26,9 +26,10 @@ import transformers
 
 from dsq.engine import QuantConfig
 from dsq.integrations import quantize_model
+from dsq.integrations.hf import DSQCallback, quiet_logs
 from dsq_cli.data import demo
 from dsq_cli.presets import load_quant_preset
-from dsq_cli.train.hf_callback import DSQCallback, quiet_logs
+from dsq_cli.train.hf_result import run_result
 
 PAD, EOS = 0, 1
 
@@ -104,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"training loss: first step {first:.3f}, last logged {last:.3f} ({last / first:.2f}x); "
           f"validation loss {final['eval_loss']:.3f}, perplexity {perplexity:.2f}; "
           f"stash {cfg.current()['q1']}, {len(callback.changes)} level change(s)")  # fmt: skip
-    result = callback.result(
+    result = run_result(
+        callback,
         task="demo-lm", preset=args.quant, points=preset, metric="perplexity",
         value=perplexity, valid_loss=final["eval_loss"], model="gpt2-2x128",
         seed=args.seed, wall_seconds=time.time() - started,

@@ -28,12 +28,13 @@ import transformers
 
 from dsq.engine import QuantConfig
 from dsq.integrations import quantize_model
+from dsq.integrations.hf import DSQCallback, quiet_logs
 from dsq_cli.data.glue.reader import read_examples
 from dsq_cli.data.glue.tasks import get_glue_task
 from dsq_cli.models.encoders import minilm_folder
 from dsq_cli.presets import load_quant_preset
 from dsq_cli.train.glue_metrics import compute_metrics
-from dsq_cli.train.hf_callback import DSQCallback, quiet_logs
+from dsq_cli.train.hf_result import run_result
 
 
 class Examples(torch.utils.data.Dataset):
@@ -109,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     for e in evaluations:
         print(f"step {e['step']}: eval_loss {e['eval_loss']:.4f}, {task.metric} {e[key]:.4f}, "
               f"stash {e['dsq/q1_bits']:g} bits")  # fmt: skip
-    result = callback.result(
+    result = run_result(
+        callback,
         task=task.name, preset=args.quant, points=preset, metric=task.metric, value=best[key],
         valid_loss=evaluations[-1]["eval_loss"], model="minilm", seed=args.seed,
         wall_seconds=time.time() - started,

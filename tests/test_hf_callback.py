@@ -15,8 +15,9 @@ warnings.filterwarnings("ignore")
 
 from dsq.engine import QuantConfig, Schedule  # noqa: E402
 from dsq.integrations import quantize_model  # noqa: E402
+from dsq.integrations.hf import CHECKPOINT_FILE, DSQCallback  # noqa: E402
 from dsq_cli.run_result import RunResult  # noqa: E402
-from dsq_cli.train.hf_callback import CHECKPOINT_FILE, DSQCallback  # noqa: E402
+from dsq_cli.train.hf_result import run_result  # noqa: E402
 
 pytestmark = pytest.mark.slow  # trains (a few seconds)
 
@@ -82,7 +83,7 @@ def test_the_schedule_rises_through_the_callback_and_the_logs_carry_the_bits(tmp
     t.add_callback(logger)
     t.train()
     # evaluations at steps 2, 4, 6: the second and third find no improvement
-    assert [(c["update"], c["from_spec"], c["to_spec"]) for c in callback.changes] == [
+    assert [(c["update"], c["from"], c["to"]) for c in callback.changes] == [
         (4, "bfp2e8b16", "bfp3e8b16"),
         (6, "bfp3e8b16", "bfp4e8b16"),
     ]
@@ -93,12 +94,14 @@ def test_the_schedule_rises_through_the_callback_and_the_logs_carry_the_bits(tmp
     sent = [line for line in logger.lines if "loss" in line]
     assert len(sent) == len(logged) and all("dsq/q1_bits" in line for line in sent)
     assert logger.lines[-1]["dsq/level_changes"] == 2  # the run's closing line
-    assert (tmp_path / "checkpoint-4" / CHECKPOINT_FILE).is_file()
+    saved = torch.load(tmp_path / "checkpoint-4" / CHECKPOINT_FILE, weights_only=True)
+    assert saved["history"]["changes"] == callback.changes[:1]  # as at step 4
+    assert not list((tmp_path / "checkpoint-4").glob(f".{CHECKPOINT_FILE}.*"))  # no temp file
     # the run's result.json, priced like dsq train's: first step's GEMMs, steps per level
     assert len(callback.gemm_shapes) == 7 + 2  # 6 in the layer, the pooler, 2 products
     ladder = {"levels": ["bfp2", "bfp3", "bfp4", "bfp6", "bfp8"], "patience": 1, "min_delta": 1e9}
     points = {"q0": "bfp8", "q1": ladder, "q2": "bfp8", "q3": "fixed16"}
-    result = callback.result(task="pairs", preset="dsq", points=points, metric="accuracy",
+    result = run_result(callback, task="pairs", preset="dsq", points=points, metric="accuracy",
                              value=0.5, valid_loss=0.69, model="bert-tiny", seed=0,
                              wall_seconds=1.0)  # fmt: skip
     result.write(tmp_path)

@@ -76,12 +76,12 @@ def test_hf_glue_run_again_resumes_from_its_checkpoint_at_the_same_level(tmp_pat
     common = ["--data", str(SST2), "--subset", "64", "--eval-every", "2", "--out", str(tmp_path)]
     run_example_rising("hf_glue.py", *common, "--steps", "4")
     first = json.loads((tmp_path / "result.json").read_text())
-    saved = torch.load(tmp_path / "checkpoint-4" / "dsq_schedule.pt", weights_only=False)
+    saved = torch.load(tmp_path / "checkpoint-4" / "dsq_schedule.pt", weights_only=True)
     run_example_rising("hf_glue.py", *common, "--steps", "6")
     second = json.loads((tmp_path / "result.json").read_text())
 
     def moves(record):
-        return [(c["point"], c["update"], c["from_spec"], c["to_spec"])
+        return [(c["point"], c["update"], c["from"], c["to"])
                 for c in record["level_changes"]]  # fmt: skip
 
     def segments(record):
@@ -90,7 +90,10 @@ def test_hf_glue_run_again_resumes_from_its_checkpoint_at_the_same_level(tmp_pat
     # the first run: evaluations at 2 (the best) and 4 (no improvement: up one level)
     assert moves(first) == [("q1", 4, "bfp2e8b16", "bfp3e8b16")]
     assert segments(first) == [("bfp2e8b16", 4)]
-    assert saved["schedule"]["q1"]["level"] == 1 and saved["changes"] == first["level_changes"]
+    assert (
+        saved["schedule"]["q1"]["level"] == 1
+        and saved["history"]["changes"] == first["level_changes"]
+    )
     # the second: 4 steps restored with the checkpoint, 2 trained now at the saved level (bfp3),
     # its change list continued, and its evaluation at 6 measured against the restored best
     assert second["updates"] == 6

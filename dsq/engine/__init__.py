@@ -11,6 +11,7 @@ precision controlled from one ``QuantConfig``.
 from .accounting import GemmRecord, record_gemms
 from .config import POINT_HELP, POINTS, STASH_SCOPES, QuantConfig
 from .functions import DSQLinearFunction, DSQMatmulFunction, dsq_linear, dsq_matmul
+from .history import PrecisionHistory, change_record
 from .patch import DSQLinear, Patcher, PatchReport, make_dsq_linear, patch_model, stash_all_hooks
 from .schedule import LevelChange, Schedule
 
@@ -27,6 +28,8 @@ __all__ = [
     "DSQMatmulFunction",
     "LevelChange",
     "POINTS",
+    "PrecisionHistory",
+    "change_record",
     "POINT_HELP",
     "QuantConfig",
     "STASH_SCOPES",

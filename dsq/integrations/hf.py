@@ -1,6 +1,7 @@
 """DSQ in Hugging Face ``transformers`` models (docs/hf.md), registered for models built from
 ``transformers``: GPT-2's ``Conv1D`` projections and the two attention products, under the eager
-and the SDPA attention implementations.
+and the SDPA attention implementations; and ``DSQCallback``, the precision schedule inside a
+``transformers.Trainer`` (below). Needs ``pip install dsq[hf]``.
 
 ``transformers`` models call their attention through ``ALL_ATTENTION_FUNCTIONS`` under the name in
 ``config._attn_implementation``, and build their masks through ``ALL_MASK_ATTENTION_FUNCTIONS``
@@ -23,14 +24,19 @@ the same GEMMs and block axes as ``DSQLinearFunction``, on the transposed weight
 from __future__ import annotations
 
 import importlib
+import logging
+import os
+import tempfile
+from pathlib import Path
 
 import torch
 import transformers
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from dsq.engine.config import QuantConfig
+from dsq.engine.config import POINTS, QuantConfig
 from dsq.engine.functions import dsq_linear, dsq_matmul
+from dsq.engine.history import PrecisionHistory
 from dsq.engine.patch import PatchReport, make_dsq_linear
 
 from . import register_patcher
@@ -193,3 +199,168 @@ class TransformersPatcher:
 
 
 register_patcher("transformers", TransformersPatcher())
+
+
+# -- the Trainer callback --------------------------------------------------------------------------
+log = logging.getLogger("dsq.hf")
+CHECKPOINT_FILE = "dsq_schedule.pt"
+
+
+def quiet_logs() -> None:
+    """For a training script: the libraries' warnings and chatter off, the schedule's level
+    changes (logger ``dsq``) on."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    transformers.logging.set_verbosity_error()
+    logging.getLogger().setLevel(logging.WARNING)
+    logging.getLogger("dsq").setLevel(logging.INFO)
+
+
+class DSQCallback(transformers.TrainerCallback):
+    """The precision schedule in a ``transformers.Trainer`` (docs/hf.md, "Training with the
+    Trainer")::
+
+        model = quantize_model(model, cfg, exclude=["classifier"])
+        trainer = Trainer(model=model, args=args, ...)
+        DSQCallback.attach(trainer, cfg)
+        trainer.train()                      # or trainer.train(resume_from_checkpoint=True)
+
+    * After each evaluation the schedule steps on its ``eval_loss`` (as ``dsq train`` steps it on
+      the validation loss), at ``state.global_step``; after each step the policies of the step
+      count (``cyclic``, ``shape``; docs/dsq.md, "Precision policies") move.
+    * Every log line the Trainer sends to its loggers carries the bits per value in force at each
+      point (``dsq/q1_bits``) and the number of level changes so far (``dsq/level_changes``);
+      each change is also logged (logger ``dsq.hf``).
+    * ``callback.history`` (`PrecisionHistory`, as ``dsq train`` keeps it) holds the steps
+      trained at each level, the first step's GEMMs and the changes (``callback.changes``): what
+      prices the run (the suite's ``dsq_cli.train.hf_result.run_result`` makes its result.json).
+    * Each Trainer checkpoint gets ``dsq_schedule.pt`` (the schedules, the rounding noise and the
+      history), written atomically and loaded with ``weights_only=True``; resuming from a
+      checkpoint restores it, so the run continues at the same level.
+    """
+
+    def __init__(self, cfg: QuantConfig) -> None:
+        if not isinstance(cfg, QuantConfig):
+            raise TypeError(f"cfg must be the model's QuantConfig, got {type(cfg).__name__}")
+        self.cfg = cfg
+        self.history = PrecisionHistory()
+        self._recording = None
+
+    @classmethod
+    def attach(cls, trainer: transformers.Trainer, cfg: QuantConfig) -> DSQCallback:
+        """Add a DSQCallback to ``trainer`` first in its list, so that the bits it adds to a log
+        line are there before the logging integrations (wandb, TensorBoard) send it."""
+        callback = cls(cfg)
+        trainer.callback_handler.callbacks.insert(0, callback)
+        return callback
+
+    @property
+    def changes(self) -> list[dict]:
+        return self.history.changes
+
+    @property
+    def segments(self) -> list[list]:
+        return self.history.segments
+
+    @property
+    def gemm_shapes(self) -> list[dict]:
+        return self.history.gemm_shapes or []
+
+    # -- the schedule ---------------------------------------------------------------------------
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        loss = (metrics or {}).get("eval_loss")
+        if loss is None:
+            raise ValueError(
+                "DSQCallback steps the schedule on eval_loss, and this evaluation has none; "
+                "give the Trainer an eval_dataset with labels"
+            )
+        self._book(self.cfg.step(float(loss), state.global_step), state.global_step)
+        return control
+
+    def _book(self, changes, step: int) -> None:
+        for record in self.history.book(changes, step):
+            log.info("dsq: %s %s -> %s after step %d (%s)", record["point"], record["from"],
+                     record["to"], step, record["policy"])  # fmt: skip
+
+    def bits_in_force(self) -> dict[str, float]:
+        return {f"dsq/{p}_bits": self.cfg.format(p).bits_per_value for p in POINTS}
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is not None:
+            added = {**self.bits_in_force(), "dsq/level_changes": len(self.changes)}
+            logs.update(added)  # the dict every later callback (the loggers) receives
+            if state.log_history:  # the Trainer's copy of this line, appended just before
+                state.log_history[-1].update(added)
+        return control
+
+    # -- what the run trained with ------------------------------------------------------------
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self.history.gemm_shapes is None and self._recording is None:
+            self._recording = self.history.first_update()
+            self._recording.__enter__()
+        return control
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self._recording is not None:
+            self._recording.__exit__(None, None, None)
+            self._recording = None
+        self.history.count_update(self.cfg.current())
+        self._book(self.cfg.after_update(state.global_step), state.global_step)
+        return control
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {
+            "schedule": self.cfg.state_dict(),
+            "noise": self.cfg.noise_state(),
+            "history": dict(self.history.state),
+        }
+
+    def on_save(self, args, state, control, **kwargs):
+        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        if folder.is_dir():  # the Trainer wrote its checkpoint there just before
+            _save_atomic(self.state_dict(), folder / CHECKPOINT_FILE)
+        return control
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        needs_losses = [p for p, s in self.cfg.schedules.items() if s.policy.name == "pfq"]
+        if needs_losses:
+            raise ValueError(
+                f"{needs_losses[0]}: policy pfq needs every step's training loss, which a "
+                "Trainer callback does not see; use plateau, cyclic or shape here"
+            )
+        if state.global_step > 0:
+            self._restore(args, state)
+        # the policies of the step count need the planned steps (a resumed run: its level)
+        self.cfg.start(state.max_steps, state.global_step)
+        return control
+
+    def _restore(self, args, state) -> None:
+        candidates = [Path(args.output_dir) / f"checkpoint-{state.global_step}" / CHECKPOINT_FILE]
+        if isinstance(args.resume_from_checkpoint, str):
+            candidates.insert(0, Path(args.resume_from_checkpoint) / CHECKPOINT_FILE)
+        found = next((p for p in candidates if p.is_file()), None)
+        if found is None:
+            raise FileNotFoundError(
+                f"resuming at step {state.global_step} without the DSQ schedule: no "
+                f"{candidates[-1]}; resume from a checkpoint saved with DSQCallback attached"
+            )
+        saved = torch.load(found, weights_only=True)
+        self.cfg.load_state_dict(saved["schedule"])
+        self.cfg.load_noise_state(saved["noise"])
+        self.history = PrecisionHistory(dict(saved["history"]))
+        log.info("dsq: schedule restored from %s: %s", found, self.cfg.current())
+
+
+def _save_atomic(obj, path: Path) -> None:
+    """``torch.save`` to a temporary file beside ``path``, then renamed over it: a reader (a
+    resume after a crash) finds the old file or the new one, never half of one."""
+    handle, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(handle, "wb") as f:
+            torch.save(obj, f)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

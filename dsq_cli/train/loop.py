@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from dsq.engine import PatchReport, QuantConfig, record_gemms, units
+from dsq.engine import PatchReport, PrecisionHistory, QuantConfig, units
 from dsq.integrations import quantize_model
 from dsq_cli.run_config import RunConfig, TrainConfig
 
@@ -78,11 +78,13 @@ class Trainer(ABC):
             "validations": 0,
             "validations_without_improvement": 0,  # in a row: train.stop_patience counts them
             "stopped_early": None,  # {"update", "reason"} once a run ends before its cap
-            "segments": [],  # [points in force, updates trained with them]
+            "segments": [],  # [points in force, updates trained with them] (PrecisionHistory)
             "wall_seconds": 0.0,
-            "gemm_shapes": None,  # one training step's GEMMs, for the cost model
+            "gemm_shapes": None,  # one training step's GEMMs, for the cost model (PrecisionHistory)
+            "changes": [],  # the precision changes, as schedule.jsonl lines (PrecisionHistory)
             "gemm_units": {},  # the quantized GEMMs run, per GEMM kind and unit (units.tally)
         }
+        self.history = PrecisionHistory(self.progress)
         # the GEMMs counted before this process trained, and the tally when it started (`train`)
         self._units_before: dict = {}
         self._tally_at_start: dict | None = None
@@ -199,20 +201,11 @@ class Trainer(ABC):
 
     def _recorded_step(self, batch) -> tuple[float, dict]:
         """`train_step`; the first one of a process records the GEMMs that price the run."""
-        if self.progress["gemm_shapes"] is not None:
+        with self.history.first_update():
             return self.train_step(batch)
-        with record_gemms() as recorded:
-            loss, extra = self.train_step(batch)
-        self.progress["gemm_shapes"] = [gemm.to_dict() for gemm in recorded.gemms]
-        return loss, extra
 
     def _count_update(self) -> None:
-        points = self.quant.current()
-        segments = self.progress["segments"]
-        if segments and segments[-1][0] == points:
-            segments[-1][1] += 1
-        else:
-            segments.append([points, 1])
+        self.history.count_update(self.quant.current())
 
     def _stop_clock(self) -> None:
         """wall_seconds adds up across resumes (and so do the GEMM unit counts)."""
@@ -299,22 +292,10 @@ class Trainer(ABC):
     def _book_changes(self, changes) -> None:
         """One log line and one schedule.jsonl line per precision change (in force from the next
         update)."""
-        for point, change in changes:
-            log.info("DSQ %s: %s -> %s after update %d (%s)", point, change.from_spec,
-                     change.to_spec, self.updates, change.policy)  # fmt: skip
-            self.recorder.schedule_change(
-                {
-                    "update": self.updates,
-                    "point": point,
-                    "from": change.from_spec,
-                    "to": change.to_spec,
-                    "from_level": change.from_level,
-                    "to_level": change.to_level,
-                    "policy": change.policy,
-                    "valid_loss": change.valid_loss,
-                    **({"train_loss": change.train_loss} if change.train_loss is not None else {}),
-                }
-            )
+        for record in self.history.book(changes, self.updates):
+            log.info("DSQ %s: %s -> %s after update %d (%s)", record["point"], record["from"],
+                     record["to"], self.updates, record["policy"])  # fmt: skip
+            self.recorder.schedule_change(record)
 
     def _stop_if_stalled(self) -> None:
         """End the run after this validation (`budget_left` turns false) when the last
@@ -363,6 +344,7 @@ class Trainer(ABC):
             self.quant.load_noise_state(state.get("dsq_noise", {}))
         # over the fresh progress: a checkpoint written before a key existed starts it afresh
         self.progress = {**self.progress, **state["progress"]}
+        self.history = PrecisionHistory(self.progress)
         set_rng_state(state["rng"])  # last: restoring the rest may draw random numbers
 
     def checkpoint(self) -> None:
