@@ -11,6 +11,7 @@ from pathlib import Path
 import typer
 
 from dsq_cli import __version__, cpu_allocator
+from dsq_cli.presets import BASELINE_PRESET
 
 app = typer.Typer(
     help="dsq: Dynamic Stashing Quantization experiments (Yang et al., EMNLP Findings 2023).",
@@ -520,7 +521,7 @@ def cost_cmd(
         show_default=False,
     ),
     baseline: str = typer.Option(
-        "fixed32", "--baseline", help="The quant preset (conf/quant/) the ratios are against."
+        BASELINE_PRESET, "--baseline", help="The quant preset (conf/quant/) the ratios are against."
     ),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
     cost_model: str = typer.Option(

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from dsq.engine.config import POINTS
 from dsq_cli.atomic_files import atomic_path
+from dsq_cli.presets import BASELINE_PRESET
 from dsq_cli.run_result import RunResult, metric_decimals
 from dsq_cli.table import METRIC_LABELS, PAPER_REFERENCE, Table, row_preset
 
@@ -257,7 +258,7 @@ def plot_frontier(table: Table, out: str | os.PathLike) -> Path:
     if not columns:
         raise ValueError("no completed runs to plot")
     styles = row_styles(table.rows)
-    baseline = "/".join(table.baselines) or "fixed32"
+    baseline = "/".join(table.baselines) or BASELINE_PRESET
     fig, axes = _figure(11, 4.2 * len(columns), rows=len(columns), cols=2)
     paper = PAPER_REFERENCE
     # docs/spec.md §4: uniform fixed16 costs (16/32)^2 arithmetic and 16/32 DRAM of fixed32, so the

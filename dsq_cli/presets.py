@@ -25,6 +25,8 @@ TABLE1_ORDER = (
 # ablations of docs/results.md found worth naming, bf16, the baseline readers now compare with,
 # and bfp6 (the CPU-scale frontier) with DSQ's rising stash, the convergence study's design.
 BEYOND_TABLE1 = ("dsq_bfp3", "bf16", "bfp6_rising_stash")
+# the preset every cost ratio is against, as the paper's Table 1 (docs/spec.md §4)
+BASELINE_PRESET = "fixed32"
 PRESET_ORDER = TABLE1_ORDER + BEYOND_TABLE1
 # what a preset decides: every quant key but where the GEMMs run (the same numbers on every unit,
 # up to float32 summation order: docs/dsq.md, "GEMM units")

@@ -47,7 +47,7 @@ def metric_decimals(metric: str) -> int:
     return 3 if metric in FRACTION_METRICS else 2
 
 
-def unpriced(baseline: str = "fixed32") -> dict:
+def unpriced(baseline: str) -> dict:
     """The cost of a run that has not recorded a training step yet."""
     return {"arith_ratio": None, "dram_ratio": None, "baseline": baseline}
 

@@ -20,11 +20,11 @@ from pathlib import Path
 
 from dsq.engine.config import POINTS
 from dsq_cli.config import quant_differences
-from dsq_cli.presets import PRESET_ORDER
+from dsq_cli.presets import BASELINE_PRESET, PRESET_ORDER
+from dsq_cli.run_config import EVAL_CHECKPOINTS
 from dsq_cli.run_result import RunResult, metric_decimals
 
 FORMATS = ("markdown", "csv", "latex", "json")
-CHECKPOINTS = ("best", "last")  # --checkpoint: the model whose metric every run shows
 METRIC_LABELS = {
     "bleu": "BLEU",
     "accuracy": "Acc",
@@ -220,8 +220,10 @@ def read_runs(
     """The readable runs under ``paths`` and a warning for each result.json skipped. With
     ``checkpoint`` (best | last) each run's metric is that model's (`RunResult.value_of`)
     instead of its own headline; a completed run that did not score it is skipped."""
-    if checkpoint is not None and checkpoint not in CHECKPOINTS:
-        raise ValueError(f"--checkpoint must be best or last, got {checkpoint!r}")
+    if checkpoint is not None and checkpoint not in EVAL_CHECKPOINTS:
+        raise ValueError(
+            f"--checkpoint must be {' or '.join(EVAL_CHECKPOINTS)}, got {checkpoint!r}"
+        )
     warnings: list[str] = []
     found: list[Run] = []
     files = find_result_files(paths)
@@ -423,7 +425,7 @@ def _metric_label(metric: str) -> str:
 
 
 def _baseline_text(table: Table) -> str:
-    return "/".join(table.baselines) or "fixed32"
+    return "/".join(table.baselines) or BASELINE_PRESET
 
 
 def legend_lines(table: Table) -> list[str]:

@@ -40,13 +40,13 @@ from dsq.formats import Format, parse_format
 from dsq.formats.bfp import BFP
 from dsq.formats.fixed import FixedStatic
 from dsq.formats.floats import FloatCast
-from dsq_cli.presets import CONF_DIR, at_first_level, load_quant_preset
+from dsq_cli.presets import BASELINE_PRESET, CONF_DIR, at_first_level, load_quant_preset
 
 DRAM_SWITCHES = ("stash_write_when_q1_equals_q0", "flush_activation_grads", "activations_fp32")
 ARITHMETIC_MODELS = ("bit_product", "additive")
 FLOAT_SPECS = ("fp32", "fp16", "bf16", "e4m3", "e5m2")  # every floating format needs a width
 COST_DIR = CONF_DIR / "cost"
-DEFAULT_BASELINE = "fixed32"
+DEFAULT_BASELINE = BASELINE_PRESET
 
 Points = Mapping[str, "str | Format"]
 

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 from dsq.engine import GemmRecord
 from dsq.formats import parse_format
+from dsq_cli.presets import BASELINE_PRESET
 from dsq_cli.run_result import unpriced
 
 from .model import scheduled_cost
 
 # Runs are priced against this baseline (docs/cost-model.md).
-COST_BASELINE = "fixed32"
+COST_BASELINE = BASELINE_PRESET
 
 
 def run_cost(gemm_shapes: list[dict] | None, segments: list) -> dict:

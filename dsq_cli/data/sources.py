@@ -45,7 +45,6 @@ from .download import ArchiveError, DownloadError, built_in_place, extract, fetc
 log = logging.getLogger("dsq.data")
 
 MANIFEST = "manifest.json"
-SPLITS = ("train", "valid", "test")
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from dsq_cli.run_config import RunConfig
 
+from .download import sha256_of
 from .raw import SPLITS, DataError, ParallelSplit, find_file, read_parallel
 
 if TYPE_CHECKING:
@@ -34,14 +35,6 @@ def get_task(name: str, cfg: RunConfig) -> TranslationTask:
     if name not in TASKS:
         raise DataError(f"unknown translation task {name!r}; choose one of {sorted(TASKS)}")
     return TASKS[name](cfg)
-
-
-def _file_digest(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as stream:
-        for chunk in iter(lambda: stream.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 class TranslationTask:
@@ -94,7 +87,7 @@ class TranslationTask:
         digest = hashlib.sha256(f"{self.name}:{self.src}-{self.tgt}".encode())
         for split, pair in sorted(self.files().items()):
             for path in pair:
-                digest.update(f"{split}:{path.name}:{_file_digest(path)}".encode())
+                digest.update(f"{split}:{path.name}:{sha256_of(path)}".encode())
         return digest.hexdigest()
 
     def load(self) -> dict[str, ParallelSplit]:
