@@ -24,6 +24,7 @@ from typing import Any
 
 from dsq.engine.config import POINTS
 from dsq_cli import runs
+from dsq_cli.presets import BASELINE_PRESET
 
 FILENAME = "result.json"
 STATUSES = ("completed", "interrupted", "diverged", "failed", "running")
@@ -47,7 +48,7 @@ def metric_decimals(metric: str) -> int:
     return 3 if metric in FRACTION_METRICS else 2
 
 
-def unpriced(baseline: str) -> dict:
+def unpriced(baseline: str = BASELINE_PRESET) -> dict:
     """The cost of a run that has not recorded a training step yet."""
     return {"arith_ratio": None, "dram_ratio": None, "baseline": baseline}
 
