@@ -5,6 +5,7 @@ its own. The suite sits above the library: dsq_cli imports dsq, never the other 
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -53,6 +54,7 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+@functools.cache  # one parse of the tree for the whole module's tests
 def modules() -> dict[str, Path]:
     return {module_name(p): p for package in PACKAGES for p in sorted(package.rglob("*.py"))}
 
@@ -98,6 +100,7 @@ def _runtime_nodes(tree: ast.AST):
             pending.append(child)
 
 
+@functools.cache
 def graph() -> dict[str, set[str]]:
     mods = modules()
     known = set(mods)
