@@ -45,11 +45,6 @@ from . import register_patcher
 REPLACED = {"eager": "dsq_eager", "sdpa": "dsq_sdpa"}
 
 
-def transformers_module():
-    """``transformers`` (this integration is loaded for models built from it)."""
-    return transformers
-
-
 def is_transformers_model(model: nn.Module) -> bool:
     return isinstance(model, transformers.PreTrainedModel)
 
@@ -75,13 +70,13 @@ def _attention(sdpa: bool):
                 "not find it (docs/hf.md); exclude it by name or report the model"
             )
         if cfg is None and sdpa:  # an excluded attention module: SDPA itself
-            sdpa_forward = transformers_module().integrations.sdpa_attention.sdpa_attention_forward
+            sdpa_forward = transformers.integrations.sdpa_attention.sdpa_attention_forward
             return sdpa_forward(module, query, key, value, attention_mask, dropout=dropout,
                                 scaling=scaling, is_causal=is_causal, **kwargs)  # fmt: skip
         # an excluded module under eager: the same computation in plain torch.matmul
         matmul = torch.matmul if cfg is None else (lambda a, b: dsq_matmul(a, b, cfg))
         # grouped-query attention: keys and values expanded to the query heads, as eager does
-        repeat_kv = transformers_module().integrations.sdpa_attention.repeat_kv
+        repeat_kv = transformers.integrations.sdpa_attention.repeat_kv
         n_rep = getattr(module, "num_key_value_groups", 1)
         key, value = repeat_kv(key, n_rep), repeat_kv(value, n_rep)
         if scaling is None:
@@ -122,10 +117,9 @@ def register_attention() -> None:
     global _REGISTERED
     if _REGISTERED:
         return
-    module = transformers_module()
     masks = importlib.import_module("transformers.masking_utils")
     for original, replacement in REPLACED.items():
-        module.AttentionInterface.register(replacement, _attention(sdpa=original == "sdpa"))
+        transformers.AttentionInterface.register(replacement, _attention(sdpa=original == "sdpa"))
         masks.AttentionMaskInterface.register(
             replacement, masks.AttentionMaskInterface._global_mapping[original]
         )
