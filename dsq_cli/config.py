@@ -298,7 +298,9 @@ def _check(cfg: DictConfig) -> None:
     _resolve(cfg)
     _check_task_metric(cfg)
     try:
-        QuantConfig.from_dict(OmegaConf.to_container(cfg.quant))
+        quant = QuantConfig.from_dict(OmegaConf.to_container(cfg.quant))
+        if cfg.train.max_updates:  # the cap; a budget of epochs is checked when it is planned
+            quant.check_total(cfg.train.max_updates)
     except ValueError as err:
         raise ConfigError(f"quant: {err}") from None
     train = cfg.train

@@ -50,6 +50,7 @@ def train(args):
         ("data.raw_dir=/no/such/dir", "data.raw_dir=/no/such/dir does not exist"),
         ("quant.q1.policy=sawtooth", "unknown precision policy 'sawtooth'; choose one of"),
         ("quant.q1.periods=3", "periods is a parameter of policy cyclic, not plateau"),
+        ("quant.q1.policy=cyclic", "q1: policy cyclic: 32 periods do not fit in 8 updates"),
     ],
 )
 def test_config_errors_exit_2_and_leave_no_run(tmp_path, cache_dir, override, message):

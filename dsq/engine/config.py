@@ -141,6 +141,15 @@ class QuantConfig:
         for schedule in self.schedules.values():
             schedule.start(total_updates, updates_done)
 
+    def check_total(self, total_updates: int) -> None:
+        """Refuse a run of at most ``total_updates`` that a point's policy does not fit."""
+        for point, schedule in self.schedules.items():
+            if schedule.moves:
+                try:
+                    schedule.policy.check_total(total_updates)
+                except ValueError as err:
+                    raise ValueError(f"{point}: {err}") from None
+
     def after_update(
         self, update: int, train_loss: float | None = None
     ) -> list[tuple[str, LevelChange]]:

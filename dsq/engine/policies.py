@@ -125,6 +125,10 @@ class Policy:
     def check(self) -> None:
         """Refuse parameter values out of range (one-line ValueError)."""
 
+    def check_total(self, total_updates: int) -> None:
+        """Refuse a run of ``total_updates`` the parameters do not fit (one-line ValueError);
+        checked with the config where the cap is known, and again at `start`."""
+
     def start(self, total_updates: int, updates_done: int) -> int | None:
         return None
 
@@ -215,12 +219,9 @@ class _OfUpdateCount(Policy):
         return highest_level_within(self.ladder_bits, self.bits(i))
 
     def start(self, total_updates: int, updates_done: int) -> int:
+        self.check_total(total_updates)
         self.total = int(total_updates)
-        self.check_total()
         return self.level_at(updates_done)
-
-    def check_total(self) -> None:
-        pass
 
     def after_update(self, update: int, train_loss: float | None) -> Move | None:
         if self.total is None:
@@ -245,11 +246,11 @@ class Cyclic(_OfUpdateCount):
     def check(self) -> None:
         _positive_int(self.name, "periods", self.params.periods)
 
-    def check_total(self) -> None:
-        if self.total < self.params.periods:
+    def check_total(self, total_updates: int) -> None:
+        if total_updates < self.params.periods:
             raise ValueError(
-                f"policy cyclic: {self.params.periods} periods do not fit in {self.total} "
-                f"updates; set periods to at most {self.total}"
+                f"policy cyclic: {self.params.periods} periods do not fit in {total_updates} "
+                f"updates; set periods to at most {total_updates}"
             )
 
     def period(self) -> int:
