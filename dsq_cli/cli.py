@@ -462,8 +462,8 @@ def table_cmd(
     Runs that diverged, were interrupted or are running show as such; an unreadable result.json
     is named on stderr and skipped. No runs found: exit 2.
     """
+    from dsq.atomic_files import write_atomic
     from dsq_cli import table
-    from dsq_cli.atomic_files import write_atomic
 
     if fmt not in table.FORMATS:
         raise ValueError(f"--format must be one of {', '.join(table.FORMATS)}, got {fmt!r}")

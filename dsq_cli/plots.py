@@ -12,8 +12,8 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
+from dsq.atomic_files import atomic_path
 from dsq.engine.config import POINTS
-from dsq_cli.atomic_files import atomic_path
 from dsq_cli.presets import BASELINE_PRESET
 from dsq_cli.run_result import RunResult, metric_decimals
 from dsq_cli.table import METRIC_LABELS, PAPER_REFERENCE, Table, row_preset

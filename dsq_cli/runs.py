@@ -2,7 +2,7 @@
 
 A run directory is created new, never reused, and holds ``config.yaml``, ``metrics.jsonl``,
 ``schedule.jsonl``, ``result.json``, checkpoints and the log. ``dsq table`` reads only these
-files. Whole-file writes are atomic (``write_atomic``, from dsq_cli.atomic_files), so a reader
+files. Whole-file writes are atomic (``write_atomic``, from dsq.atomic_files), so a reader
 never sees half a ``result.json``; nothing written here may carry a secret (docs/spec.md §7).
 Besides the final statuses, ``running`` marks a result.json written when a run starts, so that
 ``dsq table`` shows unfinished runs as such (docs/spec.md §5).
@@ -19,7 +19,7 @@ import subprocess
 from collections.abc import Mapping
 from pathlib import Path
 
-from dsq_cli.atomic_files import write_atomic
+from dsq.atomic_files import write_atomic
 
 # A name that says it holds a secret: one of these words as a whole `_`/`-`/`.`-separated part
 # (WANDB_API_KEY, hf_token, aws_secret_access_key), but not max_tokens or sort_keys.

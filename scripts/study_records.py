@@ -23,7 +23,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from dsq_cli.atomic_files import write_atomic
+from dsq.atomic_files import write_atomic
 
 RECORDS = ("result.json", "metrics.jsonl", "schedule.jsonl", "config.yaml")
 OUTCOMES = ("completed", "diverged")

@@ -30,7 +30,6 @@ LAYERS = [
             "dsq_cli.presets",
             "dsq_cli.run_result",
             "dsq_cli.runs",
-            "dsq_cli.atomic_files",
             "dsq_cli.cpu_allocator",
         ],
     ),  # fmt: skip
@@ -41,6 +40,7 @@ LAYERS = [
     ("engine", ["dsq.engine"]),
     ("formats", ["dsq.formats"]),
     ("kernels", ["dsq.kernels"]),
+    ("atomic files", ["dsq.atomic_files"]),  # the standard library only
 ]
 # Inside train/: the launcher and the rank helpers import nothing above them.
 LEAVES = {

@@ -1,4 +1,4 @@
-"""dsq_cli/atomic_files.py: the destination holds the old file or the whole new one, and a
+"""dsq/atomic_files.py: the destination holds the old file or the whole new one, and a
 failed write leaves no temporary file behind."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from dsq_cli.atomic_files import atomic_path, write_atomic
+from dsq.atomic_files import atomic_path, write_atomic
 
 
 def test_write_atomic_replaces_text_and_bytes_and_leaves_nothing_else(tmp_path):

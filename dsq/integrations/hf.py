@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
-import tempfile
 from pathlib import Path
 
 import torch
@@ -34,6 +32,7 @@ import transformers
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
+from dsq.atomic_files import atomic_path
 from dsq.engine.config import POINTS, QuantConfig
 from dsq.engine.functions import dsq_linear, dsq_matmul
 from dsq.engine.history import PrecisionHistory
@@ -314,7 +313,8 @@ class DSQCallback(transformers.TrainerCallback):
     def on_save(self, args, state, control, **kwargs):
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
         if folder.is_dir():  # the Trainer wrote its checkpoint there just before
-            _save_atomic(self.state_dict(), folder / CHECKPOINT_FILE)
+            with atomic_path(folder / CHECKPOINT_FILE) as tmp:
+                torch.save(self.state_dict(), tmp)
         return control
 
     def on_train_begin(self, args, state, control, **kwargs):
@@ -345,16 +345,3 @@ class DSQCallback(transformers.TrainerCallback):
         self.cfg.load_noise_state(saved["noise"])
         self.history = PrecisionHistory(dict(saved["history"]))
         log.info("dsq: schedule restored from %s: %s", found, self.cfg.current())
-
-
-def _save_atomic(obj, path: Path) -> None:
-    """``torch.save`` to a temporary file beside ``path``, then renamed over it: a reader (a
-    resume after a crash) finds the old file or the new one, never half of one."""
-    handle, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(handle, "wb") as f:
-            torch.save(obj, f)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

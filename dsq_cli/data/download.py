@@ -7,7 +7,7 @@ destination, checksums, sizes) let each caller say what to do instead. ``extract
 .tgz/.tar.gz/.tar/.zip into a temporary directory, refusing members that would land outside
 it, and renames the result into place in one step.
 
-Only the standard library is used (urllib, hashlib, tarfile, zipfile), and dsq_cli.atomic_files
+Only the standard library is used (urllib, hashlib, tarfile, zipfile), and dsq.atomic_files
 for the final rename.
 """
 
@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import BinaryIO
 
-from dsq_cli.atomic_files import atomic_path
+from dsq.atomic_files import atomic_path
 
 log = logging.getLogger("dsq.data")
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from dsq.atomic_files import write_atomic
 from dsq_cli import runs
-from dsq_cli.atomic_files import write_atomic
 from dsq_cli.config import GROUPS, ConfigError, to_plain, typed
 from dsq_cli.run_config import RunConfig
 from dsq_cli.run_result import RunResult

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
+from dsq.atomic_files import atomic_path, write_atomic
 from dsq_cli import runs
-from dsq_cli.atomic_files import atomic_path, write_atomic
 from dsq_cli.run_result import RunResult
 
 CHECKPOINT_FORMAT = "dsq-checkpoint-1"
