@@ -32,8 +32,8 @@ if not CUDA:
     os.environ["TRITON_INTERPRET"] = "1"  # before Triton is imported
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from dsq.formats import backend_triton as tp  # noqa: E402
 from dsq.formats import reference as ref  # noqa: E402
-from dsq.formats import triton_path as tp  # noqa: E402
 
 DEVICE = "cuda" if CUDA else "cpu"
 FAILS: list[str] = []

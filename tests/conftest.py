@@ -24,17 +24,3 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("cuda") is not None:
             item.add_marker(skip)
-
-
-@pytest.fixture
-def backend(request):
-    """The path to pass as ``backend=`` for a test parametrized indirectly over path names;
-    ``torch.compile`` is the compiled path with its C kernels switched off, so that the
-    torch.compile kernels they replace stay tested."""
-    if request.param != "torch.compile":
-        yield request.param
-        return
-    from dsq.kernels import cpu
-
-    with cpu.switched_off():
-        yield "compiled"

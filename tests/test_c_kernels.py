@@ -1,26 +1,27 @@
-"""The C kernels of the compiled path (dsq/kernels/bfp_cpu.c) against the reference, bit for bit,
+"""The C kernels of the c backend (dsq/kernels/bfp_cpu.c) against the reference, bit for bit,
 over the formats they cover (nearest rounding, E <= 8, 2 <= m <= 23; codes for m <= 8), with
 values at every edge of float32; the same results on any number of threads; and the loader:
-its cache, a failed build and the switch that turns them off (the torch.compile kernels then
-run, still exact)."""
+its cache, and a failed build (``auto`` then takes the compile backend, still exact)."""
 
 from __future__ import annotations
 
 import math
 import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 from helpers.tensors import assert_bitwise_equal
 
-from dsq.formats import compiled, parse_format
-from dsq.formats.dispatch import compiled_unavailable_reason
+from dsq.formats import backends, parse_format
 from dsq.kernels import cpu as c_kernels
 
 pytestmark = pytest.mark.skipif(
-    c_kernels.unavailable_reason() is not None or compiled_unavailable_reason() is not None,
-    reason=str(c_kernels.unavailable_reason() or compiled_unavailable_reason()),
+    backends.unavailable_reason("c", "cpu") is not None,
+    reason=str(backends.unavailable_reason("c", "cpu")),
 )
 
 
@@ -70,20 +71,21 @@ def spy(monkeypatch) -> list[str]:
 @pytest.mark.parametrize("m,E,B", FORMATS)
 @pytest.mark.parametrize("nonfinite", [False, True])
 @pytest.mark.parametrize("axis", [-1, 0])
+@pytest.mark.slow  # 48 cases; each format's first takes seconds
 def test_bfp_equals_reference(m, E, B, nonfinite, axis, monkeypatch):
     fmt = parse_format(f"bfp{m}e{E}b{B}")
     x = wide_tensor((37, 70), seed=m * 100 + E * 10 + B)
     x = with_nonfinite(x) if nonfinite else x
     ran = spy(monkeypatch)
     expected = fmt.quantize(x, axis, backend="reference")
-    assert_bitwise_equal(fmt.quantize(x, axis, backend="compiled"), expected, "quantize")
+    assert_bitwise_equal(fmt.quantize(x, axis, backend="c"), expected, "quantize")
     packed, reference = (
-        fmt.pack(x, axis, backend="compiled"),
+        fmt.pack(x, axis, backend="c"),
         fmt.pack(x, axis, backend="reference"),
     )
     for name, stream in reference.payload.items():
         assert torch.equal(packed.payload[name], stream), name
-    assert_bitwise_equal(packed.unpack(backend="compiled"), expected, "unpack")
+    assert_bitwise_equal(packed.unpack(backend="c"), expected, "unpack")
     assert ("bfp_quantize" if axis == -1 else "bfp_quantize_columns") in ran
     assert ("bfp_decode" in ran) == (m <= 8)
 
@@ -98,7 +100,7 @@ def test_fixed_equals_reference(width, nonfinite, monkeypatch):
         x = with_nonfinite(x) if nonfinite else x
         ran.clear()
         assert_bitwise_equal(
-            fmt.quantize(x, backend="compiled"), fmt.quantize(x, backend="reference"), str(seed)
+            fmt.quantize(x, backend="c"), fmt.quantize(x, backend="reference"), str(seed)
         )
         assert ran == ["fixed_quantize"]
 
@@ -126,7 +128,7 @@ def test_quantize_and_pack_equals_reference(q, p, shape, nonfinite, monkeypatch)
         lambda *args: routes.append(args[-1]) or original(*args),
     )
     last, before = x.dim() - 1, x.dim() - 2
-    values, packed = fmt.quantize_and_pack(x, last, stash, before, backend="compiled")
+    values, packed = fmt.quantize_and_pack(x, last, stash, before, backend="c")
     direct = shape[-2] % p[2] == 0 and p[0] * p[2] % 8 == 0
     assert routes == [direct]
     assert_bitwise_equal(values, fmt.quantize(x, last, backend="reference"), "values")
@@ -146,7 +148,7 @@ def test_quantize_and_pack_reads_strided_operands(layout, monkeypatch):
         x = wide_tensor((3, 64, 48), seed=22).transpose(1, 2)  # [3, 48, 64], last stride 48
     assert not x.is_contiguous()
     ran = spy(monkeypatch)
-    values, packed = fmt.quantize_and_pack(x, 2, stash, 1, backend="compiled")
+    values, packed = fmt.quantize_and_pack(x, 2, stash, 1, backend="c")
     assert "bfp_quantize_and_pack" in ran
     assert_bitwise_equal(values, fmt.quantize(x, 2, backend="reference"), "values")
     for name, stream in stash.pack(x, 1, backend="reference").payload.items():
@@ -160,7 +162,7 @@ def test_chain_equals_reference(first, second, monkeypatch):
     ran = spy(monkeypatch)
     for x in (wide_tensor((24, 64), seed=3), with_nonfinite(torch.randn(24, 64))):
         ran.clear()
-        a, b = f.quantize_chain(x, -1, s, -1, backend="compiled")
+        a, b = f.quantize_chain(x, -1, s, -1, backend="c")
         assert ran == ["fixed_then_bfp"]
         expected = f.quantize(x, backend="reference")
         assert_bitwise_equal(a, expected, "first")
@@ -176,11 +178,11 @@ def test_results_do_not_depend_on_the_thread_count():
     try:
         for count in (1, 2):
             torch.set_num_threads(count)
-            values, packed = bfp8.quantize_and_pack(x, 1, bfp2, 0, backend="compiled")
+            values, packed = bfp8.quantize_and_pack(x, 1, bfp2, 0, backend="c")
             runs.append(
-                [bfp8.quantize(x, backend="compiled"), fixed16.quantize(x, backend="compiled"),
-                 values, *packed.payload.values(), packed.unpack(backend="compiled"),
-                 *fixed16.quantize_chain(x, -1, bfp8, -1, backend="compiled")]
+                [bfp8.quantize(x, backend="c"), fixed16.quantize(x, backend="c"),
+                 values, *packed.payload.values(), packed.unpack(backend="c"),
+                 *fixed16.quantize_chain(x, -1, bfp8, -1, backend="c")]
             )  # fmt: skip
     finally:
         torch.set_num_threads(threads)
@@ -188,31 +190,17 @@ def test_results_do_not_depend_on_the_thread_count():
         assert torch.equal(one.contiguous().view(torch.uint8), two.contiguous().view(torch.uint8))
 
 
-def test_switched_off_runs_the_torch_compile_kernels(monkeypatch):
-    fmt = parse_format("bfp4")
-    x = wide_tensor((8, 48), seed=5)
-    ran = spy(monkeypatch)
-    with c_kernels.switched_off():
-        out = fmt.quantize(x, backend="compiled")
-    assert ran == []
-    assert_bitwise_equal(out, fmt.quantize(x, backend="reference"))
-    monkeypatch.setenv("DSQ_DISABLE_C_KERNELS", "0")  # 0 (or empty) leaves them on
-    assert c_kernels.unavailable_reason() is None
-    monkeypatch.setenv("DSQ_DISABLE_C_KERNELS", "1")
-    assert c_kernels.unavailable_reason() == "DSQ_DISABLE_C_KERNELS is set"
-    fmt.quantize(x, backend="compiled")
-    assert ran == []
-
-
 @pytest.fixture
 def fresh_loader(monkeypatch, tmp_path):
     """The loader as in a new process, with its cache in tmp_path (restored afterwards)."""
     monkeypatch.setenv("DSQ_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("DSQ_BACKEND", raising=False)  # the fallback is auto's
 
     def forget():
         c_kernels.library.cache_clear()
         c_kernels.build_failure.cache_clear()
-        compiled._log_once.cache_clear()
+        backends.auto_backend.cache_clear()
+        backends._log_once.cache_clear()
 
     forget()
     yield forget
@@ -220,20 +208,39 @@ def fresh_loader(monkeypatch, tmp_path):
 
 
 def _falls_back(caplog) -> None:
-    """A covered call runs the torch.compile kernels, exactly, with one warning saying so."""
+    """``auto`` runs a covered call on the compile backend, exactly, with one warning saying so;
+    the c backend named explicitly is an error."""
     x = wide_tensor((4, 32), seed=6)
     with caplog.at_level("INFO", logger="dsq.formats"):
-        out = parse_format("bfp8").quantize(x, backend="compiled")
+        for _ in range(2):
+            out = parse_format("bfp8").quantize(x)
     assert_bitwise_equal(out, parse_format("bfp8").quantize(x, backend="reference"))
     warned = [r for r in caplog.records if r.levelname == "WARNING"]
-    assert len(warned) == 1 and "slower torch.compile kernels" in warned[0].message
+    assert len(warned) == 1 and "quantizers on the compile backend" in warned[0].message
+    with pytest.raises(RuntimeError, match="backend 'c' cannot run here"):
+        parse_format("bfp8").quantize(x, backend="c")
+
+
+def fake_compiler(tmp_path, calls) -> str:
+    """An executable C++ compiler that answers --version (torch's extension builder asks it) and
+    fails every compilation with an error line, then a last line; each call logged to calls."""
+    script = tmp_path / "fake-c++"
+    script.write_text(
+        "#!/bin/sh\n"
+        f'echo x >> "{calls}"\n'
+        'case "$*" in *--version*) echo "g++ (fake) 1.0"; exit 0;; esac\n'
+        'echo "bfp_ops.cpp:1:1: error: no such thing" >&2\n'
+        'echo "compilation terminated." >&2\nexit 1\n'
+    )
+    script.chmod(0o755)
+    return str(script)
 
 
 def test_a_missing_compiler_is_named_and_the_path_falls_back(monkeypatch, tmp_path, caplog,
                                                             fresh_loader):  # fmt: skip
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++"))
     reason = c_kernels.unavailable_reason()
-    assert reason is not None and "no-such-cc" in reason and "set CC" in reason
+    assert reason is not None and "no-such-c++" in reason and "set CXX" in reason
     _falls_back(caplog)
 
 
@@ -246,63 +253,69 @@ def test_an_unwritable_cache_falls_back(monkeypatch, tmp_path, caplog, fresh_loa
     _falls_back(caplog)
 
 
-def test_a_compiler_error_is_quoted_and_not_repeated(monkeypatch, tmp_path, caplog, fresh_loader):
-    """The complaint is the compiler's error line (not its last line), for every variant tried;
-    a failed variant is remembered in the cache, so a new process does not compile it again.
-    $CC may hold several words."""
+def test_a_compiler_error_is_quoted_for_each_variant(monkeypatch, tmp_path, caplog, fresh_loader):
+    """When no variant builds, BuildError quotes the compiler's error line (not its last line)
+    for each, and each variant was tried in its own folder of the cache."""
     calls = tmp_path / "calls"
-    script = tmp_path / "fakecc.sh"
-    script.write_text(
-        f'echo x >> "{calls}"\n'
-        'case "$*" in *--version*) echo "fakecc 1.0"; exit 0;; esac\n'
-        'echo "bfp_cpu.c:1:1: error: no such thing" >&2\n'
-        'echo "compilation terminated." >&2\nexit 1\n'
-    )
-    monkeypatch.setenv("CC", f"sh {script}")
+    monkeypatch.setenv("CXX", fake_compiler(tmp_path, calls))
     reason = c_kernels.unavailable_reason()
+    assert reason.startswith("bfp_ops.cpp did not build with ") and "set CXX" in reason
     assert "error: no such thing" in reason and "compilation terminated" not in reason
     assert reason.count("error: no such thing") == len(c_kernels.VARIANTS)
-    builds = len(calls.read_text().splitlines())
-    assert builds == 1 + len(c_kernels.VARIANTS)  # --version, then each variant
-    fresh_loader()  # a new process: --version again, no compilation
-    assert c_kernels.unavailable_reason() == reason
-    assert len(calls.read_text().splitlines()) == builds + 1
-    assert not list((tmp_path / "cache" / "c-kernels").glob(".build-*"))
+    for variant in ("[-march=native -fopenmp]", "[-fopenmp]", "[plain]"):
+        assert variant in reason
+    folders = sorted(path.name for path in (tmp_path / "cache" / "c-kernels").iterdir())
+    assert len(folders) == len(c_kernels.VARIANTS) and all(
+        name.startswith("bfp_ops-") for name in folders
+    )
     _falls_back(caplog)
 
 
-def test_a_killed_builds_temporary_file_is_swept(monkeypatch, tmp_path, fresh_loader):
-    """A process killed mid-build leaves its `.build-*` file; the next load deletes it once it
-    is older than any build could be, and leaves a younger one (a build running elsewhere)."""
-    cache = tmp_path / "cache" / "c-kernels"
-    cache.mkdir(parents=True)
-    stale, running = cache / ".build-killed.so", cache / ".build-running.so"
-    stale.write_bytes(b"half a library")
-    running.write_bytes(b"being written")
-    old = time.time() - c_kernels.STALE_AFTER_S - 60
-    os.utime(stale, (old, old))
-    monkeypatch.setenv("CC", f"sh {tmp_path / 'fakecc.sh'}")  # fails at once: no real build
-    (tmp_path / "fakecc.sh").write_text("echo 'error: none' >&2\nexit 1\n")
-    assert c_kernels.unavailable_reason() is not None
-    assert not stale.exists() and running.exists()
+def test_a_killed_builds_lock_is_removed_once_stale(monkeypatch, tmp_path, fresh_loader):
+    """A process killed mid-build leaves the builder's lock file, which every later build would
+    wait on forever: the next build deletes it once older than any build could be, and leaves a
+    younger one (a build running in another process, which the builder waits for)."""
+    running = tmp_path / "running"
+    running.mkdir()
+    (running / "lock").write_text("")
+    c_kernels._remove_stale_lock(running)
+    assert (running / "lock").exists()
+    key = c_kernels.build_key(c_kernels.SOURCES, [*c_kernels.FLAGS, *c_kernels.VARIANTS[0]])
+    killed = tmp_path / "cache" / "c-kernels" / f"bfp_ops-{key}"
+    killed.mkdir(parents=True)
+    (killed / "lock").write_text("")
+    old = time.time() - c_kernels.STALE_LOCK_S - 60
+    os.utime(killed / "lock", (old, old))
+    monkeypatch.setenv("CXX", fake_compiler(tmp_path, tmp_path / "calls"))  # fails at once
+    assert "error: no such thing" in c_kernels.unavailable_reason()
+    assert not (killed / "lock").exists()
 
 
-def test_the_build_is_cached_by_content(monkeypatch, tmp_path):
-    """A first use builds one library into $DSQ_CACHE/c-kernels, leaving no temporary file; a
-    second process state loads it without building."""
-    monkeypatch.setenv("DSQ_CACHE", str(tmp_path))
-    c_kernels.library.cache_clear()
-    try:
-        c_kernels.library()
-        built = sorted((tmp_path / "c-kernels").iterdir())
-        assert len(built) == 1 and built[0].name.startswith("bfp_cpu-") and built[0].suffix == ".so"
-        stamp = built[0].stat().st_mtime_ns
-        c_kernels.library.cache_clear()
-        c_kernels.library()
-        assert sorted((tmp_path / "c-kernels").iterdir()) == built
-        assert built[0].stat().st_mtime_ns == stamp
-    finally:
-        c_kernels.library.cache_clear()
+def _folders(sources=c_kernels.SOURCES) -> set[str]:
+    """The cache folders of the variants' builds of ``sources`` on this CPU."""
+    flags = [[*c_kernels.FLAGS, *variant] for variant in c_kernels.VARIANTS]
+    return {f"bfp_ops-{c_kernels.build_key(sources, f)}" for f in flags}
+
+
+@pytest.mark.slow  # spawns a process
+def test_the_build_is_cached_per_cpu_and_sources(monkeypatch, tmp_path):
+    """The loaded library lies in $DSQ_CACHE/c-kernels, in a folder named by the hash of its
+    sources, flags, torch's version and the CPU, and a new process loads it without building it
+    again; an edited source, or another CPU model or flag set, builds elsewhere."""
+    path = Path(c_kernels.library())
+    assert path.parent.parent == c_kernels.cache_dir() and path.parent.name in _folders()
+    stamp = path.stat().st_mtime_ns
+    loaded = subprocess.run(
+        [sys.executable, "-c", "from dsq.kernels import cpu; print(cpu.library())"],
+        capture_output=True, text=True, check=True, timeout=300,
+    )  # fmt: skip
+    assert loaded.stdout.strip() == str(path) and path.stat().st_mtime_ns == stamp
+    edited = tmp_path / "bfp_cpu.c"
+    edited.write_bytes(c_kernels.SOURCES[1].read_bytes() + b"\n")
+    assert not _folders() & _folders((c_kernels.SOURCES[0], edited))
+    identity = c_kernels._cpu_identity()
+    monkeypatch.setattr(c_kernels, "_cpu_identity", lambda: identity + " another_flag")
+    assert path.parent.name not in _folders()
 
 
 def test_decode_refuses_a_short_stream():

@@ -1,6 +1,7 @@
-"""The fused CPU path against the reference, bit for bit: quantize, the packed bytes themselves,
-and unpack; every test runs twice, with the C kernels where they apply and with the torch.compile
-kernels alone (tests/test_c_kernels.py covers the C kernels' edges)."""
+"""The CPU backends against the reference, bit for bit: quantize, the packed bytes themselves,
+and unpack; every test runs twice, on the c backend (the C kernels where they hold the format)
+and on the compile backend (the torch.compile kernels alone); tests/test_c_kernels.py covers the
+C kernels' edges."""
 
 from __future__ import annotations
 
@@ -10,15 +11,9 @@ from helpers.tensors import assert_bitwise_equal
 from test_packing import edge_tensor, with_nonfinite
 
 from dsq.formats import parse_format
-from dsq.formats.dispatch import compiled_unavailable_reason
-from dsq.kernels import cpu as c_kernels
+from dsq.formats.backends import unavailable_reason
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        compiled_unavailable_reason() is not None, reason=str(compiled_unavailable_reason())
-    ),
-]
+pytestmark = pytest.mark.slow
 
 # Each format compiles once (a few seconds each on 2 cores): the list covers every code path:
 # word packing (m divides 64, or fits a 64-bit word), the byte gather (odd m > 8), E != 8,
@@ -41,23 +36,23 @@ SPECS = [
 ]
 
 
-@pytest.fixture(autouse=True, params=["c-kernels", "torch.compile"])
-def kernels(request):
-    if request.param == "c-kernels":
-        yield
-        return
-    with c_kernels.switched_off():
-        yield
+@pytest.fixture(autouse=True, params=["c", "compile"])
+def backend(request):
+    """The CPU backend under test (the tests run once per backend)."""
+    if unavailable_reason(request.param, "cpu"):
+        pytest.skip(unavailable_reason(request.param, "cpu"))
+    return request.param
 
 
-def both(fn):
-    """Run fn(backend) on the reference and the compiled path."""
-    return fn("reference"), fn("compiled")
+@pytest.fixture
+def both(backend):
+    """fn(name) -> (fn("reference"), fn(the backend under test))."""
+    return lambda fn: (fn("reference"), fn(backend))
 
 
 @pytest.mark.parametrize("spec", SPECS)
 @pytest.mark.parametrize("case", ["finite", "nonfinite", "partial", "transposed", "half"])
-def test_compiled_equals_reference(spec, case):
+def test_backend_equals_reference(spec, case, both, backend):
     fmt = parse_format(spec)
     x, axis = edge_tensor((6, 48)), -1
     if case == "nonfinite":
@@ -74,11 +69,11 @@ def test_compiled_equals_reference(spec, case):
     assert ref_p.payload.keys() == fast_p.payload.keys()
     for name in ref_p.payload:
         assert torch.equal(fast_p.payload[name], ref_p.payload[name]), f"{spec} {name} bytes"
-    assert_bitwise_equal(fast_p.unpack(backend="compiled"), ref_q, f"{spec} unpack")
+    assert_bitwise_equal(fast_p.unpack(backend=backend), ref_q, f"{spec} unpack")
 
 
 @pytest.mark.parametrize("spec", ["bfp2", "bfp4", "fixed8f4", "fixed12"])
-def test_compiled_stochastic_equals_reference(spec):
+def test_backend_stochastic_equals_reference(spec, both):
     fmt = parse_format(spec)
     x = edge_tensor((8, 64), seed=7)
     ref_q, fast_q = both(
@@ -96,19 +91,19 @@ def test_compiled_stochastic_equals_reference(spec):
         assert torch.equal(fast_p.payload[name], ref_p.payload[name])
 
 
-def test_stochastic_underflow_corner():
+def test_stochastic_underflow_corner(backend):
     """A tiny negative value far below its block's max: v underflows in float32. With u = 0,
     floor(v + u) = -1 exactly; the float32 path must not round it to 0."""
     fmt = parse_format("bfp2")
     x = torch.tensor([1e30, -1e-30] + [0.0] * 14).repeat(4096, 1)
     g = lambda: torch.Generator().manual_seed(11)  # noqa: E731
     ref_q = fmt.quantize(x, rounding="stochastic", generator=g(), backend="reference")
-    fast_q = fmt.quantize(x, rounding="stochastic", generator=g(), backend="compiled")
+    fast_q = fmt.quantize(x, rounding="stochastic", generator=g(), backend=backend)
     assert_bitwise_equal(fast_q, ref_q)
 
 
 @pytest.mark.parametrize("spec, axis", [("bfp4", -1), ("bfp4", 0), ("fixed16", 0), ("fixed8f4", 0)])
-def test_new_batch_lengths_reuse_the_compiled_kernels(spec, axis):
+def test_new_batch_lengths_reuse_the_compiled_kernels(spec, axis, backend):
     """Translation batches vary in length: new token counts (rows, or blocks along the tokens
     for a stash) must not recompile quantize, pack or unpack."""
     import torch._dynamo.utils as dynamo_utils
@@ -117,8 +112,8 @@ def test_new_batch_lengths_reuse_the_compiled_kernels(spec, axis):
 
     def run(tokens):
         x = torch.randn(tokens, 64)
-        fmt.quantize(x, axis=axis, backend="compiled")
-        fmt.pack(x, axis=axis, backend="compiled").unpack(backend="compiled")
+        fmt.quantize(x, axis=axis, backend=backend)
+        fmt.pack(x, axis=axis, backend=backend).unpack(backend=backend)
 
     for tokens in (40, 77, 100):  # warm up, including the first dynamic recompile
         run(tokens)
@@ -132,7 +127,8 @@ def test_new_batch_lengths_reuse_the_compiled_kernels(spec, axis):
 def test_stream_stage_equals_reference_pack_bits(width):
     """The bit packing alone, every narrow width (one-byte codes read as int64 words below 8
     bits, the byte gather above), on counts that leave a partial word and a partial byte."""
-    from dsq.formats import compiled, reference
+    from dsq.formats import backend_compile as compiled
+    from dsq.formats import reference
 
     g = torch.Generator().manual_seed(width)
     dtype = torch.uint8 if width <= 8 else torch.int16
@@ -147,7 +143,8 @@ def test_stream_stage_equals_reference_pack_bits(width):
     assert torch.equal(compiled._pack_codes(sliced, width), reference.pack_bits(sliced, width))
 
 
-def test_dispatch_picks_the_compiled_path_on_cpu():
+def test_auto_picks_the_c_backend_on_cpu(monkeypatch):
     from dsq.formats import default_backend
 
-    assert default_backend("cpu") == "compiled"
+    monkeypatch.delenv("DSQ_BACKEND", raising=False)
+    assert default_backend("cpu") == "c"

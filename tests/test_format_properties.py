@@ -4,16 +4,16 @@ Hypothesis draws a format (every family and code width), a tensor (rank 0 to 4, 
 the block length, every axis, fp16/bf16/fp32/fp64, contiguous, transposed, sliced or expanded,
 with NaN, infinities, -0.0 and subnormals mixed in) and checks:
 
-* quantize on the compiled and Triton paths equals the reference bit for bit (BFP and fixed
-  point on non-empty tensors: the floating formats and empty tensors have one implementation,
-  the same on every path, so those tests leave them out; see ``PATH_SPECS``);
+* quantize on the c, compile and triton backends equals the reference bit for bit (BFP and
+  fixed point on non-empty tensors: the floating formats and empty tensors have one
+  implementation, the same on every backend, so those tests leave them out; see ``PATH_SPECS``);
 * ``pack(x, axis).unpack()`` equals ``quantize(x, axis)`` bit for bit on every path;
 * the packed payload bytes are identical on every path;
 * ``nbytes`` is exactly what the layout in docs/formats.md adds up to;
 * stochastic rounding with a seeded generator agrees across paths and takes the same draws.
 
 The budget is small on purpose: torch.compile builds kernels per format and shape class (the
-compiled path draws from a short list of formats chosen to reach every packing code path), and
+CPU backends draw from a short list of formats chosen to reach every packing code path), and
 the Triton interpreter is slow, so its tensors stay at a few hundred elements.
 """
 
@@ -33,14 +33,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dsq.formats import parse_format, reference
+from dsq.formats.backends import BACKENDS, select_backend, unavailable_reason
 from dsq.formats.base import registered_formats
 from dsq.formats.bfp import BFP, FixedDynamic
-from dsq.formats.dispatch import (
-    BACKENDS,
-    compiled_unavailable_reason,
-    select_path,
-    triton_unavailable_reason,
-)
 from dsq.formats.fixed import FixedStatic
 from dsq.formats.floats import FP32, FloatCast
 
@@ -48,12 +43,17 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # the Triton kernels run on CUDA tensors, or on CPU tensors under the interpreter (conftest)
 TRITON_DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
 
-needs_compiled = pytest.mark.skipif(
-    compiled_unavailable_reason() is not None, reason=str(compiled_unavailable_reason())
-)
+
+def backend_param(name: str, device: str = "cpu"):
+    """``name`` as a test parameter, skipped with the reason where the backend cannot run."""
+    reason = unavailable_reason(name, device)
+    return pytest.param(name, marks=pytest.mark.skipif(reason is not None, reason=str(reason)))
+
+
+CPU_BACKENDS = [backend_param("c"), backend_param("compile")]
 needs_triton = pytest.mark.skipif(
-    triton_unavailable_reason(TRITON_DEVICE) is not None,
-    reason=str(triton_unavailable_reason(TRITON_DEVICE)),
+    unavailable_reason("triton", TRITON_DEVICE) is not None,
+    reason=str(unavailable_reason("triton", TRITON_DEVICE)),
 )
 
 
@@ -80,20 +80,22 @@ fixed_static_specs = st.integers(2, 32).flatmap(
 )
 quantizer_specs = bfp_specs | fixed_dynamic_specs | fixed_static_specs  # stochastic rounding
 all_specs = quantizer_specs | st.sampled_from(FLOAT_SPECS)
-# What the per-path tests (compiled and Triton against the reference) draw: the floating formats
-# are left out rather than routed, since they are torch's casts on every path (floats.py: only
-# the backend's name is checked, test_an_unknown_backend_is_refused_by_every_format), and the
-# per-path cases are never empty (empty=False), since dispatch sends an empty tensor to the
+# What the per-backend tests (c, compile and triton against the reference) draw: the floating
+# formats are left out rather than routed, since they are torch's casts on every backend
+# (floats.py: only the backend's name is checked,
+# test_an_unknown_backend_is_refused_by_every_format),
+# and the per-backend cases are never empty (empty=False), since an empty tensor runs on the
 # reference whatever the backend (test_empty_tensors_pack_and_unpack_on_the_reference): either
 # would compare the reference with itself. The reference test draws both.
 PATH_SPECS = quantizer_specs
 
-# Formats for the compiled path, which compiles each one (several seconds apiece, per shape
-# class): between them they reach every code container (8-, 16- and 32-bit codes), the byte
-# view of 8- and 16-bit codes, the 64-bit word plan and the byte gather of the unpacker, E of 2,
-# 5, 8 and 10, blocks of one element, short and long blocks, whole-tensor blocks (with wrapping
-# 32-bit codes) and static fixed point above 26 bits. Most are also in test_compiled_path.py, whose
-# compiled kernels a full test run reuses. The floating formats are the same casts on every path.
+# Formats for the CPU backends, whose torch.compile kernels compile each one (several seconds
+# apiece, per shape class): between them they reach every code container (8-, 16- and 32-bit
+# codes), the byte view of 8- and 16-bit codes, the 64-bit word plan and the byte gather of the
+# unpacker, E of 2, 5, 8 and 10, blocks of one element, short and long blocks, whole-tensor blocks
+# (with wrapping 32-bit codes) and static fixed point above 26 bits. Most are also in
+# test_compiled_path.py, whose compiled kernels a full test run reuses. The floating formats are
+# the same casts on every backend.
 COMPILED_SPECS = [
     "bfp16e2b7",  # 16-bit codes: the stream is a byte view of them; heavy exponent clamping
     "bfp8",  # 8-bit codes: the stream is the codes themselves
@@ -312,6 +314,7 @@ def check_path_against_reference(case: Case, path: str) -> None:
 # ----------------------------------------------------------------------------- properties
 @budget(200)
 @given(case=cases(all_specs, max_numel=600))
+@pytest.mark.slow  # hypothesis over every format, a few seconds
 def test_reference_pack_unpack_and_nbytes(case):
     """On the reference: quantize keeps shape and dtype, is idempotent on float32, and
     unpack(pack(x)) is quantize(x) bit for bit with exactly the documented bytes."""
@@ -333,14 +336,14 @@ def test_reference_pack_unpack_and_nbytes(case):
 
 
 @pytest.mark.slow
-@needs_compiled
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("spec", COMPILED_SPECS)
 @budget(20)
 @given(data=st.data())
-def test_compiled_path_equals_reference(spec, data):
+def test_cpu_backend_equals_reference(backend, spec, data):
     case = data.draw(cases(st.just(spec), max_numel=600, empty=False), label="case")
-    check_path_against_reference(case, "compiled")
-    # the automatic choice on CPU (the compiled path) round-trips too
+    check_path_against_reference(case, backend)
+    # the automatic choice on CPU (DSQ_BACKEND's, else the c backend) round-trips too
     fmt, x, axis = case.fmt, case.x, case.axis
     assert_bitwise_equal(fmt.pack(x, axis).unpack(), fmt.quantize(x, axis), "automatic")
 
@@ -384,13 +387,13 @@ def check_stochastic(case: Case, path: str, seed: int) -> None:
 
 
 @pytest.mark.slow
-@needs_compiled
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("spec", COMPILED_STOCHASTIC_SPECS)
 @budget(10)
 @given(data=st.data(), seed=st.integers(0, 2**31))
-def test_compiled_stochastic_rounding_agrees(spec, data, seed):
+def test_cpu_backend_stochastic_rounding_agrees(backend, spec, data, seed):
     case = data.draw(cases(st.just(spec), max_numel=600, empty=False), label="case")
-    check_stochastic(case, "compiled", seed)
+    check_stochastic(case, backend, seed)
 
 
 @pytest.mark.slow
@@ -405,17 +408,16 @@ def test_triton_stochastic_rounding_agrees(case, seed):
 
 
 # ----------------------------------------------------------------------------- regressions
-@pytest.mark.parametrize("backend", ["reference", "compiled", "triton"])
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("spec", ["bfp8", "bfp16"])
 @pytest.mark.parametrize("shape, axis", [((7, 1), 1), ((1, 7), 0)])
+@pytest.mark.slow  # torch.compile and Triton kernels
 def test_pack_along_an_axis_of_length_one(backend, spec, shape, axis):
     """One element per row: the stored codes are a strided slice of the padded blocks, which
     8- and 16-bit codes (whose stream is a byte view of them) must not leak into the stream."""
-    if backend == "compiled" and compiled_unavailable_reason():
-        pytest.skip(compiled_unavailable_reason())
     device = TRITON_DEVICE if backend == "triton" else "cpu"
-    if backend == "triton" and triton_unavailable_reason(device):
-        pytest.skip(triton_unavailable_reason(device))
+    if unavailable_reason(backend, device):
+        pytest.skip(unavailable_reason(backend, device))
     fmt = parse_format(spec)
     x = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(device)
     packed = fmt.pack(x, axis=axis, backend=backend)
@@ -428,13 +430,13 @@ def test_pack_along_an_axis_of_length_one(backend, spec, shape, axis):
 @pytest.mark.parametrize("shape", [(0,), (3, 0), (0, 5)])
 def test_empty_tensors_pack_and_unpack_on_the_reference(spec, shape):
     """Empty tensors pack to empty streams, and unpacking them gives them back. Whatever the
-    backend, dispatch runs them on the reference (nothing to compute, and the fast paths assume
+    backend, they run on the reference (nothing to compute, and the fast paths assume
     an element), so this asserts that routing instead of comparing the reference with itself
     once per backend name (the per-path property tests draw no empty tensors)."""
     fmt = parse_format(spec)
     x = torch.empty(shape)
     for backend in (None, *BACKENDS):
-        assert select_path(x, backend) is reference, backend
+        assert select_backend(x, backend) is reference, backend
     packed = fmt.pack(x, axis=-1, backend="reference")
     check_packed(packed, fmt, x, -1)  # the header, the payload's names and dtypes, nbytes == 0
     assert packed.nbytes == 0 and all(t.numel() == 0 for t in packed.payload.values())
@@ -443,7 +445,7 @@ def test_empty_tensors_pack_and_unpack_on_the_reference(spec, shape):
     assert_bitwise_equal(out, fmt.quantize(x, -1, backend="reference"), "empty")
 
 
-UNKNOWN_BACKEND = "unknown backend 'bogus'; choose one of ('reference', 'compiled', 'triton')"
+UNKNOWN_BACKEND = "'bogus'; choose one of auto, reference, compile, c, triton"
 ONE_SPEC_PER_FORMAT = [*FLOAT_SPECS, "bfp4", "fixed8", "fixed8f4"]
 
 
@@ -467,11 +469,11 @@ def test_an_unknown_backend_is_refused_by_every_format(spec, shape, monkeypatch)
         "quantize_chain": lambda backend: fmt.quantize_chain(x, 1, fmt, 0, backend=backend),
     }
     for name, call in calls.items():
-        with pytest.raises(ValueError, match=re.escape(UNKNOWN_BACKEND)):
+        with pytest.raises(ValueError, match=re.escape(f"unknown backend {UNKNOWN_BACKEND}")):
             call("bogus")
             pytest.fail(f"{spec}.{name} accepted backend='bogus'")
     monkeypatch.setenv("DSQ_BACKEND", "bogus")
     for name, call in calls.items():
-        with pytest.raises(ValueError, match=re.escape(UNKNOWN_BACKEND)):
+        with pytest.raises(ValueError, match=re.escape(f"unknown DSQ_BACKEND {UNKNOWN_BACKEND}")):
             call(None)
             pytest.fail(f"{spec}.{name} accepted DSQ_BACKEND=bogus")

@@ -1,7 +1,7 @@
 """The fused pairs of the engine, bit for bit against the two calls they replace:
 ``quantize_and_pack`` (a GEMM input and its stash, from one read) and ``quantize_chain`` (an
-incoming gradient as fetched, then as a GEMM input), on every path: the reference (two calls),
-the compiled path and the Triton kernels (under ``TRITON_INTERPRET=1`` on CPU, conftest.py)."""
+incoming gradient as fetched, then as a GEMM input), on every backend: the reference (two calls),
+c, compile and triton (the Triton kernels under ``TRITON_INTERPRET=1`` on CPU, conftest.py)."""
 
 from __future__ import annotations
 
@@ -11,26 +11,27 @@ from helpers.tensors import assert_bitwise_equal
 from test_packing import edge_tensor, with_nonfinite
 
 from dsq.formats import parse_format
-from dsq.formats.dispatch import (
-    _module,
-    compiled_unavailable_reason,
-    triton_unavailable_reason,
-)
+from dsq.formats.backends import default_backend, load_backend, unavailable_reason
 
 pytestmark = pytest.mark.slow  # compiles kernels and runs the Triton interpreter
 
-needs_compiled = pytest.mark.skipif(
-    compiled_unavailable_reason() is not None, reason=str(compiled_unavailable_reason())
-)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-needs_triton = pytest.mark.skipif(
-    triton_unavailable_reason(DEVICE) is not None, reason=str(triton_unavailable_reason(DEVICE))
+
+
+def _skip_unless(name: str, device: str = "cpu"):
+    reason = unavailable_reason(name, device)
+    return pytest.mark.skipif(reason is not None, reason=str(reason))
+
+
+# the default CPU backend (DSQ_BACKEND's, else auto's) has fused kernels
+needs_fused_cpu = pytest.mark.skipif(
+    default_backend("cpu") == "reference", reason="the CPU backend in use has no fused kernels"
 )
 BACKENDS = [
     "reference",
-    pytest.param("compiled", marks=needs_compiled),
-    pytest.param("torch.compile", marks=needs_compiled),  # the compiled path, C kernels off
-    pytest.param("triton", marks=needs_triton),
+    pytest.param("c", marks=_skip_unless("c")),
+    pytest.param("compile", marks=_skip_unless("compile")),
+    pytest.param("triton", marks=_skip_unless("triton", DEVICE)),
 ]
 
 # (tensor shape, what it exercises): rows that fill whole stash blocks, a partial last block
@@ -45,12 +46,12 @@ def _tensor(shape, nonfinite: bool, backend: str = "reference") -> torch.Tensor:
 
 
 def _spy(monkeypatch, backend: str, name: str) -> list[int]:
-    """Count the calls of the path's fused function, so that a test knows it ran (the reference
-    path has none: its pairs are the two calls)."""
+    """Count the calls of the backend's fused function, so that a test knows it ran (the
+    reference has none: its pairs are the two calls)."""
     calls: list[int] = []
     if backend == "reference":
         return calls
-    module = _module(backend)
+    module = load_backend(backend)
     original = getattr(module, name)
 
     def spy(*args):
@@ -61,7 +62,7 @@ def _spy(monkeypatch, backend: str, name: str) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("nonfinite", [False, True])
 @pytest.mark.parametrize("pair", [("bfp8", "bfp2"), ("bfp8", "bfp4"), ("bfp4e6b8", "bfp11b4")])
@@ -85,7 +86,7 @@ def test_quantize_and_pack_equals_the_two_calls(backend, shape, nonfinite, pair,
     assert_bitwise_equal(packed.unpack(), stash.quantize(x, before, backend="reference"))
 
 
-@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("nonfinite", [False, True])
 @pytest.mark.parametrize("pair", [("fixed16", "bfp8"), ("fixed8", "bfp3"), ("fixed24", "bfp6e5b8")])
@@ -101,7 +102,7 @@ def test_quantize_chain_equals_the_two_calls(backend, shape, nonfinite, pair, sc
     assert_bitwise_equal(g2, second.quantize(expected, x.dim() - 1, backend="reference"), "second")
 
 
-@needs_compiled
+@needs_fused_cpu
 @pytest.mark.parametrize(
     "fmt, axis, stash, stash_axis, why",
     [
@@ -117,10 +118,10 @@ def test_pairs_the_kernel_does_not_cover_run_as_two_calls(
 ):
     fmt, stash = parse_format(fmt), parse_format(stash)
     x = _tensor((40, 32), False)
-    calls = _spy(monkeypatch, "compiled", "bfp_quantize_and_pack")
+    calls = _spy(monkeypatch, default_backend("cpu"), "bfp_quantize_and_pack")
     values, packed = fmt.quantize_and_pack(x, axis, stash, stash_axis)
     assert not calls, why
-    # the values against the reference (not the compiled path's own unfused calls)
+    # the values against the reference (not the backend's own unfused calls)
     assert_bitwise_equal(values, fmt.quantize(x, axis, backend="reference"))
     expected = stash.pack(x, stash_axis, backend="reference")
     assert (packed.fmt, packed.axis) == (stash, expected.axis)
@@ -129,7 +130,7 @@ def test_pairs_the_kernel_does_not_cover_run_as_two_calls(
     assert_bitwise_equal(packed.unpack(), stash.quantize(x, stash_axis, backend="reference"))
 
 
-@needs_compiled
+@needs_fused_cpu
 def test_new_batch_lengths_reuse_the_fused_kernels():
     """Token counts vary from batch to batch; they must not compile a kernel each (two sizes are
     compiled apart at most: one block of rows, and the dynamic case)."""
@@ -152,11 +153,7 @@ def test_stochastic_pairs_are_the_two_calls_in_order(which, monkeypatch):
     r1 = "stochastic" if which in ("first", "both") else "nearest"
     r2 = "stochastic" if which in ("second", "both") else "nearest"
     bfp8, bfp2, fixed16 = parse_format("bfp8"), parse_format("bfp2"), parse_format("fixed16")
-    calls = (
-        _spy(monkeypatch, "compiled", "bfp_quantize_and_pack")
-        if compiled_unavailable_reason() is None
-        else []
-    )
+    calls = _spy(monkeypatch, default_backend("cpu"), "bfp_quantize_and_pack")
 
     def gens():
         g = torch.Generator().manual_seed(7)

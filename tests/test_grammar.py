@@ -105,17 +105,47 @@ def test_unknown_backend_and_unavailable_backend_are_errors():
     with pytest.raises(ValueError, match="backend"):
         fmt.quantize(torch.zeros(16), backend="cuda-magic")
     if not torch.cuda.is_available():
-        with pytest.raises(RuntimeError, match="compiled path is for CPU"):
-            # the compiled path refuses a device it does not serve, rather than falling back
-            fmt.quantize(torch.zeros(16, device="meta"), backend="compiled")
+        for backend in ("c", "compile"):
+            with pytest.raises(RuntimeError, match="for CPU tensors"):
+                # a named backend refuses a device it does not serve, rather than falling back
+                fmt.quantize(torch.zeros(16, device="meta"), backend=backend)
 
 
-def test_automatic_dispatch_falls_back_to_the_reference_with_a_logged_reason(caplog):
+def test_auto_falls_back_with_one_logged_reason(caplog, monkeypatch):
     import logging
 
-    from dsq.formats import reference, select_path
+    from dsq.formats import backends, reference, select_backend
 
-    with caplog.at_level(logging.INFO, logger="dsq.formats"):
-        path = select_path(torch.empty(4, device="meta"))
-    assert path is reference
-    assert any("using the reference quantizer" in r.getMessage() for r in caplog.records)
+    monkeypatch.delenv("DSQ_BACKEND", raising=False)
+    monkeypatch.setattr(backends, "AUTO_ORDER", {"meta": ("compile", "reference")})
+    backends.auto_backend.cache_clear()
+    backends._log_once.cache_clear()
+    try:
+        with caplog.at_level(logging.INFO, logger="dsq.formats"):
+            for _ in range(3):
+                assert select_backend(torch.empty(4, device="meta")) is reference
+    finally:
+        backends.auto_backend.cache_clear()
+    logged = [r.getMessage() for r in caplog.records]
+    assert logged == [
+        "dsq: quantizers on the reference backend (compile: its kernels are for CPU "
+        "tensors (got meta))"
+    ], logged
+
+
+def test_a_backend_lacking_an_operation_is_refused_when_loaded(monkeypatch):
+    import types
+
+    from dsq.formats import backends
+
+    partial = types.ModuleType("partial_backend")
+    partial.unavailable_reason = lambda device_type: None
+    partial.bfp_quantize = lambda *args: None
+    monkeypatch.setitem(backends._MODULES, "reference", "partial_backend")
+    monkeypatch.setitem(__import__("sys").modules, "partial_backend", partial)
+    backends.load_backend.cache_clear()
+    try:
+        with pytest.raises(TypeError, match="lacks bfp_pack, bfp_unpack"):
+            backends.load_backend("reference")
+    finally:
+        backends.load_backend.cache_clear()

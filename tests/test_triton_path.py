@@ -20,8 +20,8 @@ from helpers.tensors import assert_bitwise_equal  # noqa: E402
 pytest.importorskip("triton")
 
 import dsq.kernels.bfp as kernels  # noqa: E402
+from dsq.formats import backend_triton as tp  # noqa: E402
 from dsq.formats import reference as ref  # noqa: E402
-from dsq.formats import triton_path as tp  # noqa: E402
 
 pytestmark = pytest.mark.slow  # trains, compiles or spawns processes (not in make test-fast)
 

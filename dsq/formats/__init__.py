@@ -10,8 +10,8 @@ A new format is one class decorated with ``@register`` (see ``floats.py`` for th
 """
 
 from . import bfp, fixed, floats  # noqa: F401  (registers the formats, in parse order)
+from .backends import BACKENDS, default_backend, select_backend
 from .base import GRAMMAR, Format, PackedTensor, parse_format, register, registered_formats
-from .dispatch import BACKENDS, default_backend, select_path
 
 __all__ = [
     "BACKENDS",
@@ -22,5 +22,5 @@ __all__ = [
     "parse_format",
     "register",
     "registered_formats",
-    "select_path",
+    "select_backend",
 ]

@@ -6,8 +6,8 @@ import re
 
 import torch
 
+from .backends import select_backend
 from .base import Format, PackedTensor, check_input, check_int_range, register
-from .dispatch import select_path
 
 
 @register
@@ -47,43 +47,40 @@ class BFP(Format):
     def quantize(self, x, axis=-1, rounding="nearest", generator=None, *, backend=None):
         axis = check_input(x, axis, rounding, generator)
         with torch.no_grad():
-            path = select_path(x, backend)
+            path = select_backend(x, backend)
             return path.bfp_quantize(x, *self._args(), axis, rounding, generator)
 
     def pack(self, x, axis=-1, rounding="nearest", generator=None, *, backend=None):
         axis = check_input(x, axis, rounding, generator)
         with torch.no_grad():
-            path = select_path(x, backend)
+            path = select_backend(x, backend)
             mantissas, exponents = path.bfp_pack(x, *self._args(), axis, rounding, generator)
         payload = {"mantissas": mantissas, "exponents": exponents}
         return PackedTensor(self, tuple(x.shape), x.dtype, axis, payload)
 
-    def _fused(self, pair: str, x, axis, other, other_axis, backend):
-        """(the path's ``bfp_<pair>`` run on x, ``other_axis`` made non-negative), or None when
-        the path has no such pair or ``fusable_<pair>`` says it does not cover the two formats
-        and axes (both take (x, args, axis, other args, other axis))."""
+    def _pair(self, x, axis, other, other_axis, backend):
+        """(the backend to run the pair on, its arguments (x, args, axis, other args, other axis)
+        with both axes made non-negative), or None when ``other`` is not BFP: only BFP pairs
+        have fused kernels."""
+        if not isinstance(other, BFP):
+            return None
         axis = check_input(x, axis, "nearest", None)
         other_axis = check_input(x, other_axis, "nearest", None)
-        path = select_path(x, backend)
-        fused = getattr(path, f"bfp_{pair}", None)
-        if fused is None or not isinstance(other, BFP):
-            return None
-        args = (x, self._args(), axis, other._args(), other_axis)
-        if not getattr(path, f"fusable_{pair}")(*args):
-            return None
-        with torch.no_grad():
-            return fused(*args), other_axis
+        return select_backend(x, backend), (x, self._args(), axis, other._args(), other_axis)
 
     def quantize_and_pack(
         self, x, axis, stash, stash_axis, *, rounding="nearest", stash_rounding="nearest",
         generator=None, stash_generator=None, backend=None,
     ):  # fmt: skip
-        if rounding == stash_rounding == "nearest":  # the fused kernels round to nearest
-            out = self._fused("quantize_and_pack", x, axis, stash, stash_axis, backend)
-            if out is not None:
-                (values, mantissas, exponents), stash_axis = out
+        pair = self._pair(x, axis, stash, stash_axis, backend)
+        # the fused kernels round to nearest
+        if rounding == stash_rounding == "nearest" and pair is not None:
+            path, args = pair
+            if path.fusable_quantize_and_pack(*args):
+                with torch.no_grad():
+                    values, mantissas, exponents = path.bfp_quantize_and_pack(*args)
                 payload = {"mantissas": mantissas, "exponents": exponents}
-                return values, PackedTensor(stash, tuple(x.shape), x.dtype, stash_axis, payload)
+                return values, PackedTensor(stash, tuple(x.shape), x.dtype, args[-1], payload)
         return super().quantize_and_pack(
             x, axis, stash, stash_axis, rounding=rounding, stash_rounding=stash_rounding,
             generator=generator, stash_generator=stash_generator, backend=backend,
@@ -93,10 +90,12 @@ class BFP(Format):
         self, x, axis, second, second_axis, *, rounding="nearest", second_rounding="nearest",
         generator=None, second_generator=None, backend=None,
     ):  # fmt: skip
-        if rounding == second_rounding == "nearest":  # the fused kernels round to nearest
-            out = self._fused("quantize_chain", x, axis, second, second_axis, backend)
-            if out is not None:
-                return out[0]
+        pair = self._pair(x, axis, second, second_axis, backend)
+        if rounding == second_rounding == "nearest" and pair is not None:
+            path, args = pair
+            if path.fusable_quantize_chain(*args):
+                with torch.no_grad():
+                    return path.bfp_quantize_chain(*args)
         return super().quantize_chain(
             x, axis, second, second_axis, rounding=rounding, second_rounding=second_rounding,
             generator=generator, second_generator=second_generator, backend=backend,
@@ -108,7 +107,7 @@ class BFP(Format):
             # a probe of the stored tensor's size: an empty one unpacks on the reference, as it
             # packed there (the fast paths assume at least one element)
             probe = p["mantissas"].new_empty(min(packed.numel(), 1), dtype=torch.float32)
-            path = select_path(probe, backend)
+            path = select_backend(probe, backend)
             return path.bfp_unpack(
                 p["mantissas"],
                 p["exponents"],

@@ -6,8 +6,8 @@ import re
 
 import torch
 
+from .backends import select_backend
 from .base import Format, PackedTensor, check_input, check_int_range, register
-from .dispatch import select_path
 
 
 @register
@@ -40,13 +40,13 @@ class FixedStatic(Format):
     def quantize(self, x, axis=-1, rounding="nearest", generator=None, *, backend=None):
         check_input(x, axis, rounding, generator)
         with torch.no_grad():
-            path = select_path(x, backend)
+            path = select_backend(x, backend)
             return path.fixed_static_quantize(x, self.width, self.frac_bits, rounding, generator)
 
     def pack(self, x, axis=-1, rounding="nearest", generator=None, *, backend=None):
         axis = check_input(x, axis, rounding, generator)
         with torch.no_grad():
-            path = select_path(x, backend)
+            path = select_backend(x, backend)
             integers, nan_mask = path.fixed_static_pack(
                 x, self.width, self.frac_bits, rounding, generator
             )
@@ -61,7 +61,7 @@ class FixedStatic(Format):
             # a probe of the stored tensor's size: an empty one unpacks on the reference, as it
             # packed there (the fast paths assume at least one element)
             probe = p["integers"].new_empty(min(packed.numel(), 1), dtype=torch.float32)
-            path = select_path(probe, backend)
+            path = select_backend(probe, backend)
             return path.fixed_static_unpack(
                 p["integers"],
                 p.get("nan_mask"),

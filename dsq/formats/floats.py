@@ -13,8 +13,8 @@ import re
 
 import torch
 
+from .backends import requested_backend
 from .base import Format, PackedTensor, check_input, register
-from .dispatch import requested_backend
 
 _MANTISSA_BITS = {
     torch.float32: 23,

@@ -288,9 +288,8 @@ def unpack_bits(stream: torch.Tensor, width: int, count: int) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- fused pairs
-# A path may offer `bfp_quantize_and_pack` and `bfp_quantize_chain` with a `fusable_*` test each
-# (docs/formats.md, "Fused pairs"); these are the layouts every such path needs. The reference
-# has no fused functions: its pairs are the two calls.
+# Every backend offers `bfp_quantize_and_pack` and `bfp_quantize_chain` with a `fusable_*` test
+# each (docs/formats.md, "Fused pairs"); these are the layouts every fused kernel needs.
 def quantize_and_pack_layout(x, q_args, axis, p_args, pack_axis) -> bool:
     """A quantizer with per-block BFP along the last axis, its blocks tiling it, and a stash with
     per-block BFP along the axis before it."""
@@ -320,10 +319,38 @@ def quantize_chain_layout(x, first_args, axis, second_args, second_axis) -> bool
     )
 
 
-# ----------------------------------------------------------------------------- path interface
-# Each path module (reference, compiled, triton_path) offers these six functions with these
-# signatures; the format classes call whichever path dispatch picked. Payload layouts are
-# documented in docs/formats.md and are identical, byte for byte, on every path.
+# ----------------------------------------------------------------------------- backend interface
+# Every backend (backends.py) offers these functions with these signatures; the format classes
+# call whichever backend `backends.select_backend` picked. Payload layouts are documented in
+# docs/formats.md and are identical, byte for byte, on every backend.
+def unavailable_reason(device_type: str) -> str | None:
+    """The reference runs on every device."""
+    return None
+
+
+def fusable_quantize_and_pack(x, q_args, axis, p_args, pack_axis) -> bool:
+    """The reference fuses nothing: a format runs its pairs as the two calls."""
+    return False
+
+
+def bfp_quantize_and_pack(x, q_args, axis, p_args, pack_axis):
+    """The pair's definition: (bfp_quantize(x, *q_args, axis), *bfp_pack(x, *p_args, pack_axis)),
+    nearest rounding, which every fused kernel equals bit for bit."""
+    return (bfp_quantize(x, *q_args, axis), *bfp_pack(x, *p_args, pack_axis))
+
+
+def fusable_quantize_chain(x, first_args, axis, second_args, second_axis) -> bool:
+    """The reference fuses nothing: a format runs its pairs as the two calls."""
+    return False
+
+
+def bfp_quantize_chain(x, first_args, axis, second_args, second_axis):
+    """The pair's definition: (q = bfp_quantize(x, *first_args, axis), bfp_quantize(q,
+    *second_args, second_axis)), nearest rounding, which every fused kernel equals."""
+    first = bfp_quantize(x, *first_args, axis)
+    return first, bfp_quantize(first, *second_args, second_axis)
+
+
 def bfp_pack(x, man_bits, exp_bits, block, axis, rounding="nearest", generator=None):
     """(mantissa stream, exponent stream): ``pack_bits`` of the codes of ``bfp_encode``."""
     if x.numel() == 0:

@@ -2,12 +2,14 @@
  *
  * They compute, bit for bit, what dsq/formats/reference.py defines, for the formats the
  * training loop quantizes with every step: BFP(m, E, B) with E <= 8 and 2 <= m <= 23, and
- * fixed<w> (one block spanning the tensor) with w <= 23. The host glue (dsq.kernels/cpu.py and
- * dsq/formats/compiled.py) lays the tensor out as float32 with the block axis last and
- * contiguous, and sends every other case to the torch.compile kernels. Every pointer is to
- * contiguous memory owned by the caller. Built with OpenMP, large calls run on as many threads
- * as dsq_set_threads last said (torch's count); every result is the same for any number of
- * threads (blocks are independent, and a max does not depend on its order).
+ * fixed<w> (one block spanning the tensor) with w <= 23. bfp_ops.cpp compiles this file as C++
+ * (the casts of malloc's result are for C++) and registers each entry point as a torch custom
+ * op; the host glue (dsq/kernels/cpu.py and dsq/formats/backend_compile.py) lays the tensor out
+ * as float32 with the block axis last and contiguous, and sends every other case to the
+ * torch.compile kernels. Every pointer is to contiguous memory owned by the caller (the ops
+ * allocate it and check its dtype and length). Built with OpenMP, large calls run on as many
+ * threads as dsq_set_threads last said (torch's count); every result is the same for any number
+ * of threads (blocks are independent, and a max does not depend on its order).
  *
  * Why float32 is exact here (the reference works in float64):
  *   - e = floor(log2 max|x|) comes from the bits: the integer max of (bits & 0x7FFFFFFF) over a
@@ -269,7 +271,7 @@ int dsq_bfp_quantize_columns(const float *x, float *out, int64_t outer, int64_t 
     const Format f = format_of(man_bits, exp_bits);
     const int64_t n_blocks = (n + block - 1) / block, tiles = outer * n_blocks;
     const size_t per_thread = tile_scratch_bytes(block, inner);
-    char *memory = malloc(per_thread * (size_t)threads());
+    char *memory = (char *)malloc(per_thread * (size_t)threads());
     if (!memory) return -1;
 #pragma omp parallel for schedule(static) num_threads(team) if (outer * n * inner >= PARALLEL_MIN)
     for (int64_t t = 0; t < tiles; t++) {
@@ -370,7 +372,7 @@ int dsq_bfp_quantize_and_pack(const float *x, int64_t stride_l, int64_t stride_n
     const int64_t N = n_blocks * p_block, tiles = L * n_blocks;
     const Format q = format_of(q_man, q_exp), p = format_of(p_man, p_exp);
     const size_t per_thread = tile_scratch_bytes(p_block, K);
-    char *memory = malloc(per_thread * (size_t)threads());
+    char *memory = (char *)malloc(per_thread * (size_t)threads());
     if (!memory) return -1;
 #pragma omp parallel for schedule(static) num_threads(team) if (L * N * K >= PARALLEL_MIN)
     for (int64_t t = 0; t < tiles; t++) {
@@ -503,7 +505,7 @@ int dsq_bfp_decode(const uint8_t *mantissas, int64_t m_size, const uint8_t *expo
                    int man_bits, int exp_bits) {
     const int64_t n_blocks = (n + block - 1) / block;
     const size_t per_thread = (size_t)(n + n_blocks + 63) / 64 * 64;
-    uint8_t *memory = malloc(per_thread * (size_t)threads());
+    uint8_t *memory = (uint8_t *)malloc(per_thread * (size_t)threads());
     if (!memory) return -1;
 #pragma omp parallel for schedule(static) num_threads(team) if (rows * n >= PARALLEL_MIN)
     for (int64_t r = 0; r < rows; r++) {

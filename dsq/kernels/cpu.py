@@ -1,61 +1,74 @@
-"""The C kernels of ``bfp_cpu.c`` (BFP and fixed<w> with nearest rounding, on CPU tensors).
+"""The C kernels of ``bfp_cpu.c`` (BFP and fixed<w> with nearest rounding, on CPU tensors), as
+the torch custom ops ``torch.ops.dsq.*``.
 
-The source is compiled on first use with the machine's C compiler (``$CC``, else ``cc``) for
-the machine's own CPU (``-march=native``) with OpenMP, each dropped if the compiler refuses it,
-and loaded with ctypes. The library is cached in ``$DSQ_CACHE/c-kernels`` (default
-``~/.cache/dsq``) under a name that hashes the source, the flags, the compiler's version and
-the CPU's model and feature flags, so a cluster's shared home never hands one node's build to
-another kind of CPU. The build writes a temporary file and renames it into place, so
-concurrent first uses (test workers, ranks) never load half a file.
+``bfp_ops.cpp`` compiles ``bfp_cpu.c`` as C++ and registers each kernel with torch's dispatcher
+(namespace ``dsq``); this module builds it on first use with torch's extension machinery
+(``torch.utils.cpp_extension``: the machine's C++ compiler, ``$CXX`` else ``c++``, driven by
+ninja) and loads it. So torch.compile traces the kernels as single ops (each has a fake
+implementation here, which gives its outputs' shapes and dtypes without running it), the
+profiler lists them by name (``dsq::bfp_quantize``), and every call checks its tensors at the
+boundary: a tensor of another dtype, device or layout is a one-line ValueError, never memory
+read as the wrong type. The ops are registered in C++ (``TORCH_LIBRARY``) rather than with
+``torch.library`` in Python because a training step makes hundreds of calls: through the
+dispatcher (``torch.ops.dsq.<op>.default``) a call on a 16 x 16 block costs no more than the
+former ctypes call (about 4 us against 4.5 on a 2-core VM), a Python kernel behind
+``torch.library.Library.impl`` about twice that and one made by ``torch.library.custom_op`` four
+to five times.
 
-Like ``bfp.py`` this module knows nothing of the formats above it: its wrappers take contiguous
-float32 (or uint8) CPU tensors laid out as ``bfp_cpu.c`` states and return new tensors. The host
-glue is ``dsq/formats/compiled.py``, which decides what runs here.
+What the build guarantees:
+
+* exactness: the kernels' argument (``bfp_cpu.c``'s header) counts every rounding, so every
+  variant compiles with IEEE arithmetic and no contraction into fused multiply-adds (FLAGS);
+* the first of VARIANTS that builds wins (the machine's own instruction set and OpenMP, then
+  OpenMP alone, then neither); when none builds, BuildError quotes the compiler's complaint for
+  each, and the callers run the torch.compile kernels instead (slower, bit for bit the same);
+* one build per CPU: each variant builds in its own folder of ``$DSQ_CACHE/c-kernels`` (default
+  ``~/.cache/dsq``) whose name hashes the sources, the flags, torch's version and the CPU's model
+  and feature flags, so a cluster's shared home never hands one node's ``-march=native`` build to
+  another kind of CPU. Deleting the folder rebuilds;
+* concurrent first uses (test workers, ranks) build once: cpp_extension holds a lock file in the
+  folder while it builds, and the others wait for it. A lock left by a process killed mid-build
+  is removed once older than any build could be (STALE_LOCK_S).
+
+At run time the OpenMP calls bind to the libgomp torch has already loaded, sharing its thread
+pool; every op passes torch's thread count to the kernels (``dsq_set_threads``) on each call.
+
+Like ``bfp.py`` this module knows nothing of the formats above it: its wrappers take float32 (or
+uint8) CPU tensors laid out as ``bfp_cpu.c`` states and return new tensors. The host glue is
+``dsq/formats/backend_compile.py``, which decides what runs here.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
 import hashlib
+import logging
 import os
 import platform
-import shlex
 import shutil
-import subprocess
-import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("bfp_cpu.c")
+HERE = Path(__file__).parent
+SOURCES = (HERE / "bfp_ops.cpp", HERE / "bfp_cpu.c")  # the first includes the second
 # IEEE arithmetic, no contraction into fused multiply-adds: the kernels' exactness argument
 # (bfp_cpu.c's header) counts every rounding.
-FLAGS = ("-O3", "-std=c11", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math")
-# Tried in order until one builds: the machine's own instruction set, and OpenMP threads. At run
-# time the OpenMP calls bind to the libgomp torch has already loaded where torch ships it as
-# libgomp.so.1 (same soname), sharing torch's thread pool; elsewhere the compiler's own runtime
-# loads beside torch's. Either way the wrappers pass torch's thread count (`dsq_set_threads`).
+FLAGS = ("-O3", "-ffp-contract=off", "-fno-fast-math")
+# Tried in order until one builds: the machine's own instruction set, and OpenMP threads.
 VARIANTS = (("-march=native", "-fopenmp"), ("-fopenmp",), ())
+# A build takes under a minute; a lock file an hour old was left by a process killed mid-build
+# (a build suspended for that long, or on a host of a shared cache whose clock is that far off,
+# loses its lock and builds again beside the next one, each into the same files).
+STALE_LOCK_S = 3600
+log = logging.getLogger("dsq.kernels")
 
 
 class BuildError(RuntimeError):
     """The kernels could not be compiled or loaded here (the message says why)."""
-
-
-def _compiler() -> list[str]:
-    """The C compiler's command ($CC may carry words, as in ``ccache gcc``)."""
-    command = shlex.split(os.environ.get("CC") or "cc")
-    if not command:
-        raise BuildError("CC is empty; set it to a C compiler")
-    found = shutil.which(command[0])
-    if found is None and "CC" not in os.environ:
-        found = shutil.which("gcc")
-    if found is None:
-        raise BuildError(f"no C compiler ({command[0]}) on PATH; set CC to one")
-    return [found, *command[1:]]
 
 
 def _cpu_identity() -> str:
@@ -74,136 +87,154 @@ def cache_dir() -> Path:
     return Path(root) / "c-kernels"
 
 
-def _complaint(stderr: str) -> str:
-    """The compiler's first error line (the last line is usually "compilation terminated")."""
-    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+def build_key(sources: Sequence[Path], flags: Sequence[str], identity: str = "") -> str:
+    """What a build depends on, hashed: the sources' text, every flag, torch's version (the
+    library links against it), the CPU and ``identity`` (anything else, such as the path of a
+    linked library)."""
+    parts = [source.read_bytes() for source in sources]
+    parts += [" ".join(flags).encode(), torch.__version__.encode(), _cpu_identity().encode()]
+    return hashlib.sha256(b"\0".join([*parts, identity.encode()])).hexdigest()[:16]
+
+
+def _complaint(message: str) -> str:
+    """The compiler's first error line in cpp_extension's message (ninja's report: "FAILED:
+    target", the command, then the compiler's output), else the message's first line."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    failed = next((i for i, line in enumerate(lines) if line.startswith("FAILED:")), None)
+    if failed is not None:
+        output = [line for line in lines[failed + 2 :] if not line.startswith("ninja:")]
+        lines = output or lines[failed : failed + 1]
     errors = [line for line in lines if "error" in line.lower()]
     return (errors or lines or ["failed without a message"])[0]
 
 
-def _compile(
-    compiler: list[str], flags: tuple[str, ...], source: Path, target: Path, links=()
-) -> str | None:
-    """Compile into ``target`` atomically (a temporary file renamed into place, readable by
-    all, as a shared cache needs); the compiler's complaint, or None on success. A failure is
-    remembered beside the target (``.failed``), so other processes do not compile it again."""
-    failed = target.with_suffix(".failed")
-    if failed.exists():
-        return failed.read_text()
-    handle, temporary = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=target.parent)
-    os.close(handle)
+def _remove_stale_lock(directory: Path) -> None:
+    """Delete the lock file of a build killed midway (cpp_extension would wait for it forever);
+    a younger one is a build running elsewhere, which cpp_extension waits for."""
+    lock = directory / "lock"
     try:
-        done = subprocess.run(
-            [*compiler, *flags, str(source), "-o", temporary, *links],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if done.returncode != 0:
-            complaint = _complaint(done.stderr)
-            _write_atomically(failed, complaint)
-            return complaint
-        os.chmod(temporary, 0o755)
-        os.replace(temporary, target)
-        return None
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            lock.unlink()
+    except OSError:  # no lock, or another process removed it first
+        pass
+
+
+@contextlib.contextmanager
+def _quiet(logger):
+    """Within the block, ``logger`` (cpp_extension's) logs errors only: its compiler check logs a
+    banner for every compiler it does not recognise (clang, a wrapper script), once per variant,
+    while a compiler that cannot build the kernels is named in BuildError anyway."""
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
     finally:
-        if os.path.exists(temporary):
-            os.unlink(temporary)
+        logger.setLevel(level)
 
 
-STALE_AFTER_S = 86400  # a build takes about a second: a day-old temporary file's build died
+@contextlib.contextmanager
+def _ninja_on_path():
+    """Within the block, ``ninja`` (the builder runs it from PATH) is on PATH: the ``ninja``
+    package's binary where the system has none, as when the package sits in a virtualenv that
+    was not activated."""
+    path = os.environ.get("PATH")
+    try:
+        import ninja  # the PyPI package: a binary and the folder holding it
 
-
-def _remove_stale_temporaries(directory: Path) -> None:
-    """Delete the temporary files of builds killed midway (they are never renamed into place).
-    A build still running in another process is far younger than STALE_AFTER_S, also when it
-    was suspended for hours or runs on another host of a shared cache whose clock is off."""
-    now = time.time()
-    for temporary in directory.glob(".build-*"):
-        try:
-            if now - temporary.stat().st_mtime > STALE_AFTER_S:
-                temporary.unlink()
-        except OSError:  # another process removed it first
-            pass
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    handle, temporary = tempfile.mkstemp(prefix=".build-", dir=path.parent)
-    with os.fdopen(handle, "w") as file:
-        file.write(text)
-    os.replace(temporary, path)
+        if shutil.which("ninja") is None:
+            os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, *([path] if path else [])])
+    except ImportError:
+        pass
+    try:
+        yield
+    finally:
+        if path is None:
+            os.environ.pop("PATH", None)
+        else:
+            os.environ["PATH"] = path
 
 
 def build(
-    source: Path, variants, flags=FLAGS, links: tuple[str, ...] = (), identity: str = ""
-) -> ctypes.CDLL:
-    """``source`` compiled into a cached shared library (one build per source, flags, compiler,
-    CPU and ``identity``: what else the build depends on, such as a linked library's path) and
-    loaded; the first of ``variants`` (extra flags) that builds wins. BuildError (never another
-    exception) if none builds or loads, naming the compiler and its complaint for each."""
+    name: str,
+    sources: Sequence[Path],
+    variants=VARIANTS,
+    flags: Sequence[str] = FLAGS,
+    *,
+    ldflags: Sequence[str] = (),
+    includes: Sequence[Path] = (),
+    identity: str = "",
+) -> str:
+    """``sources[0]`` (a C++ file, which may include the others) built into a cached shared
+    library with torch's extension machinery and loaded into this process, its ops registered;
+    the library's path. The first of ``variants`` (extra flags) that builds wins, each in its
+    own folder ``name-<build_key>`` of `cache_dir`. BuildError (never another exception) if none
+    builds or loads, naming the compiler and its complaint for each."""
     try:
-        compiler = _compiler()
-        version = subprocess.run(
-            [*compiler, "--version"], capture_output=True, text=True, check=False
-        ).stdout
+        from torch.utils import cpp_extension  # imports setuptools: only when first used
+
         cache_dir().mkdir(parents=True, exist_ok=True)
-        _remove_stale_temporaries(cache_dir())
-    except OSError as err:  # an unwritable cache, a compiler that does not run
+    except (ImportError, OSError) as err:  # an unwritable cache, no setuptools
         raise BuildError(f"the C kernels cannot be built here: {err}") from None
-    text = source.read_bytes()
     complaints = []
     for variant in variants:
-        all_flags = tuple(flags) + tuple(variant)
-        key = hashlib.sha256(
-            b"\0".join(
-                [
-                    text,
-                    " ".join(all_flags + tuple(links)).encode(),
-                    version.encode(),
-                    _cpu_identity().encode(),
-                    identity.encode(),
-                ]
-            )
-        ).hexdigest()[:20]
-        target = cache_dir() / f"{source.stem}-{key}.so"
+        all_flags = (*flags, *variant)
+        key = build_key(sources, [*all_flags, *ldflags, *map(str, includes)], identity)
+        directory = cache_dir() / f"{name}-{key}"
+        # torch's builder keeps one build per extension name and process, and rebuilds under a
+        # new name (loading the ops twice, which aborts) when one name meets two folders
+        extension = f"dsq_{name}_{hashlib.sha256(str(directory).encode()).hexdigest()[:16]}"
         try:
-            complaint = (
-                None if target.exists() else _compile(compiler, all_flags, source, target, links)
-            )
-            if complaint is None:
-                return ctypes.CDLL(str(target))
-        except OSError as err:
-            complaint = str(err)
-        complaints.append(f"[{' '.join(variant) or 'plain'}] {complaint}")
+            directory.mkdir(exist_ok=True)
+            _remove_stale_lock(directory)
+            if not (directory / f"{extension}.so").exists():
+                log.info("building %s for this CPU in %s (once, under a minute)", name, directory)
+            with _quiet(cpp_extension.logger), _ninja_on_path():
+                return cpp_extension.load(
+                    name=extension,
+                    sources=[str(sources[0])],
+                    extra_cflags=list(all_flags),
+                    extra_ldflags=[*(flag for flag in variant if flag == "-fopenmp"), *ldflags],
+                    extra_include_paths=[str(path) for path in includes],
+                    build_directory=str(directory),
+                    is_python_module=False,
+                    verbose=False,
+                )
+        except Exception as err:  # noqa: BLE001 - a compiler's or loader's complaint, quoted
+            complaints.append(f"[{' '.join(variant) or 'plain'}] {_complaint(str(err))}")
+    compiler = os.environ.get("CXX") or "c++"
     raise BuildError(
-        f"{source.name} did not build with {' '.join(compiler)}: {'; '.join(complaints)}"
+        f"{sources[0].name} did not build with {compiler} (set CXX to choose the C++ compiler): "
+        + "; ".join(complaints)
     )
 
 
+_loaded: str | None = None  # the loaded library's path, once `library` has run
+
+
 @functools.cache
-def library() -> ctypes.CDLL:
-    """The loaded kernels, built first if this machine has no cached build; BuildError (never
-    another exception) if they cannot be built or loaded."""
-    return _declare(build(SOURCE, VARIANTS))
+def library() -> str:
+    """The path of the loaded kernels (``torch.ops.dsq.*`` registered), built first if this
+    machine has no cached build; BuildError (never another exception) if they cannot be built
+    or loaded."""
+    global _loaded
+    path = build("bfp_ops", SOURCES)
+    _register_fakes()
+    _loaded = path
+    return path
 
 
-_switched_off = 0  # depth of `switched_off` blocks
+def _ops():
+    """``torch.ops.dsq``, its kernels loaded. torch.compile reads `_loaded` as a constant (it
+    would trace `library` itself, not its cache, and stop at the build's file system calls)."""
+    if _loaded is None:
+        library()
+    return torch.ops.dsq
 
 
 def unavailable_reason() -> str | None:
-    """Why the kernels cannot run here (`disabled_reason`, or `build_failure`), or None when
-    they can."""
-    return disabled_reason() or build_failure()
-
-
-def disabled_reason() -> str | None:
-    """Why the kernels are switched off (DSQ_DISABLE_C_KERNELS set to anything but 0, or inside
-    `switched_off`), or None. Read on every call: setting the variable takes effect at once."""
-    if os.environ.get("DSQ_DISABLE_C_KERNELS", "") not in ("", "0"):
-        return "DSQ_DISABLE_C_KERNELS is set"
-    if _switched_off:
-        return "switched off by the caller"
-    return None
+    """Why the kernels cannot run here (`build_failure`), or None when they can. Running without
+    them on purpose is a choice of backend (``DSQ_BACKEND=compile``), not of this module."""
+    return build_failure()
 
 
 @functools.cache
@@ -217,102 +248,96 @@ def build_failure() -> str | None:
     return None
 
 
-@contextlib.contextmanager
-def switched_off():
-    """Within the block, `unavailable_reason` says no, in every thread of the process: what the
-    callers run without the kernels (a benchmark's side-by-side column, a test of the
-    fallback)."""
-    global _switched_off
-    _switched_off += 1
-    try:
-        yield
-    finally:
-        _switched_off -= 1
+# ----------------------------------------------------------------------------- fake kernels
+def need(op: str, t: torch.Tensor, dtype: torch.dtype, dim: int | None = None) -> None:
+    """The boundary check of ``bfp_ops.cpp``'s ``need``, with its message, for the fake
+    kernels: under torch.compile the fake tensors are CPU tensors, and a meta tensor (which
+    runs the fake kernel in eager mode) is refused like any other device."""
+    if t.dtype != dtype or t.device.type != "cpu" or t.layout != torch.strided:
+        got = f"{str(t.dtype).removeprefix('torch.')} on {t.device}"
+        if t.layout != torch.strided:
+            got += f" ({str(t.layout).removeprefix('torch.')} layout)"
+        raise ValueError(f"{op} needs a {str(dtype).removeprefix('torch.')} CPU tensor, got {got}")
+    if dim is not None and t.dim() != dim:
+        raise ValueError(f"{op} needs a {dim}-D tensor, got shape {list(t.shape)}")
 
 
-def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
-    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    signatures = {
-        "dsq_set_threads": (None, [i32]),
-        "dsq_bfp_quantize": (None, [p, p, i64, i64, i32, i32]),
-        "dsq_fixed_quantize": (None, [p, p, i64, i32, i32]),
-        "dsq_bfp_quantize_columns": (i32, [p, p, i64, i64, i64, i64, i32, i32]),
-        "dsq_fixed_then_bfp": (None, [p, p, p, i64, i32, i32, i32, i32, i64]),
-        "dsq_bfp_quantize_and_pack": (
-            i32,
-            [p, i64, i64, p, p, p, i64, i64, i64, i64, i32, i32, i64, i32, i32, i32],
-        ),
-        "dsq_pack_codes": (None, [p, i64, i32, p]),
-        "dsq_bfp_decode": (i32, [p, i64, p, i64, p, i64, i64, i64, i32, i32]),
-    }
-    for name, (restype, argtypes) in signatures.items():
-        function = getattr(lib, name)
-        function.restype, function.argtypes = restype, argtypes
-    return lib
+def _floats(*shape) -> torch.Tensor:
+    return torch.empty(shape, dtype=torch.float32)
+
+
+def _bytes(*shape) -> torch.Tensor:
+    return torch.empty(shape, dtype=torch.uint8)
+
+
+def _fake_bfp_quantize(blocks, man_bits, exp_bits):
+    need("dsq::bfp_quantize", blocks, torch.float32, 2)
+    return _floats(*blocks.shape)
+
+
+def _fake_bfp_quantize_columns(x, block, man_bits, exp_bits):
+    need("dsq::bfp_quantize_columns", x, torch.float32, 3)
+    return _floats(*x.shape)
+
+
+def _fake_fixed_quantize(x, man_bits, exp_bits):
+    need("dsq::fixed_quantize", x, torch.float32)
+    return _floats(*x.shape)
+
+
+def _fake_fixed_then_bfp(x, f_man, f_exp, s_man, s_exp, s_block):
+    need("dsq::fixed_then_bfp", x, torch.float32)
+    return _floats(*x.shape), _floats(*x.shape)
+
+
+def _fake_bfp_quantize_and_pack(x, p_block, q_man, q_exp, q_block, p_man, p_exp, stream):
+    need("dsq::bfp_quantize_and_pack", x, torch.float32, 3)
+    lead, n, k = x.shape
+    stash = _bytes(lead * k * n * p_man // 8) if stream else _bytes(lead, k, n)
+    return _floats(lead, n, k), stash, _bytes(lead, k, n // p_block)
+
+
+def _fake_pack_codes(codes, width):
+    need("dsq::pack_codes", codes, torch.uint8)
+    return _bytes((codes.numel() * width + 7) // 8)
+
+
+def _fake_bfp_decode(mantissas, exponents, rows, n, block, man_bits, exp_bits):
+    need("dsq::bfp_decode", mantissas, torch.uint8)
+    need("dsq::bfp_decode", exponents, torch.uint8)
+    return _floats(rows, n)
+
+
+@functools.cache
+def _register_fakes() -> None:
+    """Each op's fake kernel (once per process: the ops are registered once, by the library)."""
+    for name, fake in globals().items():
+        if name.startswith("_fake_"):
+            torch.library.register_fake(f"dsq::{name.removeprefix('_fake_')}", fake)
 
 
 # ----------------------------------------------------------------------------- wrappers
-_threads_set = 0  # the thread count the library was last told
-
-
-def _threaded() -> ctypes.CDLL:
-    """The library, told torch's thread count for this thread (OpenMP's count is per thread, and
-    the library's runtime may not be torch's)."""
-    global _threads_set
-    lib = library()
-    threads = torch.get_num_threads()
-    if threads != _threads_set:
-        lib.dsq_set_threads(threads)
-        _threads_set = threads
-    return lib
-
-
 def bfp_quantize(blocks: torch.Tensor, man_bits: int, exp_bits: int) -> torch.Tensor:
     """BFP(man_bits, exp_bits, B) of ``blocks`` [n_blocks, B] float32."""
-    blocks = blocks.contiguous()
-    out = torch.empty_like(blocks)
-    _threaded().dsq_bfp_quantize(
-        blocks.data_ptr(), out.data_ptr(), blocks.shape[0], blocks.shape[1], man_bits, exp_bits
-    )
-    return out
+    return _ops().bfp_quantize.default(blocks, man_bits, exp_bits)
 
 
 def bfp_quantize_columns(x: torch.Tensor, block: int, man_bits: int, exp_bits: int):
     """BFP(man_bits, exp_bits, block) of ``x`` [outer, n, inner] float32 along its middle axis,
     in the same layout (blocks of ``block`` along n, the last one partial)."""
-    x = x.contiguous()
-    outer, n, inner = x.shape
-    out = torch.empty_like(x)
-    status = _threaded().dsq_bfp_quantize_columns(
-        x.data_ptr(), out.data_ptr(), outer, n, inner, block, man_bits, exp_bits
-    )
-    if status != 0:
-        raise MemoryError(f"no scratch memory for a tile of {block} x {inner}")
-    return out
+    return _ops().bfp_quantize_columns.default(x, block, man_bits, exp_bits)
 
 
 def fixed_quantize(flat: torch.Tensor, man_bits: int, exp_bits: int) -> torch.Tensor:
-    """fixed<man_bits> of ``flat`` [n] float32: one block over the whole tensor."""
-    flat = flat.contiguous()
-    out = torch.empty_like(flat)
-    _threaded().dsq_fixed_quantize(
-        flat.data_ptr(), out.data_ptr(), flat.numel(), man_bits, exp_bits
-    )
-    return out
+    """fixed<man_bits> of ``flat`` float32 (any shape, read flat): one block over the whole
+    tensor."""
+    return _ops().fixed_quantize.default(flat, man_bits, exp_bits)
 
 
 def fixed_then_bfp(flat, f_man: int, f_exp: int, s_man: int, s_exp: int, s_block: int):
     """(first, second): ``fixed_quantize(flat, f_man, f_exp)`` and BFP(s_man, s_exp, s_block)
     of it in consecutive blocks (``flat``'s length a multiple of s_block)."""
-    flat = flat.contiguous()
-    if flat.numel() % s_block:
-        raise ValueError(f"{flat.numel()} values are not whole blocks of {s_block}")
-    first, second = torch.empty_like(flat), torch.empty_like(flat)
-    _threaded().dsq_fixed_then_bfp(
-        flat.data_ptr(), first.data_ptr(), second.data_ptr(), flat.numel(),
-        f_man, f_exp, s_man, s_exp, s_block,
-    )  # fmt: skip
-    return first, second
+    return _ops().fixed_then_bfp.default(flat, f_man, f_exp, s_man, s_exp, s_block)
 
 
 def bfp_quantize_and_pack(
@@ -323,55 +348,18 @@ def bfp_quantize_and_pack(
     stash of BFP(p_man, p_exp, p_block) along N, exponent codes [L, K, N / p_block] uint8). The
     stash is its mantissa stream when ``stream`` (p_block * p_man a multiple of 8, and the
     caller's rows not padded), else one code per byte, [L, K, N] uint8."""
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    lead, n, k = x.shape
-    if n % p_block or k % q_block:
-        raise ValueError(f"[{n}, {k}] is not whole blocks of {p_block} rows and {q_block} values")
-    if stream and (p_block * p_man) % 8:
-        raise ValueError(f"blocks of {p_block} codes of {p_man} bits do not fill whole bytes")
-    values = torch.empty(lead, n, k, dtype=torch.float32)
-    out = torch.empty(lead * k * n * p_man // 8 if stream else lead * k * n, dtype=torch.uint8)
-    exps = torch.empty(lead, k, n // p_block, dtype=torch.uint8)
-    status = _threaded().dsq_bfp_quantize_and_pack(
-        x.data_ptr(), x.stride(0), x.stride(1), values.data_ptr(), out.data_ptr(),
-        exps.data_ptr(), lead, n // p_block, p_block, k, q_man, q_exp, q_block, p_man, p_exp,
-        int(stream),
-    )  # fmt: skip
-    if status != 0:
-        raise MemoryError(f"no scratch memory for a tile of {p_block} x {k}")
-    return values, out if stream else out.reshape(lead, k, n), exps
+    return _ops().bfp_quantize_and_pack.default(
+        x, p_block, q_man, q_exp, q_block, p_man, p_exp, stream
+    )
 
 
 def pack_codes(codes: torch.Tensor, width: int) -> torch.Tensor:
     """The stream of ``codes`` (uint8, flat) at ``width`` <= 8 bits each."""
-    codes = codes.contiguous()
-    count = codes.numel()
-    stream = torch.empty((count * width + 7) // 8, dtype=torch.uint8)
-    _threaded().dsq_pack_codes(codes.data_ptr(), count, width, stream.data_ptr())
-    return stream
+    return _ops().pack_codes.default(codes, width)
 
 
 def bfp_decode(mantissas, exponents, rows: int, n: int, block: int, man_bits: int, exp_bits: int):
     """Values [rows, n] float32 of BFP(man_bits <= 8, exp_bits, block) streams, the block axis
     last (the streams' order). A stream shorter than its codes is refused (the C code trusts
     the lengths)."""
-    mantissas, exponents = mantissas.contiguous(), exponents.contiguous()
-    n_blocks = -(-n // block)
-    for stream, count, width in (
-        (mantissas, rows * n, man_bits),
-        (exponents, rows * n_blocks, exp_bits),
-    ):
-        if stream.dtype != torch.uint8 or stream.numel() < (count * width + 7) // 8:
-            raise ValueError(
-                f"a stream of {stream.numel()} {stream.dtype} holds fewer than {count} codes "
-                f"of {width} bits"
-            )
-    out = torch.empty(rows, n, dtype=torch.float32)
-    status = _threaded().dsq_bfp_decode(
-        mantissas.data_ptr(), mantissas.numel(), exponents.data_ptr(), exponents.numel(),
-        out.data_ptr(), rows, n, block, man_bits, exp_bits,
-    )  # fmt: skip
-    if status != 0:
-        raise MemoryError(f"no scratch memory for a row of {n} codes")
-    return out
+    return _ops().bfp_decode.default(mantissas, exponents, rows, n, block, man_bits, exp_bits)

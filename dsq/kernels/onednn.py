@@ -1,7 +1,9 @@
-"""Exact GEMMs on the CPU's bf16 units: ``gemm_cpu.c`` (docs/dsq.md, "GEMM units").
+"""Exact GEMMs on the CPU's bf16 units: ``gemm_cpu.c`` (docs/dsq.md, "GEMM units"), as the
+torch custom ops ``torch.ops.dsq.to_bf16`` and ``torch.ops.dsq.gemm_bf16``.
 
-Two kinds of kernels, built on first use with the machine's C compiler beside the quantizers
-(``cpu.build``, cached under ``$DSQ_CACHE/c-kernels``):
+Two kinds of kernels, registered by ``gemm_ops.cpp`` and built on first use beside the
+quantizers (``cpu.build``: torch's extension machinery, the same exactness flags, variants and
+per-CPU cache under ``$DSQ_CACHE/c-kernels``), linked against the installed oneDNN:
 
 * ``to_bf16``: a float32 tensor converted to bf16, checked in the same pass that every value is
   a bf16 number the bf16 unit multiplies exactly; None when one is not, and the caller then runs
@@ -19,7 +21,6 @@ Like ``cpu.py``, this module knows nothing of the formats above it.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import importlib.metadata
 from pathlib import Path
@@ -68,20 +69,38 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+SOURCES = (Path(__file__).with_name("gemm_ops.cpp"), SOURCE)  # the first includes the second
+
+
 @functools.cache
-def library() -> ctypes.CDLL:
-    """The loaded GEMM kernels, linked against the installed oneDNN; BuildError if they cannot
-    be built or loaded."""
+def library() -> str:
+    """The path of the loaded GEMM kernels (``torch.ops.dsq.to_bf16`` and ``gemm_bf16``
+    registered), linked against the installed oneDNN; BuildError if they cannot be built or
+    loaded."""
     include, lib = onednn_paths()
-    links = (f"-L{lib}", "-ldnnl", f"-Wl,-rpath,{lib}", "-lpthread")
-    variants = (("-march=native", "-fopenmp"), ("-fopenmp",), ())
-    built = cpu.build(SOURCE, variants, cpu.FLAGS + (f"-I{include}",), links, identity=str(lib))
-    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    built.dsq_to_bf16.restype = i32
-    built.dsq_to_bf16.argtypes = [p, i64, i64, i64, p, i64, i64, i64, i64, i64, i64]
-    built.dsq_gemm_bf16.restype = i32
-    built.dsq_gemm_bf16.argtypes = [p, p, p, p, *([i64] * 10), i32]
-    return built
+    ldflags = (f"-L{lib}", "-ldnnl", f"-Wl,-rpath,{lib}", "-lpthread")
+    path = cpu.build("gemm_ops", SOURCES, ldflags=ldflags, includes=(include,), identity=str(lib))
+    _register_fakes()
+    return path
+
+
+def _fake_to_bf16(x, shape):
+    cpu.need("dsq::to_bf16", x, torch.float32, 3)
+    order = sorted(range(3), key=lambda d: (-x.stride(d), d))  # outermost in memory first
+    buffer = torch.empty([shape[d] for d in order], dtype=torch.bfloat16)
+    return buffer.permute([order.index(d) for d in range(3)]), torch.empty((), dtype=torch.bool)
+
+
+def _fake_gemm_bf16(a, b, bias=None):
+    cpu.need("dsq::gemm_bf16", a, torch.bfloat16, 3)
+    cpu.need("dsq::gemm_bf16", b, torch.bfloat16, 3)
+    return torch.empty(a.shape[0], a.shape[1], b.shape[2], dtype=torch.float32)
+
+
+@functools.cache
+def _register_fakes() -> None:
+    torch.library.register_fake("dsq::to_bf16", _fake_to_bf16)
+    torch.library.register_fake("dsq::gemm_bf16", _fake_gemm_bf16)
 
 
 @functools.cache
@@ -118,50 +137,13 @@ def to_bf16(x: torch.Tensor, shape: tuple[int, int, int]) -> torch.Tensor | None
     ``shape`` (each side at least x's), laid out in x's memory order so that both are read and
     written in that order; None when a value is not a bf16 number the bf16 unit multiplies
     exactly (``gemm_cpu.c``'s ``fits_bf16``)."""
-    if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 3:
-        raise TypeError(f"expected a 3-D float32 CPU tensor, got {x.dtype} {tuple(x.shape)}")
-    order = sorted(range(3), key=lambda d: (-x.stride(d), d))  # outermost in memory first
-    buffer = torch.empty([shape[d] for d in order], dtype=torch.bfloat16)
-    padded = buffer.permute([order.index(d) for d in range(3)])  # logical order again
-    region = padded[: x.shape[0], : x.shape[1], : x.shape[2]]
-    src, dst = x.permute(order), region.permute(order)
-    ok = library().dsq_to_bf16(
-        src.data_ptr(), *src.stride(), dst.data_ptr(), *dst.stride(), *src.shape
-    )
-    if not ok:
-        return None
-    for d in range(3):  # zero the padding: a padded reduction must add nothing
-        if shape[d] > x.shape[d]:
-            padded.narrow(d, x.shape[d], shape[d] - x.shape[d]).zero_()
-    return padded
+    library()
+    padded, fits = torch.ops.dsq.to_bf16.default(x, list(shape))
+    return padded if fits.item() else None
 
 
 def gemm_bf16(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None):
     """``a @ b (+ bias)`` as a new contiguous float32 tensor from bf16 ``a`` [batch, m, k] and
     ``b`` [batch, k, n] of any strides; ``bias`` [n] float32 only with batch 1."""
-    if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16 or a.dim() != 3 or b.dim() != 3:
-        raise TypeError(f"expected 3-D bf16 operands, got {a.dtype} and {b.dtype}")
-    if a.shape[0] != b.shape[0] or a.shape[2] != b.shape[1]:
-        raise ValueError(f"cannot multiply {tuple(a.shape)} by {tuple(b.shape)}")
-    batch, m, k = a.shape
-    n = b.shape[2]
-    if bias is not None:
-        if batch != 1 or bias.shape != (n,) or bias.dtype != torch.float32:
-            raise ValueError("a bias is [n] float32, for an unbatched GEMM")
-        bias = bias.contiguous()
-    out = torch.empty(batch, m, n, dtype=torch.float32)
-    if out.numel() == 0:
-        return out
-    if k == 0:  # nothing to sum: oneDNN refuses an empty reduction
-        return out.zero_() if bias is None else out.copy_(bias.expand_as(out))
-    status = library().dsq_gemm_bf16(
-        a.data_ptr(), b.data_ptr(), out.data_ptr(),
-        bias.data_ptr() if bias is not None else None,
-        batch, m, n, k, *a.stride(), *b.stride(), 0,
-    )  # fmt: skip
-    if status != 0:
-        why = {1: "no CPU engine", 2: "the shape was refused", 3: "the execution failed"}
-        raise RuntimeError(
-            f"oneDNN bf16 GEMM {tuple(a.shape)} @ {tuple(b.shape)}: {why.get(status, status)}"
-        )
-    return out
+    library()
+    return torch.ops.dsq.gemm_bf16.default(a, b, bias)

@@ -7,7 +7,6 @@ the table reports medians. GB/s counts the bytes an operation must read plus wri
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib.util
 import platform
@@ -17,13 +16,8 @@ from collections.abc import Callable
 
 import torch
 
-from dsq.formats import compiled as compiled_path
-from dsq.formats import parse_format
-from dsq.formats.dispatch import unavailable_reason
-from dsq.kernels import cpu as c_kernels
-
-# The compiled path with its C kernels switched off: the torch.compile kernels alone
-TORCH_COMPILE = "torch.compile"
+from dsq.formats import backend_compile, parse_format
+from dsq.formats.backends import BACKENDS, unavailable_reason
 
 
 @dataclasses.dataclass
@@ -65,15 +59,10 @@ def measure(fn, x, device, repeats: int, warmup: int = 2) -> tuple[float, float,
     return statistics.median(ops), statistics.median(clones), statistics.median(ratios)
 
 
-def _kernels_for(path: str):
-    """The context a path's rows are timed in: the C kernels off for TORCH_COMPILE."""
-    return c_kernels.switched_off() if path == TORCH_COMPILE else contextlib.nullcontext()
-
-
 def _eager(fmt, x):
-    """The fused path's float32 code without torch.compile: what plain PyTorch costs."""
+    """The compile backend's float32 code without torch.compile: what plain PyTorch costs."""
     if fmt.spec.startswith("bfp") or (fmt.spec.startswith("fixed") and "f" not in fmt.spec[5:]):
-        return compiled_path.eager_bfp_quantizer(x, fmt.man_bits, fmt.exp_bits, fmt.block)
+        return backend_compile.eager_bfp_quantizer(x, fmt.man_bits, fmt.exp_bits, fmt.block)
     return None
 
 
@@ -125,12 +114,7 @@ def run(
     skipped = []
     for fmt in formats:
         for path in paths:
-            backend = "compiled" if path == TORCH_COMPILE else path
-            reason = (
-                unavailable_reason(backend, x)
-                if backend in ("reference", "compiled", "triton")
-                else None
-            )
+            reason = unavailable_reason(path, dev.type) if path in BACKENDS else None
             if reason is not None:
                 skipped.append(f"{path}: {reason}")
                 continue
@@ -152,23 +136,21 @@ def run(
                         )
                     )
                 continue
-            with _kernels_for(path):
-                packed = fmt.pack(x, backend=backend)
+            packed = fmt.pack(x, backend=path)
             for op in ops:
                 if op == "quantize":
-                    fn, moved = (lambda f=fmt, p=backend: f.quantize(x, backend=p)), 2 * value_bytes
+                    fn, moved = (lambda f=fmt, p=path: f.quantize(x, backend=p)), 2 * value_bytes
                 elif op == "pack":
                     fn, moved = (
-                        (lambda f=fmt, p=backend: f.pack(x, backend=p)),
+                        (lambda f=fmt, p=path: f.pack(x, backend=p)),
                         value_bytes + packed.nbytes,
                     )
                 else:
                     fn, moved = (
-                        (lambda p=backend, pk=packed: pk.unpack(backend=p)),
+                        (lambda p=path, pk=packed: pk.unpack(backend=p)),
                         value_bytes + packed.nbytes,
                     )
-                with _kernels_for(path):
-                    op_s, c_s, r = measure(fn, x, dev, reps)
+                op_s, c_s, r = measure(fn, x, dev, reps)
                 rows.append(
                     Row(fmt.spec, path, op, op_s * 1e3, moved / op_s / 1e9, c_s * 1e3, r, moved)
                 )

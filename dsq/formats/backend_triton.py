@@ -1,4 +1,4 @@
-"""The Triton path: the six path functions of ``reference.py`` on Triton kernels.
+"""The triton backend: the operations of ``backends.Backend`` on Triton kernels.
 
 Same signatures, semantics and return types as the end of ``reference.py``, bit for bit (values,
 -0.0, NaN positions, packed bytes). The kernels live in ``dsq.kernels.bfp``; this module only
@@ -12,20 +12,29 @@ prepares their inputs on the host:
 * results go back to ``x``'s shape (a view with the axis moved back) and dtype.
 
 The kernels need CUDA tensors, or CPU tensors with ``TRITON_INTERPRET=1`` set before Triton is
-imported (tests). Empty tensors never reach this path (dispatch sends them to the reference).
+imported (tests). Empty tensors never reach this backend (``backends.select_backend`` sends them
+to the reference). Without triton installed the module still loads, and `unavailable_reason`
+says why it cannot run.
 """
 
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
-from dsq.kernels import bfp as kernels
+try:
+    from dsq.kernels import bfp as kernels
+except ImportError as err:  # triton is an optional dependency
+    kernels, _import_error = None, err
+else:
+    _import_error = None
 
 from . import reference
 
 __all__ = [
+    "unavailable_reason",
     "bfp_quantize",
     "bfp_pack",
     "bfp_unpack",
@@ -37,6 +46,20 @@ __all__ = [
     "fusable_quantize_chain",
     "bfp_quantize_chain",
 ]
+
+
+def unavailable_reason(device_type: str) -> str | None:
+    """Why the Triton kernels cannot run tensors of ``device_type`` here, or None when they can."""
+    if _import_error is not None:
+        return f"triton is not importable ({_import_error})"
+    if device_type == "cuda":
+        return None
+    if device_type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
+        return None
+    return (
+        f"the Triton kernels need CUDA tensors (got {device_type}; "
+        "TRITON_INTERPRET=1 runs them on CPU)"
+    )
 
 
 def _stochastic(rounding: str) -> bool:

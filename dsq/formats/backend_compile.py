@@ -1,9 +1,9 @@
-"""The fused CPU path: the reference semantics in float32, in C kernels or fused by torch.compile.
+"""The compile backend: the reference semantics in float32, fused by torch.compile (CPU).
 
-The formats a training step uses (nearest rounding, E <= 8, m <= 23; codes up to 8 bits) run in
-the C kernels of ``dsq.kernels.cpu`` (dsq/kernels/bfp_cpu.c, docs/formats.md "The C kernels"),
-chosen call by call in `_c_kernels`; everything else runs the torch.compile kernels below, as
-does every call where the C kernels cannot be built or are switched off.
+Its functions also serve the c backend (``backend_c.py``): given the C kernels as ``c``, a call
+that they hold (nearest rounding, E <= 8, m <= 23; codes of up to 8 bits) runs in them
+(``dsq.kernels.cpu``, docs/formats.md "The C kernels") and any other runs the torch.compile
+kernels below. Without ``c`` (the compile backend itself) every call runs the kernels below.
 
 Eager PyTorch runs a quantizer as ~15 passes over memory; torch.compile fuses the block max,
 the exponent, the rounding and the rescaling into one loop over the blocks, so quantize runs near
@@ -29,14 +29,14 @@ Index arithmetic never divides by a symbolic size (that costs 3x in unpack).
 from __future__ import annotations
 
 import functools
-import logging
 import math
+import os
+import shutil
 import struct
 import sys
+from types import ModuleType
 
 import torch
-
-from dsq.kernels import cpu as c_kernels
 
 from . import reference as ref
 
@@ -249,7 +249,7 @@ def _join_planes(codes) -> torch.Tensor:
     return codes
 
 
-def _pack_codes(codes: torch.Tensor, width: int) -> torch.Tensor:
+def _pack_codes(codes: torch.Tensor, width: int, c: ModuleType | None = None) -> torch.Tensor:
     """Stage 2 of pack, on the host: the byte stream of flat integer ``codes`` (``_code_dtype``).
 
     Widths 8, 16 and 32 are already the stream (a view, little-endian); other one-byte codes are
@@ -262,7 +262,7 @@ def _pack_codes(codes: torch.Tensor, width: int) -> torch.Tensor:
     if width in (8, 16, 32) and sys.byteorder == "little":
         return codes.view(torch.uint8)
     count = codes.shape[0]
-    kernels = _c_kernels(codes.dtype == torch.uint8 and width <= 8)
+    kernels = c if codes.dtype == torch.uint8 and width <= 8 else None
     if kernels is not None:
         return kernels.pack_codes(codes, width)
     if width < 8 and codes.dtype == torch.uint8 and sys.byteorder == "little":
@@ -516,23 +516,6 @@ def _run_whole_tensor(fn, blocks, u, man_bits: int, exp_bits: int):
 
 
 # ----------------------------------------------------------------------------- C kernels
-def _c_kernels(covered: bool):
-    """``dsq.kernels.cpu`` when its C kernels cover the call (``covered``) and run on this
-    machine, else None: the torch.compile kernels run. A failed build is a warning, once (the
-    run is slower, not different); kernels switched off on purpose are logged at INFO."""
-    if not covered:
-        return None
-    reason = c_kernels.disabled_reason()
-    if reason is not None:
-        _log_once(logging.INFO, f"C kernels not used ({reason}); the torch.compile kernels run")
-        return None
-    failure = c_kernels.build_failure()
-    if failure is not None:
-        _log_once(logging.WARNING, f"{failure}; the slower torch.compile kernels run instead")
-        return None
-    return c_kernels
-
-
 def _c_format(man_bits: int, exp_bits: int, most: int = 23) -> bool:
     """Whether the C kernels hold BFP(man_bits, exp_bits) with nearest rounding: E <= 8 (every
     block power a float32) and 2 <= m <= ``most`` (23: their rounding needs |v| < 2^22; 8 for
@@ -540,12 +523,23 @@ def _c_format(man_bits: int, exp_bits: int, most: int = 23) -> bool:
     return 2 <= man_bits <= most and exp_bits <= 8
 
 
-@functools.cache
-def _log_once(level: int, message: str) -> None:
-    logging.getLogger("dsq.formats").log(level, message)
-
-
 # ----------------------------------------------------------------------------- interface
+@functools.cache
+def unavailable_reason(device_type: str) -> str | None:
+    """Why this backend cannot run tensors of ``device_type`` here, or None when it can."""
+    if device_type != "cpu":
+        return f"its kernels are for CPU tensors (got {device_type})"
+    try:
+        import torch._dynamo  # noqa: F401
+    except Exception as err:  # pragma: no cover - depends on the torch build
+        return f"torch.compile is unavailable ({err})"
+    if not torch._dynamo.is_dynamo_supported():
+        return "torch.compile does not support this Python"
+    if shutil.which(os.environ.get("CXX", "g++")) is None and shutil.which("gcc") is None:
+        return "no C++ compiler for torch.compile's CPU backend"
+    return None
+
+
 def eager_bfp_quantizer(x: torch.Tensor, man_bits: int, exp_bits: int, block: int | None):
     """A function of no arguments that runs this path's BFP quantization of ``x`` (blocks along
     the last axis) eagerly, without torch.compile: what the same float32 code costs in plain
@@ -554,8 +548,8 @@ def eager_bfp_quantizer(x: torch.Tensor, man_bits: int, exp_bits: int, block: in
     return lambda: _bfp_quantize_fn(blocks, None, man_bits, exp_bits)
 
 
-def bfp_quantize(x, man_bits, exp_bits, block, axis, rounding="nearest", generator=None):
-    kernels = _c_kernels(rounding == "nearest" and _c_format(man_bits, exp_bits))
+def bfp_quantize(x, man_bits, exp_bits, block, axis, rounding="nearest", generator=None, *, c=None):
+    kernels = c if rounding == "nearest" and _c_format(man_bits, exp_bits) else None
     if kernels is not None and block is None:
         flat = x.detach().to(torch.float32).reshape(-1)
         return kernels.fixed_quantize(flat, man_bits, exp_bits).reshape(x.shape).to(x.dtype)
@@ -586,25 +580,25 @@ def bfp_quantize(x, man_bits, exp_bits, block, axis, rounding="nearest", generat
     return _restore(values, n, moved_shape, x.shape, axis, x.dtype)
 
 
-def bfp_pack(x, man_bits, exp_bits, block, axis, rounding="nearest", generator=None):
+def bfp_pack(x, man_bits, exp_bits, block, axis, rounding="nearest", generator=None, *, c=None):
     blocks, n, _ = _rows(x, block, axis)
     u = _noise_rows(x, generator, block, axis) if rounding == "stochastic" else None
     if block is None:
         codes, exps = _run_whole_tensor(_bfp_codes_fn, blocks, u, man_bits, exp_bits)
         codes = _join_planes(codes)
-        return _pack_codes(codes, man_bits), _pack_codes(exps.reshape(-1), exp_bits)
+        return _pack_codes(codes, man_bits, c), _pack_codes(exps.reshape(-1), exp_bits, c)
     codes, exps = _run_blocks(_bfp_codes_fn, blocks, u, man_bits, exp_bits)
-    return _streams(codes, exps, blocks.shape[0], n, man_bits, exp_bits)
+    return _streams(codes, exps, blocks.shape[0], n, man_bits, exp_bits, c)
 
 
-def _streams(codes, exps, rows: int, n: int, man_bits: int, exp_bits: int):
+def _streams(codes, exps, rows: int, n: int, man_bits: int, exp_bits: int, c=None):
     """Stage 2 of a per-block pack: the mantissa and exponent streams of codes laid out as
     ``rows`` padded rows of ``n`` (the padding of each row's partial last block is not
     stored)."""
     codes = _join_planes(codes).reshape(rows, -1)
     if codes.shape[1] != n:
         codes = codes[:, :n]
-    return _pack_codes(codes.reshape(-1), man_bits), _pack_codes(exps.reshape(-1), exp_bits)
+    return _pack_codes(codes.reshape(-1), man_bits, c), _pack_codes(exps.reshape(-1), exp_bits, c)
 
 
 def _quantize_and_codes_fn(rows, q_man: int, q_exp: int, q_block: int, p_man: int, p_exp: int):
@@ -625,7 +619,7 @@ def fusable_quantize_and_pack(x, q_args, axis, p_args, pack_axis) -> bool:
     return layout and max(q_exp, p_exp) <= 8
 
 
-def bfp_quantize_and_pack(x, q_args, axis, p_args, pack_axis):
+def bfp_quantize_and_pack(x, q_args, axis, p_args, pack_axis, *, c=None):
     """``bfp_quantize(x, *q_args, axis)`` and ``bfp_pack(x, *p_args, pack_axis)`` (nearest
     rounding), bit for bit, reading x once; see `fusable_quantize_and_pack` for when it applies.
     Returns (values, mantissa stream, exponent stream)."""
@@ -638,7 +632,7 @@ def bfp_quantize_and_pack(x, q_args, axis, p_args, pack_axis):
     matrices = x32.reshape(-1, n, k)
     if n_blocks * p_block != n:
         matrices = torch.nn.functional.pad(matrices, (0, 0, 0, n_blocks * p_block - n))
-    kernels = _c_kernels(_c_format(q_man, q_exp) and _c_format(p_man, p_exp, most=8))
+    kernels = c if _c_format(q_man, q_exp) and _c_format(p_man, p_exp, most=8) else None
     if kernels is not None:
         # the stream straight from the tiles when every block's codes start on a byte
         direct = n == n_blocks * p_block and (p_block * p_man) % 8 == 0
@@ -647,16 +641,16 @@ def bfp_quantize_and_pack(x, q_args, axis, p_args, pack_axis):
         )
         values = values[:, :n].reshape(x.shape)
         if direct:
-            mantissas, exponents = stash, _pack_codes(exps.reshape(-1), p_exp)
+            mantissas, exponents = stash, _pack_codes(exps.reshape(-1), p_exp, c)
         else:
-            mantissas, exponents = _streams(stash, exps, matrices.shape[0] * k, n, p_man, p_exp)
+            mantissas, exponents = _streams(stash, exps, matrices.shape[0] * k, n, p_man, p_exp, c)
         return values.to(x.dtype), mantissas, exponents
     rows = matrices.contiguous().reshape(matrices.shape[0], n_blocks, p_block, k)
     dyn = ((rows, 0), (rows, 1))
     fn = _quantize_and_codes_fn
     values, codes, exps = _run(fn, rows, *q_args, p_man, p_exp, dynamic_dims=dyn)
     values = values.reshape(rows.shape[0], n_blocks * p_block, k)[:, :n].reshape(x.shape)
-    mantissas, exponents = _streams(codes, exps, rows.shape[0] * k, n, p_man, p_exp)
+    mantissas, exponents = _streams(codes, exps, rows.shape[0] * k, n, p_man, p_exp, c)
     return values.to(x.dtype), mantissas, exponents
 
 
@@ -676,13 +670,13 @@ def fusable_quantize_chain(x, first_args, axis, second_args, second_axis) -> boo
     return layout and f_man <= 24 and max(f_exp, s_exp) <= 8
 
 
-def bfp_quantize_chain(x, first_args, axis, second_args, second_axis):
+def bfp_quantize_chain(x, first_args, axis, second_args, second_axis, *, c=None):
     """(q = bfp_quantize(x, *first_args), bfp_quantize(q, *second_args, last axis)), nearest
     rounding, bit for bit, in one pass after the tensor's power; see `fusable_quantize_chain`."""
     f_man, f_exp, _ = first_args
     s_man, s_exp, s_block = second_args
     flat = x.detach().to(torch.float32).reshape(-1)
-    kernels = _c_kernels(_c_format(f_man, f_exp) and _c_format(s_man, s_exp))
+    kernels = c if _c_format(f_man, f_exp) and _c_format(s_man, s_exp) else None
     if kernels is not None:
         first, second = kernels.fixed_then_bfp(flat, f_man, f_exp, s_man, s_exp, s_block)
         return first.reshape(x.shape).to(x.dtype), second.reshape(x.shape).to(x.dtype)
@@ -694,7 +688,7 @@ def bfp_quantize_chain(x, first_args, axis, second_args, second_axis):
     return first.reshape(x.shape).to(x.dtype), second.reshape(x.shape).to(x.dtype)
 
 
-def bfp_unpack(mantissas, exponents, man_bits, exp_bits, block, shape, axis, dtype):
+def bfp_unpack(mantissas, exponents, man_bits, exp_bits, block, shape, axis, dtype, *, c=None):
     numel = math.prod(shape)
     if block is None:
         codes = _unpack_codes(mantissas, man_bits, numel).reshape(1, 1, numel)
@@ -706,7 +700,7 @@ def bfp_unpack(mantissas, exponents, man_bits, exp_bits, block, shape, axis, dty
     n = moved_shape[-1]
     n_blocks = -(-n // block)
     rows = numel // n
-    kernels = _c_kernels(_c_format(man_bits, exp_bits, most=8))
+    kernels = c if _c_format(man_bits, exp_bits, most=8) else None
     if kernels is not None:
         values = kernels.bfp_decode(mantissas, exponents, rows, n, block, man_bits, exp_bits)
         return _restore(values, n, moved_shape, shape, axis, dtype)
@@ -728,15 +722,15 @@ def fixed_static_quantize(x, width, frac_bits, rounding="nearest", generator=Non
     return out.reshape(x.shape).to(x.dtype)
 
 
-def fixed_static_pack(x, width, frac_bits, rounding="nearest", generator=None):
+def fixed_static_pack(x, width, frac_bits, rounding="nearest", generator=None, *, c=None):
     x32 = x.detach().to(torch.float32).reshape(-1)  # detached: see _rows
     u = ref.uniform_noise(x, generator).reshape(-1) if rounding == "stochastic" else None
     dyn = ((x32, 0),) + (((u, 0),) if u is not None else ())
     codes, all_finite, nonfinite = _run(
         _fixed_static_codes_fn, x32, u, width, frac_bits, dynamic_dims=dyn
     )
-    nan_mask = None if bool(all_finite) else _pack_codes(nonfinite, 1)
-    return _pack_codes(codes, width), nan_mask
+    nan_mask = None if bool(all_finite) else _pack_codes(nonfinite, 1, c)
+    return _pack_codes(codes, width, c), nan_mask
 
 
 def fixed_static_unpack(integers, nan_mask, width, frac_bits, shape, dtype):

@@ -1,0 +1,208 @@
+/* The C kernels of bfp_cpu.c as torch custom ops, dsq::* (dsq/kernels/cpu.py builds this file).
+ *
+ * bfp_cpu.c is compiled here as C++ (its `restrict` spelled as the compilers' __restrict__, its
+ * functions kept with C linkage), so that one shared library holds the kernels and their
+ * registration with torch's dispatcher. Each op checks its tensors at the boundary (dtype, CPU
+ * device, strided layout, rank, stream lengths) and raises a one-line ValueError naming the
+ * problem, lays its inputs out as the kernels state (contiguous, or K's stride 1 for
+ * quantize_and_pack) and allocates its outputs; the kernels then run on torch's thread count
+ * (dsq_set_threads, read on every call: torch.set_num_threads takes effect at once).
+ *
+ * The kernels are registered under CompositeExplicitAutograd (every backend key): a tensor of
+ * another device reaches the check below instead of the dispatcher's "could not run" listing.
+ * A Meta kernel, the fake implementation that torch.compile traces with, is registered in
+ * Python beside the wrappers (cpu.py), and refuses what these checks refuse.
+ */
+#define restrict __restrict__
+extern "C" {
+#include "bfp_cpu.c"
+}
+#undef restrict
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <sstream>
+#include <string>
+#include <tuple>
+
+namespace {
+
+using at::Tensor;
+
+/* "float16 on cuda:0" (the layout too when it is not strided): what a refused tensor is. */
+std::string describe(const Tensor &t) {
+    std::ostringstream s;
+    s << c10::getDtypeNames(t.scalar_type()).first << " on " << t.device();
+    if (t.layout() != at::kStrided) s << " (" << t.layout() << " layout)";
+    return s.str();
+}
+
+/* t is a strided CPU tensor of `dtype` with `dim` dimensions (any, for dim < 0). */
+void need(const char *op, const Tensor &t, at::ScalarType dtype, int64_t dim = -1) {
+    TORCH_CHECK_VALUE(
+        t.scalar_type() == dtype && t.device().is_cpu() && t.layout() == at::kStrided, "dsq::", op,
+        " needs a ", c10::getDtypeNames(dtype).first, " CPU tensor, got ", describe(t));
+    TORCH_CHECK_VALUE(dim < 0 || t.dim() == dim, "dsq::", op, " needs a ", dim,
+                      "-D tensor, got shape ", t.sizes());
+}
+
+Tensor floats(at::IntArrayRef shape) { return at::empty(shape, at::dtype(at::kFloat)); }
+Tensor bytes(at::IntArrayRef shape) { return at::empty(shape, at::dtype(at::kByte)); }
+
+/* Tell the kernels torch's thread count for this call. */
+void threaded() { dsq_set_threads(at::get_num_threads()); }
+
+/* BFP(man_bits, exp_bits, B) of blocks [n_blocks, B]. */
+Tensor bfp_quantize(const Tensor &blocks, int64_t man_bits, int64_t exp_bits) {
+    need("bfp_quantize", blocks, at::kFloat, 2);
+    const Tensor x = blocks.contiguous();
+    Tensor out = floats(x.sizes());
+    threaded();
+    dsq_bfp_quantize(x.const_data_ptr<float>(), out.mutable_data_ptr<float>(), x.size(0),
+                     x.size(1), (int)man_bits, (int)exp_bits);
+    return out;
+}
+
+/* BFP(man_bits, exp_bits, block) of x [outer, n, inner] along its middle axis. */
+Tensor bfp_quantize_columns(const Tensor &input, int64_t block, int64_t man_bits,
+                            int64_t exp_bits) {
+    need("bfp_quantize_columns", input, at::kFloat, 3);
+    TORCH_CHECK_VALUE(block > 0, "dsq::bfp_quantize_columns needs a block of at least 1");
+    const Tensor x = input.contiguous();
+    Tensor out = floats(x.sizes());
+    threaded();
+    int status = dsq_bfp_quantize_columns(x.const_data_ptr<float>(), out.mutable_data_ptr<float>(),
+                                          x.size(0), x.size(1), x.size(2), block, (int)man_bits,
+                                          (int)exp_bits);
+    TORCH_CHECK_WITH(OutOfMemoryError, status == 0, "dsq::bfp_quantize_columns: no scratch memory "
+                     "for a tile of ", block, " x ", x.size(2));
+    return out;
+}
+
+/* fixed<man_bits> of x (any shape): one block over the whole tensor. */
+Tensor fixed_quantize(const Tensor &input, int64_t man_bits, int64_t exp_bits) {
+    need("fixed_quantize", input, at::kFloat);
+    const Tensor x = input.contiguous();
+    Tensor out = floats(x.sizes());
+    threaded();
+    dsq_fixed_quantize(x.const_data_ptr<float>(), out.mutable_data_ptr<float>(), x.numel(),
+                       (int)man_bits, (int)exp_bits);
+    return out;
+}
+
+/* fixed<f_man> of x, and BFP(s_man, s_exp, s_block) of that in consecutive blocks. */
+std::tuple<Tensor, Tensor> fixed_then_bfp(const Tensor &input, int64_t f_man, int64_t f_exp,
+                                          int64_t s_man, int64_t s_exp, int64_t s_block) {
+    need("fixed_then_bfp", input, at::kFloat);
+    TORCH_CHECK_VALUE(s_block > 0 && input.numel() % s_block == 0, "dsq::fixed_then_bfp: ",
+                      input.numel(), " values are not whole blocks of ", s_block);
+    const Tensor x = input.contiguous();
+    Tensor first = floats(x.sizes()), second = floats(x.sizes());
+    threaded();
+    dsq_fixed_then_bfp(x.const_data_ptr<float>(), first.mutable_data_ptr<float>(),
+                       second.mutable_data_ptr<float>(), x.numel(), (int)f_man, (int)f_exp,
+                       (int)s_man, (int)s_exp, s_block);
+    return {first, second};
+}
+
+/* (values [L, N, K] of BFP(q_man, q_exp, q_block) along K, the stash of BFP(p_man, p_exp,
+ * p_block) along N: its stream [L * K * N * p_man / 8] when `stream`, else one code per byte
+ * [L, K, N], exponent codes [L, K, N / p_block]) of x [L, N, K], read in its own strides when
+ * K's is 1. */
+std::tuple<Tensor, Tensor, Tensor> bfp_quantize_and_pack(const Tensor &input, int64_t p_block,
+                                                         int64_t q_man, int64_t q_exp,
+                                                         int64_t q_block, int64_t p_man,
+                                                         int64_t p_exp, bool stream) {
+    need("bfp_quantize_and_pack", input, at::kFloat, 3);
+    const Tensor x = input.stride(2) == 1 ? input : input.contiguous();
+    const int64_t L = x.size(0), N = x.size(1), K = x.size(2);
+    TORCH_CHECK_VALUE(p_block > 0 && q_block > 0 && N % p_block == 0 && K % q_block == 0,
+                      "dsq::bfp_quantize_and_pack: [", N, ", ", K, "] is not whole blocks of ",
+                      p_block, " rows and ", q_block, " values");
+    TORCH_CHECK_VALUE(1 <= p_man && p_man <= 8, "dsq::bfp_quantize_and_pack: stash codes of ",
+                      p_man, " bits do not fit a byte");
+    TORCH_CHECK_VALUE(!stream || (p_block * p_man) % 8 == 0, "dsq::bfp_quantize_and_pack: blocks "
+                      "of ", p_block, " codes of ", p_man, " bits do not fill whole bytes");
+    Tensor values = floats({L, N, K});
+    Tensor out = stream ? bytes({L * K * N * p_man / 8}) : bytes({L, K, N});
+    Tensor exps = bytes({L, K, N / p_block});
+    threaded();
+    int status = dsq_bfp_quantize_and_pack(
+        x.const_data_ptr<float>(), x.stride(0), x.stride(1), values.mutable_data_ptr<float>(),
+        out.mutable_data_ptr<uint8_t>(), exps.mutable_data_ptr<uint8_t>(), L, N / p_block, p_block,
+        K, (int)q_man, (int)q_exp, q_block, (int)p_man, (int)p_exp, stream ? 1 : 0);
+    TORCH_CHECK_WITH(OutOfMemoryError, status == 0, "dsq::bfp_quantize_and_pack: no scratch "
+                     "memory for a tile of ", p_block, " x ", K);
+    return {values, out, exps};
+}
+
+/* The stream of codes (uint8, one code per byte, any shape read flat) at `width` <= 8 bits. */
+Tensor pack_codes(const Tensor &input, int64_t width) {
+    need("pack_codes", input, at::kByte);
+    TORCH_CHECK_VALUE(1 <= width && width <= 8, "dsq::pack_codes needs a width of 1 to 8 bits, "
+                      "got ", width);
+    const Tensor codes = input.contiguous();
+    Tensor stream = bytes({(codes.numel() * width + 7) / 8});
+    threaded();
+    dsq_pack_codes(codes.const_data_ptr<uint8_t>(), codes.numel(), (int)width,
+                   stream.mutable_data_ptr<uint8_t>());
+    return stream;
+}
+
+/* A stream (uint8) holds `count` codes of `width` bits: the C code trusts the lengths. */
+void holds(const Tensor &stream, int64_t count, int64_t width) {
+    TORCH_CHECK_VALUE(stream.numel() >= (count * width + 7) / 8, "dsq::bfp_decode: a stream of ",
+                      stream.numel(), " bytes holds fewer than ", count, " codes of ", width,
+                      " bits");
+}
+
+/* Values [rows, n] of BFP(man_bits <= 8, exp_bits, block) streams, the block axis last. */
+Tensor bfp_decode(const Tensor &mantissas_in, const Tensor &exponents_in, int64_t rows, int64_t n,
+                  int64_t block, int64_t man_bits, int64_t exp_bits) {
+    need("bfp_decode", mantissas_in, at::kByte);
+    need("bfp_decode", exponents_in, at::kByte);
+    TORCH_CHECK_VALUE(rows >= 0 && n >= 0 && block > 0 && 2 <= man_bits && man_bits <= 8 &&
+                      1 <= exp_bits && exp_bits <= 8, "dsq::bfp_decode: no kernel for ", rows,
+                      " rows of ", n, " codes in blocks of ", block, " (m ", man_bits, ", E ",
+                      exp_bits, ")");
+    holds(mantissas_in, rows * n, man_bits);
+    holds(exponents_in, rows * ((n + block - 1) / block), exp_bits);
+    const Tensor mantissas = mantissas_in.contiguous(), exponents = exponents_in.contiguous();
+    Tensor out = floats({rows, n});
+    threaded();
+    int status = dsq_bfp_decode(mantissas.const_data_ptr<uint8_t>(), mantissas.numel(),
+                                exponents.const_data_ptr<uint8_t>(), exponents.numel(),
+                                out.mutable_data_ptr<float>(), rows, n, block, (int)man_bits,
+                                (int)exp_bits);
+    TORCH_CHECK_WITH(OutOfMemoryError, status == 0, "dsq::bfp_decode: no scratch memory for a "
+                     "row of ", n, " codes");
+    return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(dsq, m) {
+    m.def("bfp_quantize(Tensor blocks, int man_bits, int exp_bits) -> Tensor");
+    m.def("bfp_quantize_columns(Tensor x, int block, int man_bits, int exp_bits) -> Tensor");
+    m.def("fixed_quantize(Tensor x, int man_bits, int exp_bits) -> Tensor");
+    m.def("fixed_then_bfp(Tensor x, int f_man, int f_exp, int s_man, int s_exp, int s_block)"
+          " -> (Tensor, Tensor)");
+    m.def("bfp_quantize_and_pack(Tensor x, int p_block, int q_man, int q_exp, int q_block,"
+          " int p_man, int p_exp, bool stream) -> (Tensor, Tensor, Tensor)");
+    m.def("pack_codes(Tensor codes, int width) -> Tensor");
+    m.def("bfp_decode(Tensor mantissas, Tensor exponents, int rows, int n, int block,"
+          " int man_bits, int exp_bits) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(dsq, CompositeExplicitAutograd, m) {
+    m.impl("bfp_quantize", &bfp_quantize);
+    m.impl("bfp_quantize_columns", &bfp_quantize_columns);
+    m.impl("fixed_quantize", &fixed_quantize);
+    m.impl("fixed_then_bfp", &fixed_then_bfp);
+    m.impl("bfp_quantize_and_pack", &bfp_quantize_and_pack);
+    m.impl("pack_codes", &pack_codes);
+    m.impl("bfp_decode", &bfp_decode);
+}
