@@ -10,6 +10,7 @@ from pathlib import Path
 
 import typer
 
+from dsq.formats.backends import requested_backend
 from dsq_cli import __version__, cpu_allocator
 from dsq_cli.presets import BASELINE_PRESET
 
@@ -53,6 +54,7 @@ def main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log at INF
     )
     try:  # before any command runs: a mistyped setting fails here, not mid-run
         cpu_allocator.chosen_setting()
+        requested_backend()  # DSQ_BACKEND
     except ValueError as err:
         typer.echo(f"dsq: error: {err}", err=True)
         raise typer.Exit(2) from None
@@ -144,11 +146,11 @@ def bench_quant(
     numel: int = typer.Option(2**24, help="Number of fp32 values."),
     formats: str = typer.Option(DEFAULT_BENCH_FORMATS, help="Comma-separated format specs."),
     paths: str = typer.Option(
-        "compiled,torch.compile,triton,eager,reference",
-        help="Comma-separated: compiled (the fused CPU path: C kernels where they apply, "
-        "torch.compile kernels elsewhere), torch.compile (the same path with the C kernels "
-        "off), triton, reference, eager (plain PyTorch float32, quantize only). Paths that "
-        "cannot run here are listed as skipped.",
+        "c,compile,triton,eager,reference",
+        help="Comma-separated backends: c (the C kernels where they hold the format, "
+        "torch.compile kernels elsewhere), compile (the torch.compile kernels alone), triton, "
+        "reference; and eager (plain PyTorch float32, quantize only). Those that cannot run "
+        "here are listed as skipped.",
     ),
     repeats: int = typer.Option(7, min=1, help="Timed repetitions (median reported)."),
     device: str = typer.Option("cpu", help="cpu or cuda."),
@@ -161,7 +163,7 @@ def bench_quant(
     if numel < 1:
         raise ValueError(f"--numel must be positive, got {numel}")
     path_list = [p.strip() for p in paths.split(",") if p.strip()]
-    known = ("compiled", "torch.compile", "triton", "reference", "eager")
+    known = (*quant.BACKENDS, "eager")
     bad = [p for p in path_list if p not in known]
     if bad:
         raise ValueError(f"unknown path(s) {bad}; choose from {', '.join(known)}")
@@ -321,7 +323,7 @@ def train_cmd(
     (continue with resume=RUN_DIR), 1 failed.
     """
     from dsq_cli.config import compose, to_yaml
-    from dsq_cli.train import load_resume, quiet_library_warnings, train
+    from dsq_cli.train import family_of, load_resume, quiet_library_warnings, train
 
     quiet_library_warnings()
     overrides = list(overrides or [])
@@ -338,7 +340,6 @@ def train_cmd(
     if not outcome.main:  # a rank other than 0 under torchrun: rank 0 reports
         raise typer.Exit(outcome.exit_code)
     result = outcome.result
-    evaluation = result.evaluation
     typer.echo(f"run: {outcome.run_dir}")
     if outcome.status == "completed" and result.stopped_early:
         stop = result.stopped_early
@@ -346,39 +347,13 @@ def train_cmd(
             f"stopped early at update {stop['update']}: {stop['reason']}; "
             f"cap {result.budget['total_updates']}"
         )
-    if outcome.status == "completed" and cfg.task.family == "translation":
-        typer.echo(
-            f"completed: {result.updates} updates, valid loss {result.valid_loss:.3f}, "
-            f"{evaluation['eval_split']} BLEU {result.value:.2f} ({_scored_model(evaluation)}"
-            f"copying the source scores {evaluation['copy_source_bleu']:.2f})"
-        )
-    elif outcome.status == "completed":  # GLUE: the best (or last) dev value
-        other = "final" if evaluation["eval_checkpoint"] == "best" else "best"
-        typer.echo(
-            f"completed: {result.updates} updates, dev loss {result.valid_loss:.3f}, "
-            f"{evaluation['eval_checkpoint']} dev {result.metric} {result.value:.4f} "
-            f"(update {evaluation['checkpoints'][evaluation['eval_checkpoint']]['update']}; "
-            f"{other} {result.value_of('last' if other == 'final' else 'best'):.4f})"
-        )
+    if outcome.status == "completed":
+        typer.echo(family_of(cfg).completed_line(result))
     else:
         typer.echo(f"{outcome.status}: {result.error or ''}", err=True)
         if outcome.status == "interrupted":
             typer.echo(f"continue with: dsq train resume={outcome.run_dir}", err=True)
     raise typer.Exit(outcome.exit_code)
-
-
-def _scored_model(evaluation: dict) -> str:
-    """``best model, update 160; last model, update 200: 27.10; ``: which model the BLEU is of,
-    and the other's BLEU, when best and last are two models (nothing when they are one)."""
-    chosen = evaluation["eval_checkpoint"]
-    entries = evaluation["checkpoints"]
-    other = "last" if chosen == "best" else "best"
-    if not entries.get(other) or entries[other]["update"] == entries[chosen]["update"]:
-        return ""
-    return (
-        f"{chosen} model, update {entries[chosen]['update']}; {other} model, update "
-        f"{entries[other]['update']}: {entries[other]['bleu']:.2f}; "
-    )
 
 
 @app.command("data")
@@ -392,19 +367,14 @@ def data_cmd(
     """Prepare a task once into the cache: translation (download or read raw text,
     sentencepiece, binarize); GLUE (download or read and check the TSV files)."""
     from dsq_cli.config import compose
-    from dsq_cli.train import prepare_data
+    from dsq_cli.train import family_of, prepare_data
 
     if task == "roberta_base":
         _roberta_base_data(overrides or [])
         return
     cfg = compose([f"task={task}", *(overrides or [])])
     data = prepare_data(cfg)
-    if cfg.task.family == "glue":
-        sizes = ", ".join(f"{k} {v}" for k, v in data.manifest["sizes"].items())
-        typer.echo(f"{task}: {data.source} ({sizes})")
-        return
-    sizes = ", ".join(f"{k} {v}" for k, v in data.manifest["sizes"].items())
-    typer.echo(f"{task}: {data.source} ({sizes}; vocabulary {data.manifest['vocab_size']})")
+    typer.echo(family_of(cfg).data_line(task, data))
 
 
 def _roberta_base_data(overrides: list[str]) -> None:
@@ -545,12 +515,13 @@ def cost_cmd(
     from omegaconf import OmegaConf
 
     from dsq_cli.config import compose
-    from dsq_cli.cost import CostModel, baseline_points
+    from dsq_cli.cost import baseline_points, load_cost_model
     from dsq_cli.cost.report import cost_report, format_report
+    from dsq_cli.train import family_of
 
     # unknown names: one line listing the choices, before any work
     for option, check, name in (
-        ("--cost-model", CostModel.load, cost_model),
+        ("--cost-model", load_cost_model, cost_model),
         ("--baseline", baseline_points, baseline),
     ):
         try:
@@ -558,12 +529,7 @@ def cost_cmd(
         except ValueError as err:
             raise ValueError(f"{option}: {err}") from None
     cfg = compose(list(overrides or []))
-    if cfg.model.get("family") == "encoder":
-        raise ValueError(
-            f"dsq cost derives the translation transformers' GEMMs; a GLUE run "
-            f"(model={cfg.model.name}) is priced in its result.json from the GEMMs its first "
-            "update recorded (dsq table shows them)"
-        )
+    family_of(cfg).check_priceable(cfg)  # a family whose models dsq cost cannot derive says so
     tweaked = [o for o in overrides or [] if o.lstrip("+~").startswith("quant.")]
     quant_name = cfg.choices.quant + (f" ({' '.join(tweaked)})" if tweaked else "")
     report = cost_report(

@@ -30,8 +30,7 @@ from dsq_cli.data.tasks import TASKS
 from dsq_cli.presets import CONF_DIR, PRESET_KEYS, load_quant_preset
 from dsq_cli.run_config import (
     EVAL_CHECKPOINTS,
-    MODEL_FAMILIES,
-    TASK_FAMILIES,
+    FAMILIES,
     RunConfig,
     expects,
 )
@@ -182,8 +181,8 @@ def _compose_locked(overrides: list[str], policy_overrides=()) -> DictConfig:
             _apply_policy_overrides(cfg.quant, list(policy_overrides))
     if "family" not in cfg.task:
         raise ConfigError(
-            f"conf/task/{choices['task']}.yaml sets no task.family; add `family: translation` "
-            "or `family: glue` to its task: block"
+            f"conf/task/{choices['task']}.yaml sets no task.family; add {_family_lines()} to "
+            "its task: block"
         )
     return typed(cfg)
 
@@ -347,13 +346,31 @@ def _task_file(cfg: DictConfig) -> str:
     return f"conf/task/{cfg.choices.get('task') or cfg.task.name}.yaml"
 
 
+def _model_file(cfg: DictConfig) -> str:
+    return f"conf/model/{cfg.choices.get('model') or cfg.model.get('name')}.yaml"
+
+
+def _family_lines() -> str:
+    """``family: translation`` or ``family: glue``: the lines a group file may declare."""
+    return " or ".join(f"`family: {name}`" for name in FAMILIES)
+
+
+def _models_of(family: str) -> list[str]:
+    """The conf/model files whose model.family is ``family``."""
+    return [
+        name
+        for name in group_choices("model")
+        if OmegaConf.load(CONF_DIR / "model" / f"{name}.yaml").get("family") == family
+    ]
+
+
 def _check_task_family(cfg: DictConfig) -> None:
     """task.family names the registry the task's name is in: GLUE tasks or translation tasks."""
 
     name, family = cfg.task.name, cfg.task.family
-    if family not in TASK_FAMILIES:
+    if family not in FAMILIES:
         raise ConfigError(
-            f"task.family must be {' or '.join(TASK_FAMILIES)}, got {family!r} ({_task_file(cfg)})"
+            f"task.family must be {' or '.join(FAMILIES)}, got {family!r} ({_task_file(cfg)})"
         )
     try:
         get_glue_task(name)
@@ -395,22 +412,19 @@ def _check_model_suits_task(cfg: DictConfig) -> None:
         raise ConfigError(
             f"model.name must be a string (the model's builder, conf/model/), got {model!r}"
         )
-    family = cfg.model.get("family", "translation")
-    if family not in MODEL_FAMILIES:
+    # one vocabulary: a model serves the tasks whose task.family is its model.family
+    family, wanted = cfg.model.get("family"), cfg.task.family
+    if family is None:
+        raise ConfigError(f"{_model_file(cfg)} sets no model.family; add {_family_lines()}")
+    if family not in FAMILIES:
         raise ConfigError(
-            f"model.family must be {' or '.join(MODEL_FAMILIES)} (absent: translation), "
-            f"got {family!r}"
+            f"model.family must be {' or '.join(FAMILIES)}, got {family!r} ({_model_file(cfg)})"
         )
-    encoder = family == "encoder"
-    if cfg.task.family == "glue" and not encoder:
+    if family != wanted:
         raise ConfigError(
-            f"model={model} is a translation model; GLUE task {task} needs an encoder: "
-            "model=minilm, roberta_base or roberta_tiny"
-        )
-    if cfg.task.family == "translation" and encoder:
-        raise ConfigError(
-            f"model={model} is a GLUE encoder; task {task} needs a translation model "
-            "(transformer_small, transformer_tiny, transformer_iwslt)"
+            f"model={model} is a {family} model (model.family) but task {task} is a {wanted} "
+            f"task (task.family); choose a {wanted} model: model="
+            f"{', '.join(_models_of(wanted)) or '(none in conf/model)'}"
         )
 
 

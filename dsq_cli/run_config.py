@@ -19,12 +19,15 @@ import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any, Literal, Union
 
 from omegaconf import MISSING
 
-TASK_FAMILIES = ("translation", "glue")  # task.family: which trainer and data a task uses
-MODEL_FAMILIES = ("translation", "encoder")  # model.family (absent: translation)
+# The task families: the one vocabulary of task.family (which trainer and data a task uses) and
+# model.family (which tasks a model serves), so a model suits a task when the two are equal.
+# Every name is one registered unit in dsq_cli.train.families (its trainer, data and report).
+Family = Literal["translation", "glue"]
+FAMILIES: tuple[Family, ...] = typing.get_args(Family)
 
 
 def _expects(text: str, default: Any = MISSING) -> Any:
@@ -111,8 +114,9 @@ class TaskConfig:
     """``task``: what conf/task/<name>.yaml puts under ``task:``."""
 
     name: str = MISSING  # the registered task (dsq_cli.data.tasks.TASKS or the GLUE registry)
-    # translation (fairseq, BLEU; a translation model) | glue (fine-tuning; an encoder model).
-    # The single place that decides a task's family; required in every conf/task file.
+    # translation (fairseq, BLEU) | glue (fine-tuning an encoder): a `Family`, the same name as
+    # the model's model.family. The single place that decides a task's family; required in
+    # every conf/task file.
     family: str = MISSING
     metric: str = MISSING  # result.json's `value`: bleu, or the GLUE task's headline metric
     src: str | None = None  # translation: source language suffix
@@ -133,7 +137,7 @@ class LoggerConfig:
 
 
 # conf/model/: an open mapping, since keys differ between families (fairseq flags for the
-# translation models, builder arguments for the encoders); `name` is always there.
+# translation models, builder arguments for the encoders); `name` and `family` are always there.
 ModelConfig = Mapping[str, Any]
 
 
@@ -148,7 +152,8 @@ class RunConfig:
     run: RunDirConfig = field(default_factory=RunDirConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     # conf/model/: keys differ between families (fairseq arch and sizes, or an encoder's
-    # builder); `name` (the file's builder) is required, `family` is encoder or absent.
+    # builder); `name` (the file's builder) and `family` (a `Family`, equal to task.family) are
+    # required.
     model: dict[str, Any] = field(default_factory=dict)
     task: TaskConfig = field(default_factory=TaskConfig)
     # conf/quant/: q0..q3, stash_scope, rounding; validated by engine.QuantConfig.from_dict.

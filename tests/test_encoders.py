@@ -51,7 +51,7 @@ def test_model_yaml_is_a_commented_encoder_config(name, tmp_path):
     keyed = [line for line in lines if re.match(r"^\w+:", line)]
     assert all("#" in line for line in keyed), "every key has a one-line comment"
     cfg = model_cfg(name, cache_dir=tmp_path)
-    assert cfg.name == name and cfg.family == "encoder" and name in ENCODERS
+    assert cfg.name == name and cfg.family == "glue" and name in ENCODERS
     assert not any(str(k).startswith("train") for k in cfg)
     assert cfg.quantize_head is True and cfg.max_length <= cfg.max_positions
     assert {"dropout", "attention_dropout", "activation_dropout", "pooler_dropout"} <= set(cfg)
@@ -100,6 +100,7 @@ def minilm():
 
 
 @needs_minilm
+@pytest.mark.slow  # loads the MiniLM weights
 def test_minilm_equals_transformers_bert_model(minilm):
     transformers = pytest.importorskip("transformers", reason="test-only: pip install transformers")
     folder = encoders.minilm_folder()
@@ -143,6 +144,7 @@ def test_minilm_equals_transformers_bert_model(minilm):
 
 
 @needs_minilm
+@pytest.mark.slow  # loads the MiniLM weights
 def test_minilm_layout_dictionary_and_layer_norms(minilm):
     dictionary, bert_ids = minilm_dictionary(encoders.minilm_folder())
     assert dictionary.symbols[:4] == ["[CLS]", "[PAD]", "[SEP]", "[UNK]"]
@@ -239,6 +241,7 @@ def write_roberta_release(folder, seed: int = 0, without: str | None = None) -> 
     return state
 
 
+@pytest.mark.slow  # trains
 def test_roberta_base_loads_the_release_format_and_fine_tunes_under_dsq(tmp_path):
     saved = write_roberta_release(tmp_path / "roberta_base")
     cfg = model_cfg("roberta_base", cache_dir=tmp_path)  # checkpoint: ${data.cache_dir}/...

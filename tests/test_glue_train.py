@@ -166,7 +166,7 @@ def test_sigterm_then_resume_matches_an_uninterrupted_glue_run(tmp_path, sst2_ru
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["model=transformer_tiny"], "is a translation model; GLUE task sst2 needs an encoder"),
+        (["model=transformer_tiny"], "translation model (model.family) but task sst2 is a glue"),
         (["data.raw_dir=/no/such/dir"], "/no/such/dir"),
         (["train.distributed_world_size=2"], "GLUE fine-tuning runs in one process"),
         (["model=roberta_base", "model.checkpoint=/no/such/roberta"], "model.pt is missing"),

@@ -165,10 +165,9 @@ def test_every_task_file_declares_a_family_that_matches_its_registry(task):
     text = (CONF_DIR / "task" / f"{task}.yaml").read_text()
     declared = yaml.safe_load(text)["task"]["family"]
     cfg = _compose_task(task)
-    assert cfg.task.family == declared
+    assert cfg.task.family == declared and cfg.model.family == declared  # one vocabulary
     if declared == "glue":
         assert cfg.task.metric == get_glue_task(cfg.task.name).metric
-        assert cfg.model.family == "encoder"
     else:
         assert declared == "translation" and cfg.task.name in TASKS
         assert cfg.task.metric == "bleu"
@@ -195,8 +194,19 @@ def test_a_glue_metric_that_disagrees_with_the_task_class_names_both_and_the_fix
         (["task.metric=chrf"], "task.metric must be bleu for a translation task"),
         (["task.name=nope"], "unknown translation task 'nope'"),
         (["task=sst2", "task.name=nope"], "unknown GLUE task 'nope'"),
-        (["model=minilm"], "model=minilm is a GLUE encoder; task demo needs a translation"),
-        (["task=sst2", "model=transformer_tiny"], "GLUE task sst2 needs an encoder"),
+        (
+            ["model=minilm"],
+            "model=minilm is a glue model (model.family) but task demo is a translation task "
+            "(task.family); choose a translation model: model=transformer_iwslt, "
+            "transformer_small, transformer_tiny",
+        ),
+        (
+            ["task=sst2", "model=transformer_tiny"],
+            "task sst2 is a glue task (task.family); choose a glue model: model=minilm, "
+            "roberta_base, roberta_tiny",
+        ),
+        (["model.family=encoder"], "model.family must be translation or glue, got 'encoder'"),
+        (["~model.family"], "conf/model/transformer_small.yaml sets no model.family; add"),
     ],
 )
 def test_family_mismatches_are_one_line_config_errors(overrides, message):
@@ -245,3 +255,27 @@ def test_a_run_from_before_task_family_resumes_once_told_its_family(tmp_path):
     assert yaml.safe_load((run / "config.yaml").read_text())["task"]["family"] == "translation"
     with pytest.raises(ConfigError, match="task.family cannot change"):  # now it is stored
         load_resume(str(run), ["task.family=glue"])
+
+
+@pytest.mark.parametrize(
+    "task, old, new", [("demo", None, "translation"), ("sst2", "encoder", "glue")]
+)
+def test_a_run_from_before_one_family_vocabulary_resumes_with_its_model_family_renamed(
+    tmp_path, task, old, new
+):
+    # model.family was absent (a translation model) or `encoder` (a GLUE encoder)
+    from dsq_cli.train import load_resume
+    from dsq_cli.train.recorder import save_checkpoint
+
+    plain = to_plain(compose([f"task={task}", f"run.root={tmp_path}"]))
+    if old is None:
+        del plain["model"]["family"]
+    else:
+        plain["model"]["family"] = old
+    run = tmp_path / "old-run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.yaml").write_text(yaml.safe_dump(plain))
+    save_checkpoint(run / "checkpoints" / "checkpoint_last.pt", {"num_updates": 3})
+    cfg, _, _ = load_resume(str(run), [f"resume={run}"])
+    assert cfg.model.family == new == cfg.task.family
+    assert yaml.safe_load((run / "config.yaml").read_text())["model"]["family"] == new

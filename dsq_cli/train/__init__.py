@@ -5,7 +5,7 @@ The layers, each importing only those below it (docs/architecture.md):
     entry        train(), load_resume(): family -> data -> run directory -> launch
     launch       N processes on this machine, each running the per-rank function it is given
     rank_run     one rank's run: its trainer, its statuses, its result.json
-    families     task.family -> data preparation and trainer
+    families     task.family (= model.family) -> data, trainer and the family's output lines
     translation, glue   the two trainers, filling in
     loop         the training loop both share (`Trainer`)
     glue_metrics   the GLUE dev metrics

@@ -163,6 +163,7 @@ def spawned_outcome(run_dir: Path, codes: dict[int, int | None], started: RunRes
 
 
 # -- resuming ---------------------------------------------------------------------------------
+UNSET = "<unset>"
 # What a run is made of: its group choices and these keys (the model and data its checkpoint
 # holds, the seed of its batch order and dropout, its directory) cannot change on resume.
 FIXED_ON_RESUME = ("seed", "task", "model", "data", "run", "choices")
@@ -171,7 +172,9 @@ ADDABLE_ON_RESUME = ("task.family",)
 # Keys a run directory written by an older dsq lacks, with the values that keep such a run as it
 # started: no early stop, and the final model is the one scored.
 PREDATED_KEYS = {"train.stop_patience": 0, "eval.checkpoint": "last"}
-UNSET = "<unset>"
+# model.family in a run directory written before it shared task.family's names: absent meant a
+# translation model, ``encoder`` a GLUE encoder. Resume renames it; the model is the same.
+RENAMED_MODEL_FAMILIES = {UNSET: "translation", "encoder": "glue"}
 
 
 def load_resume(run_dir: str, overrides: list[str]) -> tuple[RunConfig, Path, dict]:
@@ -192,6 +195,10 @@ def load_resume(run_dir: str, overrides: list[str]) -> tuple[RunConfig, Path, di
     predated = [k for k in PREDATED_KEYS if OmegaConf.select(stored, k, default=UNSET) is UNSET]
     for key in predated:
         OmegaConf.update(stored, key, PREDATED_KEYS[key])
+    old_family = OmegaConf.select(stored, "model.family", default=UNSET)
+    renamed = isinstance(old_family, str) and old_family in RENAMED_MODEL_FAMILIES
+    if renamed:
+        OmegaConf.update(stored, "model.family", RENAMED_MODEL_FAMILIES[old_family])
     extra = _resume_overrides(stored, [o for o in overrides if not o.startswith("resume=")])
     try:  # unknown keys are refused by the schema (`typed`), with the keys that exist
         merged = OmegaConf.merge(stored, OmegaConf.from_dotlist(extra))
@@ -203,7 +210,8 @@ def load_resume(run_dir: str, overrides: list[str]) -> tuple[RunConfig, Path, di
             "needs: add task.family=translation (or task.family=glue for a GLUE task)"
         )
     cfg = typed(merged)
-    if extra or predated:  # config.yaml stays the fully resolved config the run actually uses
+    # config.yaml stays the fully resolved config the run actually uses
+    if extra or predated or renamed:
         write_atomic(config_path, config_yaml(cfg))
     return cfg, path, load_checkpoint(checkpoint)
 

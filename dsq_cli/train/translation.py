@@ -35,7 +35,7 @@ def _model_args(model_cfg: ModelConfig) -> list[str]:
     """conf/model keys as fairseq flags (``encoder_layers: 3`` -> --encoder-layers 3)."""
     args = ["--arch", str(model_cfg["arch"])]
     for key, value in model_cfg.items():
-        if key in ("name", "arch"):
+        if key in ("name", "arch", "family"):  # which builder and tasks, not fairseq flags
             continue
         flag = "--" + str(key).replace("_", "-")
         if isinstance(value, bool):
