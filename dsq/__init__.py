@@ -7,10 +7,16 @@ PyTorch model. It depends on torch only (Triton optional, ``dsq[hf]`` adds trans
     >>> model = dsq.quantize_model(model, cfg)       # in place; model.dsq_report says what
     >>> cfg.step(valid_loss, update=n)                # after each validation
 
-Layers, each importing only those below it: ``integrations`` (fairseq, Hugging Face) ->
-``engine`` (the quantized GEMMs, the stash, precision policies, GEMM units) -> ``formats`` (the
-number formats and their paths) -> ``kernels`` (C and Triton). The names below load on first
-use, so ``import dsq`` itself loads nothing but this file.
+    >>> with dsq.record_gemms() as recorder:         # one training step
+    ...     model(batch).sum().backward()
+    >>> dsq.cost.ratios(recorder.gemms)               # (arith, DRAM) against fixed32: the cost
+    (0.0513, 0.3607)                                  # model of docs/cost-model.md
+
+Layers, each importing only those below it: ``integrations`` (fairseq, Hugging Face) -> ``cost``
+(the cost model: arithmetic and DRAM per training step) -> ``engine`` (the quantized GEMMs, the
+stash, precision policies, GEMM units) -> ``formats`` (the number formats and their paths) ->
+``kernels`` (C and Triton). The names below (and the module ``dsq.cost``) load on first use, so
+``import dsq`` itself loads nothing but this file.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import importlib
 
 _API = {
+    "CostModel": "dsq.cost",
     "QuantConfig": "dsq.engine",
     "Schedule": "dsq.engine",
     "dsq_linear": "dsq.engine",
@@ -29,10 +36,13 @@ _API = {
     "quantize_model": "dsq.integrations",
     "register_patcher": "dsq.integrations",
 }
-__all__ = sorted(_API)
+_MODULES = ("cost",)  # submodules loaded on first use: dsq.cost.ratios(...)
+__all__ = sorted([*_API, *_MODULES])
 
 
 def __getattr__(name: str):
+    if name in _MODULES:
+        return importlib.import_module(f"dsq.{name}")
     if name not in _API:
         raise AttributeError(f"module 'dsq' has no attribute {name!r}")
     return getattr(importlib.import_module(_API[name]), name)

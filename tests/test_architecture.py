@@ -37,6 +37,7 @@ LAYERS = [
     # the library
     ("library api", ["dsq"]),
     ("integrations", ["dsq.integrations"]),
+    ("library cost", ["dsq.cost"]),  # the cost model's pure part: no file, no preset
     ("engine", ["dsq.engine"]),
     ("formats", ["dsq.formats"]),
     ("kernels", ["dsq.kernels"]),
@@ -209,23 +210,31 @@ def test_the_kernel_import_finder_sees_a_lazy_import(tmp_path):
     assert kernel_imports(tmp_path / "a.py")
 
 
-def loaded_after(imports: str) -> list[str]:
-    """The top-level packages of the suite and its frameworks a fresh interpreter has loaded
-    after ``imports``."""
+SUITE_PACKAGES = ("fairseq", "hydra", "wandb", "submitit", "dsq_cli", "transformers", "omegaconf")
+
+
+def loaded_after(imports: str, watched: tuple[str, ...] = SUITE_PACKAGES) -> list[str]:
+    """The top-level packages of the suite and its frameworks (``watched``) a fresh interpreter
+    has loaded after ``imports``."""
     import subprocess
     import sys
 
     code = (
         f"import sys; {imports}; print(sorted({{m.split('.')[0] for m in sys.modules}} & "
-        "{'fairseq', 'hydra', 'wandb', 'submitit', 'dsq_cli', 'transformers', 'omegaconf'}))"
+        f"{set(watched)!r}))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     assert out.returncode == 0, out.stderr
     return ast.literal_eval(out.stdout)  # a printed list of strings
 
 
+@pytest.mark.slow  # spawns processes
 def test_the_library_loads_no_module_of_the_suite_or_its_frameworks():
     # what a user of the library imports pulls in nothing they did not ask for
     assert loaded_after("import dsq, dsq.engine, dsq.formats, dsq.integrations") == []
+    # the cost model prices a step with its built-in coefficients: no conf/cost/*.yaml (no yaml)
+    step = "[c.GemmRecord('linear', 1, 4, 8, 8, (), 0)]"
+    priced = f"import dsq.cost as c; c.ratios({step}, c.FIXED32); c.step_cost({step}, c.FIXED32)"
+    assert loaded_after(priced, (*SUITE_PACKAGES, "yaml")) == []
     pytest.importorskip("transformers")
     assert loaded_after("import dsq, dsq.engine, dsq.integrations.hf") == ["transformers"]

@@ -1,17 +1,18 @@
-"""The cost model (docs/spec.md §4): arithmetic and DRAM cost of training steps, as ratios to a
-baseline.
+"""The suite's cost model: the library's ``dsq.cost`` (docs/cost-model.md) with what reads conf/.
 
     >>> from dsq_cli.cost import ratios
     >>> ratios(recorder.gemms, {"q0": "bfp8", "q1": "bfp4", "q2": "bfp8", "q3": "fixed16"})
-    (arith_ratio, dram_ratio)      # against fixed32 at every point
+    (arith_ratio, dram_ratio)      # against the fixed32 preset at every point
 
     >>> from dsq_cli.cost import derive_records
     >>> derive_records(model_cfg, src_tokens=4096, src_len=32, vocab=10000, quant=quant)
     [GemmRecord(...), ...]          # one training step's GEMMs, without building the model
 
-See ``dsq_cli/cost/model.py`` for the three GEMMs per record and the DRAM rule,
-``derive.py`` for the GEMMs of a fairseq transformer, ``report.py`` for ``dsq cost``, and
-``run_cost.py`` for what a run's result.json records (its update-weighted cost, stash bits).
+The three GEMMs per record, the DRAM rule and the default coefficients are the library's
+(``dsq/cost.py``). Here: ``model.py`` loads conf/cost/<name>.yaml (``load_cost_model``) and
+names baselines by conf/quant preset (``baseline_points``, ``ratios``, ``scheduled_cost``);
+``derive.py`` derives the GEMMs of a fairseq transformer, ``report.py`` is ``dsq cost``, and
+``run_cost.py`` is what a run's result.json records (its update-weighted cost, stash bits).
 """
 
 from .derive import DEFAULT_VOCAB, DerivedGemm, derive_gemms, derive_records, step_shape
@@ -22,6 +23,7 @@ from .model import (
     StepCost,
     baseline_points,
     gemm_costs,
+    load_cost_model,
     ratios,
     scheduled_cost,
     step_cost,
@@ -39,6 +41,7 @@ __all__ = [
     "StepCost",
     "baseline_points",
     "gemm_costs",
+    "load_cost_model",
     "ratios",
     "scheduled_cost",
     "step_cost",

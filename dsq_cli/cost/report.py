@@ -14,11 +14,12 @@ import re
 from collections.abc import Mapping, Sequence
 from fractions import Fraction
 
+from dsq.cost import CostModel, gemm_costs
 from dsq.engine.accounting import GemmRecord
-from dsq.engine.config import QuantConfig
+from dsq.engine.config import POINTS, QuantConfig
 
 from .derive import DEFAULT_VOCAB, MODEL_KEYS, as_quant_config, derive_records, step_shape
-from .model import DEFAULT_BASELINE, POINTS, CostModel, baseline_points, gemm_costs
+from .model import DEFAULT_BASELINE, baseline_points, load_cost_model
 
 # the rows of the table, in the order the three GEMMs of each record kind run
 GEMM_ROWS = (
@@ -108,7 +109,7 @@ def cost_report(
     summed over layers), ``last_level`` (None unless a point is scheduled) and ``against``
     (the same ratios against fixed16 when the baseline is fixed32). ``vocab_from`` says where
     ``vocab`` came from, for the header."""
-    model = CostModel.load(cost_model)  # unknown names list the choices, before any work
+    model = load_cost_model(cost_model)  # unknown names list the choices, before any work
     base_points = baseline_points(baseline)
     quant = as_quant_config(quant)
     shape = step_shape(tokens, src_len, tgt_len, vocab)

@@ -4,12 +4,13 @@ Hugging Face callback both record these, so a table prices their runs alike."""
 
 from __future__ import annotations
 
+from dsq.cost import scheduled_cost
 from dsq.engine import GemmRecord
 from dsq.formats import parse_format
 from dsq_cli.presets import BASELINE_PRESET
 from dsq_cli.run_result import unpriced
 
-from .model import scheduled_cost
+from .model import baseline_points
 
 # Runs are priced against this baseline (docs/cost-model.md).
 COST_BASELINE = BASELINE_PRESET
@@ -21,7 +22,9 @@ def run_cost(gemm_shapes: list[dict] | None, segments: list) -> dict:
     if not gemm_shapes or not segments:
         return unpriced(COST_BASELINE)
     records = [GemmRecord.from_dict(g) for g in gemm_shapes]
-    cost = scheduled_cost(records, [(points, n) for points, n in segments], COST_BASELINE)
+    baseline = baseline_points(COST_BASELINE)
+    cost = scheduled_cost(records, [(points, n) for points, n in segments], baseline)
+    cost["baseline"] = COST_BASELINE  # result.json names the preset (docs/spec.md §5)
     cost["gemms_per_step"] = len(records) * 3  # the forward GEMM and two backward ones
     return cost
 
