@@ -17,7 +17,7 @@ help:
 	@echo "make setup  - create $(VENV) and install dsq, its suite (torch, fairseq, triton, ...) and dev tools"
 	@echo "make demo   - set up, then train DSQ on the embedded demo task (about 2 CPU minutes)"
 	@echo "make test   - set up, then run the test suite"
-	@echo "make test-fast - the suite without the tests marked slow (a few minutes on 2 cores)"
+	@echo "make test-fast - the suite without the tests marked slow (about a minute on 2 cores)"
 	@echo "make bench  - run the benchmarks recorded in docs/benchmarks.md"
 	@echo "make lint   - ruff"
 
@@ -44,7 +44,8 @@ test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # The quick tier for the edit-test loop: everything but the tests marked slow (training runs,
-# torch.compile and Triton paths, spawned processes). CI runs the full `make test`.
+# compiles, spawned processes, anything over about a second; the rule is the marker's, in
+# pyproject.toml). About a minute on 2 cores. CI runs the full `make test`.
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 

@@ -116,7 +116,10 @@ def test_an_affine_peak_is_found_after_doubling_and_two_probes(budget):
         lambda n: 100 + 7 * n if n < 500 else math.inf,  # out of memory from 500 on
     ],
 )
-@pytest.mark.parametrize("budget", [104, 1000, 12345, 10**6])
+@pytest.mark.parametrize(
+    "budget",
+    [104, 1000, 12345, pytest.param(10**6, marks=pytest.mark.slow)],  # 10**6: seconds
+)
 def test_the_search_is_exact_for_any_rising_peak(peak_of, budget):
     search, calls = _search(peak_of, budget)
     n = 0

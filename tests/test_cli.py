@@ -48,6 +48,7 @@ def test_bad_input_is_one_line_and_exit_code_2(args, needle):
     assert len(lines) == 1 and needle in lines[0] and lines[0].startswith("dsq: error:")
 
 
+@pytest.mark.slow  # spawns the dsq process
 def test_console_script_exit_code_for_a_bad_spec():
     """The installed entry point, in a real process: stderr one line, exit code 2."""
     proc = subprocess.run(

@@ -287,6 +287,7 @@ FLOAT_POINTS = {"q0": "bf16", "q1": {"levels": ["e4m3", "fp16"]}, "q2": "fp16", 
     ],
     ids=["transformer_iwslt", "unequal-widths", "excluded"],
 )
+@pytest.mark.slow  # a real fairseq step per case
 def test_derived_records_equal_what_a_real_step_records(
     model_cfg, points, sentences, src_len, tgt_len, exclude, monkeypatch
 ):

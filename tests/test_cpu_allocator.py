@@ -40,6 +40,7 @@ def test_the_opt_out_leaves_glibc_alone(monkeypatch):
     assert keep_freed_memory() is False
 
 
+@pytest.mark.slow  # spawns processes
 def test_freed_blocks_are_reused_without_faulting_pages_in_again():
     applied, kept = page_faults("keep")
     assert applied == "True"

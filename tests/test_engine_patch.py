@@ -43,6 +43,7 @@ def held_after_forward(fn) -> tuple[int, object]:
     return held, out
 
 
+@pytest.mark.slow  # a real transformer_iwslt step
 def test_transformer_iwslt_every_linear_and_both_attention_products_run_quantized():
     model, _ = iwslt_transformer()
     quantize_model(model, QuantConfig(q0="bfp8", q1="bfp4", q2="bfp8", q3="fixed16"))
@@ -83,6 +84,7 @@ class _Stack(nn.Module):
         return self.layers(x * 1.0)
 
 
+@pytest.mark.slow  # compiles the quantizers
 def test_bfp4_stash_holds_at_most_a_sixth_of_fp32_activation_memory():
     x = torch.randn(2048, 512)
     held = {}

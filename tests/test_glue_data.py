@@ -154,6 +154,7 @@ REAL = [
 
 @needs_glue
 @pytest.mark.parametrize("name, n_train, n_dev, train_counts", REAL)
+@pytest.mark.slow  # reads every line of the real GLUE files
 def test_real_files_have_the_documented_sizes(name, n_train, n_dev, train_counts):
     task = get_glue_task(name)
     directory = GLUE_DATA / task.folder
@@ -200,6 +201,7 @@ def test_real_files_spot_checks():
 
 
 @needs_glue
+@pytest.mark.slow  # reads every line of the real GLUE files
 def test_subset_keeps_the_first_training_examples_in_file_order():
     directory = GLUE_DATA / "SST-2"
     full = get_glue_task("sst2").read(directory / "train.tsv")

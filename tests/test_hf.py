@@ -22,6 +22,18 @@ warnings.filterwarnings("ignore", module="transformers")
 
 KINDS = ["bert", "gpt2", "llama"]
 IMPLEMENTATIONS = ["eager", "sdpa"]
+# every kind and implementation; a forward and backward of each costs a second or so, so make
+# test-fast keeps llama's eager case (llama is the kind the other tests here build) and make test
+# runs them all
+CASES = [
+    pytest.param(
+        kind,
+        implementation,
+        marks=[] if (kind, implementation) == ("llama", "eager") else [pytest.mark.slow],
+    )
+    for kind in KINDS
+    for implementation in IMPLEMENTATIONS
+]
 DSQ = QuantConfig(q0="bfp8", q1="bfp4", q2="bfp8", q3="fixed16")
 
 
@@ -62,8 +74,7 @@ def output_and_grads(model):
     return out.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind, implementation", CASES)
 def test_under_fp32_formats_the_patched_model_is_the_model(kind, implementation):
     model = build(kind, implementation).eval()
     patched = quantize_model(copy.deepcopy(model), QuantConfig())  # every point fp32
@@ -137,8 +148,7 @@ def blocks_of(model: nn.Module) -> list[nn.Module]:
     return [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst]
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind, implementation", CASES)
 def test_no_unquantized_gemm_runs_inside_a_patched_block(kind, implementation, monkeypatch):
     ids, mask = batch()
     plain = build(kind, implementation)
@@ -189,6 +199,7 @@ def test_an_attention_module_the_patching_missed_is_refused_not_run_unquantized(
             patched(*batch())
 
 
+@pytest.mark.slow  # loads MiniLM twice (transformers, fairseq)
 def test_hf_minilm_and_the_fairseq_path_minilm_are_the_same_quantized_model():
     """MiniLM through transformers (BertModel, patched here) and through dsq's GLUE path
     (fairseq, docs/glue.md): the same outputs in fp32, and the same GEMMs, shapes, formats and

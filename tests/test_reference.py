@@ -189,6 +189,7 @@ def test_block_with_exponent_zero_lands_on_multiples_of_the_step(m):
 
 
 @pytest.mark.parametrize("spec", ["bfp2", "bfp4", "fixed8f4", "bfp4e8b1"])
+@pytest.mark.slow  # 4,000 draws per format
 def test_stochastic_rounding_is_unbiased_and_reproducible(spec):
     fmt = parse_format(spec)
     x = torch.tensor([0.3, -1.7, 0.05, 2.9, 0.1, -0.26, 1.01, -2.0] * 2)

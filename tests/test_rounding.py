@@ -24,6 +24,7 @@ def _stash_only(rounding: str, seed: int = 0, stash: str = "bfp2") -> QuantConfi
 
 
 @pytest.mark.parametrize("man_bits", [2, 4])
+@pytest.mark.slow  # a thousand quantized GEMM steps per case
 def test_the_stochastic_stash_is_unbiased(man_bits):
     """The mean of R stochastic stashes converges to x (within 5 standard errors), wherever x
     lies inside the format's range; nearest rounding misses by more than that bound.

@@ -152,6 +152,7 @@ def test_parallel_jobs_share_out_the_cores(tmp_path, monkeypatch):
     assert job.log.read_text().strip() == "threads 7"
 
 
+@pytest.mark.slow  # trains four runs through the CLI
 def test_an_unfinished_run_is_continued_from_its_checkpoint_or_set_aside(tmp_path, tiny):
     """A session that ends mid-study leaves a run 'running' (its process killed) with a
     checkpoint: --resume-unfinished continues it in place; without it, it is set aside and run

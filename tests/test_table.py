@@ -349,6 +349,7 @@ def assert_png(path: Path) -> None:
     assert len(data) > 20_000  # axes, lines and text, not an empty canvas
 
 
+@pytest.mark.slow  # renders with matplotlib
 def test_plot_run_writes_bits_and_loss_png(tmp_path):
     run_dir = write_run(tmp_path, result_json(*RUNS[7]))
     write_metrics(run_dir)
@@ -378,6 +379,7 @@ def test_plot_refuses_a_directory_without_metrics(tmp_path):
     assert result.exit_code == 2 and "has no metrics.jsonl" in result.stderr
 
 
+@pytest.mark.slow  # renders with matplotlib
 def test_table_plot_writes_the_frontier_png(root, tmp_path):
     out = tmp_path / "frontier.png"
     result = invoke("table", root, "--plot", out)
@@ -398,6 +400,7 @@ def test_frontier_rows_keep_their_own_colour_and_variants_are_diamonds():
     assert {row for row, (_, marker) in styles.items() if marker == "D"} == set(rows[9:11])
 
 
+@pytest.mark.slow  # starts wandb's service process
 def test_wandb_logs_the_table_offline(root, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
