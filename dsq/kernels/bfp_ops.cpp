@@ -24,6 +24,8 @@ extern "C" {
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "op_checks.h"
+
 #include <sstream>
 #include <string>
 #include <tuple>
@@ -32,22 +34,7 @@ namespace {
 
 using at::Tensor;
 
-/* "float16 on cuda:0" (the layout too when it is not strided): what a refused tensor is. */
-std::string describe(const Tensor &t) {
-    std::ostringstream s;
-    s << c10::getDtypeNames(t.scalar_type()).first << " on " << t.device();
-    if (t.layout() != at::kStrided) s << " (" << t.layout() << " layout)";
-    return s.str();
-}
-
-/* t is a strided CPU tensor of `dtype` with `dim` dimensions (any, for dim < 0). */
-void need(const char *op, const Tensor &t, at::ScalarType dtype, int64_t dim = -1) {
-    TORCH_CHECK_VALUE(
-        t.scalar_type() == dtype && t.device().is_cpu() && t.layout() == at::kStrided, "dsq::", op,
-        " needs a ", c10::getDtypeNames(dtype).first, " CPU tensor, got ", describe(t));
-    TORCH_CHECK_VALUE(dim < 0 || t.dim() == dim, "dsq::", op, " needs a ", dim,
-                      "-D tensor, got shape ", t.sizes());
-}
+using dsq_ops::need;
 
 Tensor floats(at::IntArrayRef shape) { return at::empty(shape, at::dtype(at::kFloat)); }
 Tensor bytes(at::IntArrayRef shape) { return at::empty(shape, at::dtype(at::kByte)); }

@@ -54,7 +54,8 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).parent
-SOURCES = (HERE / "bfp_ops.cpp", HERE / "bfp_cpu.c")  # the first includes the second
+# the first includes the others (the build key hashes all three)
+SOURCES = (HERE / "bfp_ops.cpp", HERE / "bfp_cpu.c", HERE / "op_checks.h")
 # IEEE arithmetic, no contraction into fused multiply-adds: the kernels' exactness argument
 # (bfp_cpu.c's header) counts every rounding.
 FLAGS = ("-O3", "-ffp-contract=off", "-fno-fast-math")

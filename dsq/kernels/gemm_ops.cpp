@@ -13,6 +13,8 @@ extern "C" {
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "op_checks.h"
+
 #include <algorithm>
 #include <array>
 #include <optional>
@@ -25,20 +27,7 @@ namespace {
 
 using at::Tensor;
 
-std::string describe(const Tensor &t) {
-    std::ostringstream s;
-    s << c10::getDtypeNames(t.scalar_type()).first << " on " << t.device();
-    if (t.layout() != at::kStrided) s << " (" << t.layout() << " layout)";
-    return s.str();
-}
-
-void need(const char *op, const Tensor &t, at::ScalarType dtype, int64_t dim) {
-    TORCH_CHECK_VALUE(
-        t.scalar_type() == dtype && t.device().is_cpu() && t.layout() == at::kStrided, "dsq::", op,
-        " needs a ", c10::getDtypeNames(dtype).first, " CPU tensor, got ", describe(t));
-    TORCH_CHECK_VALUE(t.dim() == dim, "dsq::", op, " needs a ", dim, "-D tensor, got shape ",
-                      t.sizes());
-}
+using dsq_ops::need;
 
 /* (x [b, r, c] as bf16 inside a zero-padded tensor of `shape`, laid out in x's memory order so
  * that both are read and written in that order; a 0-D bool tensor: whether every value is a

@@ -69,7 +69,8 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
-SOURCES = (Path(__file__).with_name("gemm_ops.cpp"), SOURCE)  # the first includes the second
+# the first includes the others (the build key hashes all three)
+SOURCES = (Path(__file__).with_name("gemm_ops.cpp"), SOURCE, cpu.HERE / "op_checks.h")
 
 
 @functools.cache
