@@ -10,7 +10,7 @@ from pathlib import Path
 
 import typer
 
-from dsq.formats.backends import requested_backend
+from dsq.formats.backends import requested_backend, unavailable_reason
 from dsq_cli import __version__, cpu_allocator
 from dsq_cli.presets import BASELINE_PRESET
 
@@ -130,14 +130,18 @@ def _print_bench(result: dict, as_json: bool, format_table) -> None:
 
 
 def _check_device(device: str) -> None:
-    if device == "cpu":
-        return
-    if not device.startswith("cuda"):
+    """--device names a device here, and DSQ_BACKEND (if it names a backend) runs on it."""
+    if device != "cpu" and not device.startswith("cuda"):
         raise ValueError(f"--device must be cpu or cuda, got {device!r}")
-    import torch
+    if device != "cpu":
+        import torch
 
-    if not torch.cuda.is_available():
-        raise ValueError("--device cuda needs a CUDA GPU; none is visible here")
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda needs a CUDA GPU; none is visible here")
+    requested = requested_backend()
+    reason = None if requested is None else unavailable_reason(requested, device.split(":")[0])
+    if reason is not None:
+        raise ValueError(f"DSQ_BACKEND={requested} cannot run on {device} here: {reason}")
 
 
 @bench_app.command("quant")

@@ -43,18 +43,23 @@ def test_the_environment_variable_chooses_and_auto_is_the_default(monkeypatch):
     assert backends.select_backend(x, "compile") is backends.load_backend("compile")
 
 
-def test_the_reference_pairs_are_the_two_calls():
-    """The reference's fused-pair functions are the definition every fused kernel is held to."""
+def test_the_reference_runs_pairs_as_the_two_calls(monkeypatch):
+    """The reference fuses nothing: a pair asked of it runs the two calls (its own pair functions
+    never run), with the two calls' results."""
     from dsq.formats import reference
 
+    def refuse(*args):
+        raise AssertionError("the reference ran a fused pair")
+
+    monkeypatch.setattr(reference, "bfp_quantize_and_pack", refuse)
+    monkeypatch.setattr(reference, "bfp_quantize_chain", refuse)
     x = torch.randn(48, 32, generator=torch.Generator().manual_seed(3))
-    bfp8, bfp2 = (parse_format(s)._args() for s in ("bfp8", "bfp2"))
-    values, mantissas, exponents = reference.bfp_quantize_and_pack(x, bfp8, 1, bfp2, 0)
-    assert torch.equal(values, reference.bfp_quantize(x, *bfp8, 1))
-    want = reference.bfp_pack(x, *bfp2, 0)
-    assert torch.equal(mantissas, want[0]) and torch.equal(exponents, want[1])
-    first, second = reference.bfp_quantize_chain(x, (16, 8, None), 0, bfp8, 1)
-    assert torch.equal(second, reference.bfp_quantize(first, *bfp8, 1))
+    bfp8, bfp2, fixed16 = (parse_format(s) for s in ("bfp8", "bfp2", "fixed16"))
+    values, packed = bfp8.quantize_and_pack(x, 1, bfp2, 0, backend="reference")
+    assert torch.equal(values, bfp8.quantize(x, 1, backend="reference"))
+    assert torch.equal(packed.unpack(), bfp2.quantize(x, 0, backend="reference"))
+    first, second = fixed16.quantize_chain(x, 0, bfp8, 1, backend="reference")
+    assert torch.equal(second, bfp8.quantize(first, 1, backend="reference"))
 
 
 @pytest.mark.parametrize("command", [["version"], ["format", "bfp4", "--values", "1,2"]])
@@ -69,3 +74,24 @@ def test_dsq_refuses_an_unknown_backend_in_one_line(command, monkeypatch):
     ]
     monkeypatch.setenv("DSQ_BACKEND", "reference")
     assert CliRunner().invoke(app, command).exit_code == 0
+
+
+def test_a_backend_that_cannot_run_here_is_refused_before_a_run_starts(monkeypatch, tmp_path):
+    """DSQ_BACKEND=triton on a CPU-only run: one line, exit 2, no run directory."""
+    from dsq_cli.cli import app
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the tests' interpreter, off
+    reason = backends.unavailable_reason("triton", "cpu")
+    assert reason is not None
+    monkeypatch.setenv("DSQ_BACKEND", "triton")
+    result = CliRunner().invoke(
+        app, ["train", "task=demo", "quant=dsq", "train.device=cpu", f"run.root={tmp_path}"]
+    )
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().splitlines() == [
+        f"dsq: error: DSQ_BACKEND=triton cannot run on cpu here: {reason}; unset it (auto) or "
+        "choose another backend"
+    ]
+    assert not any(tmp_path.iterdir())
+    result = CliRunner().invoke(app, ["bench", "step", "--repeats", "1"])
+    assert result.exit_code == 2 and "DSQ_BACKEND=triton cannot run on cpu" in result.output

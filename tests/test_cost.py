@@ -22,6 +22,7 @@ from dsq_cli.cost import (
     derive_gemms,
     derive_records,
     gemm_costs,
+    load_cost_model,
     ratios,
     scheduled_cost,
     step_cost,
@@ -103,7 +104,7 @@ def test_uniform_fixed_is_exact_against_fixed32(width):
 
 
 def test_additive_model_uniform_and_by_hand():
-    additive = CostModel.load("additive")
+    additive = load_cost_model("additive")
     assert ratios(STEP, uniform("fixed8"), model=additive) == (0.25, 0.25)
     rec = record("linear", 1, 32, 64, 48, STASH_BFP)
     forward, grad_x, grad_w = gemm_costs(rec, model=additive)
@@ -177,7 +178,7 @@ SPECS = [
 
 def narrower(low: str, high: str) -> bool:
     """``low`` is at most as wide as ``high`` for the multiplier and in DRAM."""
-    model = CostModel.load()
+    model = load_cost_model()
     fl, fh = parse_format(low), parse_format(high)
     return model.width(fl) <= model.width(fh) and fl.bits_per_value <= fh.bits_per_value
 
@@ -193,7 +194,7 @@ def narrower(low: str, high: str) -> bool:
 @example(config=uniform("fixed16"), point="q3", lower="fixed8", model_name="default")
 def test_lowering_one_point_never_raises_cost(config, point, lower, model_name):
     assume(narrower(lower, config[point]))
-    model = CostModel.load(model_name)
+    model = load_cost_model(model_name)
     lowered = {**config, point: lower}
     before, after = step_cost(STEP, config, model=model), step_cost(STEP, lowered, model=model)
     assert after.arith <= before.arith
@@ -209,7 +210,7 @@ def test_lowering_one_point_never_raises_cost(config, point, lower, model_name):
 @pytest.mark.parametrize("model_name", ["default", "additive", "elementwise_fp32"])
 @pytest.mark.parametrize("float_spec", ["fp32", "fp16", "bf16", "e4m3", "e5m2"])
 def test_floats_never_cheaper_than_fixed_of_the_same_width(float_spec, model_name):
-    model = CostModel.load(model_name)
+    model = load_cost_model(model_name)
     fixed = parse_format(f"fixed{int(parse_format(float_spec).bits_per_value)}")
     for partner in map(parse_format, SPECS):
         assert model.per_mac(parse_format(float_spec), partner) >= model.per_mac(fixed, partner)
@@ -263,7 +264,7 @@ def test_step_cost_breaks_down_by_kind():
 
 def test_unknown_names_are_errors_listing_the_choices():
     with pytest.raises(ValueError, match=r"unknown cost model 'nope'.*'additive'.*'default'"):
-        CostModel.load("nope")
+        load_cost_model("nope")
     with pytest.raises(ValueError, match=r"unknown quant preset 'nope'.*'fixed32'"):
         baseline_points("nope")
     with pytest.raises(ValueError, match=r"unknown quant preset"):
@@ -283,7 +284,7 @@ def test_every_coefficient_has_a_comment_beside_it():
 
 def test_activations_in_fp32_by_hand():
     # x [32, 64] 2048, W [48, 64] 3072, y = g [32, 48] 1536 elements; stash_bfp's points
-    fp32_acts = CostModel.load("elementwise_fp32")
+    fp32_acts = load_cost_model("elementwise_fp32")
     rec = record("linear", 1, 32, 64, 48, STASH_BFP)
     forward, grad_x, grad_w = gemm_costs(rec, model=fp32_acts)
     assert forward.arith == grad_x.arith == grad_w.arith == 6144  # arithmetic as in default

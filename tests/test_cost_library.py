@@ -34,7 +34,7 @@ def test_the_built_in_default_is_conf_cost_default_yaml():
     on_disk = yaml.safe_load((COST_DIR / "default.yaml").read_text())
     assert dsq.cost.DEFAULT_MODEL.to_dict() == on_disk
     assert {k: dict(v) for k, v in dsq.cost.DEFAULT_COEFFICIENTS.items()} == on_disk
-    assert dsq_cli.cost.CostModel.load() == dsq.cost.DEFAULT_MODEL
+    assert dsq_cli.cost.load_cost_model() == dsq.cost.DEFAULT_MODEL
 
 
 def test_the_default_baseline_is_the_baseline_preset():
@@ -49,12 +49,16 @@ def test_every_conf_model_round_trips_through_the_library(name):
 
 
 def test_the_suite_prices_with_the_librarys_functions():
-    for name in ("gemm_costs", "step_cost", "GemmCost", "CostTotals", "StepCost"):
+    for name in ("CostModel", "gemm_costs", "step_cost", "GemmCost", "CostTotals", "StepCost"):
         assert getattr(dsq_cli.cost, name) is getattr(dsq.cost, name)
-    assert issubclass(dsq_cli.cost.CostModel, dsq.cost.CostModel)
-    # no model: the built-in default, priced exactly as conf/cost/default.yaml prices
-    for record in STEP:
-        assert dsq.cost.gemm_costs(record) == dsq.cost.gemm_costs(record, model=load_cost_model())
+    # a model read from conf/ equals the same coefficients given to the library
+    additive = load_cost_model("additive")
+    assert dsq_cli.cost.CostModel.from_dict(additive.to_dict(), name="additive") == additive
+    # and prices differently from the default (the model argument is used)
+    assert any(
+        dsq.cost.gemm_costs(record) != dsq.cost.gemm_costs(record, model=additive)
+        for record in STEP
+    )
 
 
 def test_a_baseline_is_points_in_the_library_and_a_preset_name_in_the_suite():

@@ -26,7 +26,7 @@ import torch
 
 try:
     from dsq.kernels import bfp as kernels
-except ImportError as err:  # triton is an optional dependency
+except Exception as err:  # triton is optional, and a broken install can raise anything
     kernels, _import_error = None, err
 else:
     _import_error = None

@@ -92,7 +92,7 @@ def load_backend(name: str) -> ModuleType:
 def requested_backend(backend: str | None = None) -> str | None:
     """The named choice (``backend``, else ``DSQ_BACKEND``), or None for ``auto``; a name
     outside `CHOICES` is a ValueError saying which names exist."""
-    if backend is not None:
+    if backend:  # None or "": the environment's choice
         where, requested = "backend", backend
     else:
         where, requested = ENVIRONMENT_VARIABLE, os.environ.get(ENVIRONMENT_VARIABLE) or "auto"

@@ -1,5 +1,5 @@
 """GEMMs in a compute dtype that holds both operands exactly, on the CPU (docs/dsq.md, "GEMM
-units"): the host glue of ``dsq.kernels.onednn``, as ``compiled.py`` is the quantizers'.
+units"): the host glue of ``dsq.kernels.onednn``, as the backends are the quantizers'.
 
 ``bf16_gemm(a, b, bias)`` converts both float32 operands to bf16, checking in the same pass
 that every value is a bf16 number the bf16 unit multiplies exactly (``Format.exact_in`` says

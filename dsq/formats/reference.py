@@ -1,7 +1,7 @@
 """The readable reference: docs/spec.md §1 written as PyTorch, the definition in code.
 
-Every fast path (the fused CPU path in ``compiled.py``, the Triton kernels in ``dsq/kernels/``) is
-tested bit for bit against the functions here. They favour clarity over speed:
+Every other backend (``c`` and ``compile`` on CPU, ``triton``; see ``backends.py``) is tested bit
+for bit against the functions here. They favour clarity over speed:
 
 * BFP and fixed point work in float64. Inputs are first made float32 (exact for fp16/bf16/fp32;
   round-to-nearest-even for float64), and every float32 value times any power of two in
