@@ -1,15 +1,17 @@
 """The C kernels of the c backend (dsq/kernels/bfp_cpu.c) against the reference, bit for bit,
 over the formats they cover (nearest rounding, E <= 8, 2 <= m <= 23; codes for m <= 8), with
 values at every edge of float32; the same results on any number of threads; and the loader:
-its cache, and a failed build (``auto`` then takes the compile backend, still exact)."""
+its cache (shared by checkouts, read as it is where read-only), its lock (a killed build blocks
+nobody), and a failed build (``auto`` then takes the compile backend, still exact)."""
 
 from __future__ import annotations
 
 import math
 import os
+import shutil
 import subprocess
 import sys
-import time
+import threading
 from pathlib import Path
 
 import pytest
@@ -271,24 +273,31 @@ def test_a_compiler_error_is_quoted_for_each_variant(monkeypatch, tmp_path, capl
     _falls_back(caplog)
 
 
-def test_a_killed_builds_lock_is_removed_once_stale(monkeypatch, tmp_path, fresh_loader):
-    """A process killed mid-build leaves the builder's lock file, which every later build would
-    wait on forever: the next build deletes it once older than any build could be, and leaves a
-    younger one (a build running in another process, which the builder waits for)."""
-    running = tmp_path / "running"
-    running.mkdir()
-    (running / "lock").write_text("")
-    c_kernels._remove_stale_lock(running)
-    assert (running / "lock").exists()
-    key = c_kernels.build_key(c_kernels.SOURCES, [*c_kernels.FLAGS, *c_kernels.VARIANTS[0]])
-    killed = tmp_path / "cache" / "c-kernels" / f"bfp_ops-{key}"
-    killed.mkdir(parents=True)
-    (killed / "lock").write_text("")
-    old = time.time() - c_kernels.STALE_LOCK_S - 60
-    os.utime(killed / "lock", (old, old))
-    monkeypatch.setenv("CXX", fake_compiler(tmp_path, tmp_path / "calls"))  # fails at once
-    assert "error: no such thing" in c_kernels.unavailable_reason()
-    assert not (killed / "lock").exists()
+def test_the_build_lock_waits_for_its_holder_and_outlives_a_killed_build(tmp_path, caplog,
+                                                                         monkeypatch):  # fmt: skip
+    """A build waits, with one warning, while another process holds its folder's lock; once that
+    process is killed (SIGKILL, as a build killed midway) the system releases the lock, and the
+    lock file torch's builder left in the folder (which it would wait on forever) is deleted."""
+    pytest.importorskip("fcntl")
+    monkeypatch.setattr(c_kernels, "WAIT_WARNING_S", 0.3)
+    (tmp_path / "lock").write_text("")  # torch's builder's, left by the killed build
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, os, sys, time\n"
+         "fcntl.flock(os.open(sys.argv[1], os.O_RDWR | os.O_CREAT), fcntl.LOCK_EX)\n"
+         "print('locked', flush=True)\ntime.sleep(300)", str(tmp_path / c_kernels.LOCK_FILE)],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        threading.Timer(1.0, holder.kill).start()
+        with caplog.at_level("WARNING", logger="dsq.kernels"), c_kernels._build_lock(tmp_path):
+            assert holder.wait(timeout=5) == -9
+            assert not (tmp_path / "lock").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    waited = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert waited == [f"waiting for another process's build of the C kernels in {tmp_path}"]
 
 
 def _folders(sources=c_kernels.SOURCES) -> set[str]:
@@ -297,25 +306,102 @@ def _folders(sources=c_kernels.SOURCES) -> set[str]:
     return {f"bfp_ops-{c_kernels.build_key(sources, f)}" for f in flags}
 
 
-@pytest.mark.slow  # spawns a process
-def test_the_build_is_cached_per_cpu_and_sources(monkeypatch, tmp_path):
-    """The loaded library lies in $DSQ_CACHE/c-kernels, in a folder named by the hash of its
-    sources, flags, torch's version and the CPU, and a new process loads it without building it
-    again; an edited source, or another CPU model or flag set, builds elsewhere."""
-    path = Path(c_kernels.library())
-    assert path.parent.parent == c_kernels.cache_dir() and path.parent.name in _folders()
-    stamp = path.stat().st_mtime_ns
-    loaded = subprocess.run(
-        [sys.executable, "-c", "from dsq.kernels import cpu; print(cpu.library())"],
-        capture_output=True, text=True, check=True, timeout=300,
+ROOT = Path(c_kernels.__file__).parents[2]  # the checkout this process imported dsq from
+LOAD = "from dsq.kernels import cpu\nprint(cpu.__file__)\nprint(cpu.library())\n"
+
+
+def _load(cache: Path, root: Path = ROOT, code: str = LOAD, timeout: float = 600) -> list[str]:
+    """The lines a new process prints running ``code`` with dsq imported from the checkout
+    ``root`` and the cache ``cache`` (the kernels are loaded in another process: this one may
+    have loaded them from another folder already, and loading them twice aborts)."""
+    env = {**os.environ, "PYTHONPATH": str(root), "DSQ_CACHE": str(cache)}
+    run = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
+        timeout=timeout,
     )  # fmt: skip
-    assert loaded.stdout.strip() == str(path) and path.stat().st_mtime_ns == stamp
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.stdout.splitlines()
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> tuple[Path, Path]:
+    """(a cache of the tests' own, the library built in it by a new process)."""
+    cache = tmp_path_factory.mktemp("c-kernels") / "cache"
+    return cache, Path(_load(cache)[1])
+
+
+@pytest.mark.slow  # builds the kernels (once per module, in a new process)
+def test_the_build_is_cached_per_cpu_and_sources(monkeypatch, tmp_path, built):
+    """The library lies in $DSQ_CACHE/c-kernels, in a folder named by the hash of its sources,
+    flags, torch's version and the CPU, and a new process loads it without building it again;
+    an edited source, or another CPU model or flag set, builds elsewhere."""
+    cache, path = built
+    assert path.parent.parent == cache / "c-kernels" and path.parent.name in _folders()
+    stamp = path.stat().st_mtime_ns
+    assert _load(cache) == [c_kernels.__file__, str(path)]
+    assert path.stat().st_mtime_ns == stamp
     edited = tmp_path / "bfp_cpu.c"
     edited.write_bytes(c_kernels.SOURCES[1].read_bytes() + b"\n")
     assert not _folders() & _folders((c_kernels.SOURCES[0], edited))
     identity = c_kernels._cpu_identity()
     monkeypatch.setattr(c_kernels, "_cpu_identity", lambda: identity + " another_flag")
     assert path.parent.name not in _folders()
+
+
+@pytest.mark.slow  # builds the kernels (once per module, in a new process)
+def test_another_checkout_with_the_same_sources_shares_the_build(tmp_path, built):
+    """The build compiles copies of the sources in its folder, so its command names no checkout:
+    a clone's process loads the same library without rebuilding it (formerly the two checkouts
+    relinked it in turn, each under the other's feet)."""
+    cache, path = built
+    assert (path.parent / "src" / "bfp_cpu.c").read_bytes() == c_kernels.SOURCES[1].read_bytes()
+    clone = tmp_path / "clone"
+    shutil.copytree(ROOT / "dsq", clone / "dsq", ignore=shutil.ignore_patterns("__pycache__"))
+    stamp = path.stat().st_mtime_ns
+    module, loaded = _load(cache, root=clone)
+    assert Path(module).is_relative_to(clone) and loaded == str(path)
+    assert path.stat().st_mtime_ns == stamp
+    command = (path.parent / "build.ninja").read_text()
+    assert str(ROOT / "dsq") not in command and str(clone) not in command
+
+
+@pytest.mark.slow  # builds the kernels (once per module, in a new process)
+def test_a_killed_builds_lock_file_does_not_block_a_load(built):
+    """torch's builder waits forever on a lock file left by a build killed midway; the next load
+    deletes it (it holds the folder's flock, so no live builder owns it) and goes on."""
+    cache, path = built
+    (path.parent / "lock").write_text("")
+    assert _load(cache, timeout=180)[1] == str(path)
+    assert not (path.parent / "lock").exists()
+
+
+@pytest.mark.slow  # builds the kernels (once per module, in a new process)
+def test_a_read_only_cache_loads_its_build(built):
+    """A folder holding the built library that this user cannot write (a shared, read-only cache)
+    is loaded as it is, its fake kernels registered, instead of failing torch's lock step and
+    falling back to the compile backend."""
+    cache, path = built
+    code = (
+        "import os, torch, torch.utils.cpp_extension\n"
+        "from torch._subclasses.fake_tensor import FakeTensorMode\n"
+        "from dsq.kernels import cpu\n"
+        "if os.geteuid() == 0:  # root writes anywhere: the folder and the builder as for a user\n"
+        "    cpu._writable = lambda directory: False\n"
+        "    def refuse(*args, **kwargs):\n"
+        "        raise PermissionError(13, 'Permission denied', 'lock')\n"
+        "    torch.utils.cpp_extension.load = refuse\n"
+        "print(cpu.library())\n"
+        "print(cpu.bfp_quantize(torch.full((1, 16), 0.3), 2, 8)[0, 0].item())\n"
+        "with FakeTensorMode():\n"
+        "    print(tuple(cpu.bfp_quantize(torch.empty(3, 16), 4, 8).shape))\n"
+    )
+    before = sorted(path.parent.iterdir()), path.stat().st_mtime_ns
+    path.parent.chmod(0o555)
+    try:
+        assert _load(cache, code=code, timeout=180) == [str(path), "0.25", "(3, 16)"]
+    finally:
+        path.parent.chmod(0o755)
+    assert (sorted(path.parent.iterdir()), path.stat().st_mtime_ns) == before
 
 
 def test_decode_refuses_a_short_stream():

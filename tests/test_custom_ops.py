@@ -5,6 +5,9 @@ and a tensor of the wrong dtype, device or layout is a one-line ValueError at th
 
 from __future__ import annotations
 
+import contextlib
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -127,6 +130,75 @@ def test_codes_and_shapes_are_checked_at_the_boundary():
         c_kernels.bfp_quantize(torch.zeros(16), 4, 8)
     with pytest.raises(ValueError, match="60 values are not whole blocks of 16"):
         c_kernels.fixed_then_bfp(torch.zeros(60), 8, 8, 4, 8, 16)
+
+
+# (call, message): an integer argument outside what the kernels hold (bfp_cpu.c's header:
+# 2 <= m <= 23, 1 <= E <= 8, codes of m <= 8, blocks of at least 1)
+BAD_ARGUMENTS = {
+    "bfp_quantize m 30": (
+        lambda t: c_kernels.bfp_quantize(t.x2, 30, 8),
+        "dsq::bfp_quantize needs man_bits of 2 to 23, got 30",
+    ),
+    "bfp_quantize E 0": (
+        lambda t: c_kernels.bfp_quantize(t.x2, 4, 0),
+        "dsq::bfp_quantize needs exp_bits of 1 to 8, got 0",
+    ),
+    "columns block 0": (
+        lambda t: c_kernels.bfp_quantize_columns(t.x3, 0, 4, 8),
+        "dsq::bfp_quantize_columns needs block of at least 1, got 0",
+    ),
+    "columns m 1": (
+        lambda t: c_kernels.bfp_quantize_columns(t.x3, 16, 1, 8),
+        "dsq::bfp_quantize_columns needs man_bits of 2 to 23, got 1",
+    ),
+    "fixed w 24": (
+        lambda t: c_kernels.fixed_quantize(t.flat, 24, 8),
+        "dsq::fixed_quantize needs man_bits of 2 to 23, got 24",
+    ),
+    "chain E 9": (
+        lambda t: c_kernels.fixed_then_bfp(t.flat, 8, 8, 4, 9, 16),
+        "dsq::fixed_then_bfp needs s_exp of 1 to 8, got 9",
+    ),
+    "chain block 0": (
+        lambda t: c_kernels.fixed_then_bfp(t.flat, 8, 8, 4, 8, 0),
+        "dsq::fixed_then_bfp needs s_block of at least 1, got 0",
+    ),
+    "pair stash m 9": (
+        lambda t: c_kernels.bfp_quantize_and_pack(t.x3, 16, 8, 8, 8, 9, 8, False),
+        "dsq::bfp_quantize_and_pack needs p_man of 2 to 8, got 9",
+    ),
+    "pair m 30": (
+        lambda t: c_kernels.bfp_quantize_and_pack(t.x3, 16, 30, 8, 8, 4, 8, True),
+        "dsq::bfp_quantize_and_pack needs q_man of 2 to 23, got 30",
+    ),
+    "decode m 9": (
+        lambda t: c_kernels.bfp_decode(t.codes, t.codes, 2, 16, 16, 9, 8),
+        "dsq::bfp_decode needs man_bits of 2 to 8, got 9",
+    ),
+    "pack width 0": (
+        lambda t: c_kernels.pack_codes(t.codes, 0),
+        "dsq::pack_codes needs a width of 1 to 8 bits, got 0",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_ARGUMENTS))
+def test_a_format_the_kernels_do_not_hold_is_a_one_line_error(case):
+    """Widths and block lengths are checked at the boundary (formerly bfp_quantize(x, 30, 8)
+    returned wrong values): the op and its fake kernel (what torch.compile traces with) refuse
+    them with the same one-line ValueError."""
+    call, message = BAD_ARGUMENTS[case]
+    for mode in (contextlib.nullcontext(), FakeTensorMode()):
+        with mode:
+            tensors = SimpleNamespace(
+                x2=torch.zeros(4, 16),
+                x3=torch.zeros(2, 16, 8),
+                flat=torch.zeros(64),
+                codes=torch.zeros(40, dtype=torch.uint8),
+            )
+            with pytest.raises(ValueError) as error:
+                call(tensors)
+        assert str(error.value) == message, type(mode).__name__
 
 
 def test_the_ops_follow_torchs_thread_count():

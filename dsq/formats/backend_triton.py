@@ -33,20 +33,6 @@ else:
 
 from . import reference
 
-__all__ = [
-    "unavailable_reason",
-    "bfp_quantize",
-    "bfp_pack",
-    "bfp_unpack",
-    "fixed_static_quantize",
-    "fixed_static_pack",
-    "fixed_static_unpack",
-    "fusable_quantize_and_pack",
-    "bfp_quantize_and_pack",
-    "fusable_quantize_chain",
-    "bfp_quantize_chain",
-]
-
 
 def unavailable_reason(device_type: str) -> str | None:
     """Why the Triton kernels cannot run tensors of ``device_type`` here, or None when they can."""

@@ -3,9 +3,10 @@
  * bfp_cpu.c is compiled here as C++ (its `restrict` spelled as the compilers' __restrict__, its
  * functions kept with C linkage), so that one shared library holds the kernels and their
  * registration with torch's dispatcher. Each op checks its tensors at the boundary (dtype, CPU
- * device, strided layout, rank, stream lengths) and raises a one-line ValueError naming the
- * problem, lays its inputs out as the kernels state (contiguous, or K's stride 1 for
- * quantize_and_pack) and allocates its outputs; the kernels then run on torch's thread count
+ * device, strided layout, rank, stream lengths) and its integer arguments (the widths and block
+ * lengths the kernels hold: `need_range`, `need_format`), raising a one-line ValueError naming
+ * the op and the problem, lays its inputs out as the kernels state (contiguous, or K's stride 1
+ * for quantize_and_pack) and allocates its outputs; the kernels then run on torch's thread count
  * (dsq_set_threads, read on every call: torch.set_num_threads takes effect at once).
  *
  * The kernels are registered under CompositeExplicitAutograd (every backend key): a tensor of
@@ -39,12 +40,34 @@ using dsq_ops::need;
 Tensor floats(at::IntArrayRef shape) { return at::empty(shape, at::dtype(at::kFloat)); }
 Tensor bytes(at::IntArrayRef shape) { return at::empty(shape, at::dtype(at::kByte)); }
 
+/* An integer argument in [low, high] (high < 0: no upper bound), as a one-line ValueError naming
+ * the op, the argument and its value. The fake kernels (cpu.py `need_range`) say the same. */
+void need_range(const char *op, const char *name, int64_t value, int64_t low, int64_t high = -1) {
+    if (high < 0) {
+        TORCH_CHECK_VALUE(value >= low, "dsq::", op, " needs ", name, " of at least ", low,
+                          ", got ", value);
+    } else {
+        TORCH_CHECK_VALUE(low <= value && value <= high, "dsq::", op, " needs ", name, " of ",
+                          low, " to ", high, ", got ", value);
+    }
+}
+
+/* BFP(man_bits, exp_bits) (or fixed<man_bits>) with nearest rounding as the kernels hold it
+ * (bfp_cpu.c's header): 2 <= man_bits <= most (23: the rounding needs |v| < 2^22; 8 for codes,
+ * one byte each) and 1 <= exp_bits <= 8 (every block power a float32). */
+void need_format(const char *op, const char *man_name, int64_t man_bits, const char *exp_name,
+                 int64_t exp_bits, int64_t most = 23) {
+    need_range(op, man_name, man_bits, 2, most);
+    need_range(op, exp_name, exp_bits, 1, 8);
+}
+
 /* Tell the kernels torch's thread count for this call. */
 void threaded() { dsq_set_threads(at::get_num_threads()); }
 
 /* BFP(man_bits, exp_bits, B) of blocks [n_blocks, B]. */
 Tensor bfp_quantize(const Tensor &blocks, int64_t man_bits, int64_t exp_bits) {
     need("bfp_quantize", blocks, at::kFloat, 2);
+    need_format("bfp_quantize", "man_bits", man_bits, "exp_bits", exp_bits);
     const Tensor x = blocks.contiguous();
     Tensor out = floats(x.sizes());
     threaded();
@@ -57,7 +80,8 @@ Tensor bfp_quantize(const Tensor &blocks, int64_t man_bits, int64_t exp_bits) {
 Tensor bfp_quantize_columns(const Tensor &input, int64_t block, int64_t man_bits,
                             int64_t exp_bits) {
     need("bfp_quantize_columns", input, at::kFloat, 3);
-    TORCH_CHECK_VALUE(block > 0, "dsq::bfp_quantize_columns needs a block of at least 1");
+    need_range("bfp_quantize_columns", "block", block, 1);
+    need_format("bfp_quantize_columns", "man_bits", man_bits, "exp_bits", exp_bits);
     const Tensor x = input.contiguous();
     Tensor out = floats(x.sizes());
     threaded();
@@ -72,6 +96,7 @@ Tensor bfp_quantize_columns(const Tensor &input, int64_t block, int64_t man_bits
 /* fixed<man_bits> of x (any shape): one block over the whole tensor. */
 Tensor fixed_quantize(const Tensor &input, int64_t man_bits, int64_t exp_bits) {
     need("fixed_quantize", input, at::kFloat);
+    need_format("fixed_quantize", "man_bits", man_bits, "exp_bits", exp_bits);
     const Tensor x = input.contiguous();
     Tensor out = floats(x.sizes());
     threaded();
@@ -84,8 +109,11 @@ Tensor fixed_quantize(const Tensor &input, int64_t man_bits, int64_t exp_bits) {
 std::tuple<Tensor, Tensor> fixed_then_bfp(const Tensor &input, int64_t f_man, int64_t f_exp,
                                           int64_t s_man, int64_t s_exp, int64_t s_block) {
     need("fixed_then_bfp", input, at::kFloat);
-    TORCH_CHECK_VALUE(s_block > 0 && input.numel() % s_block == 0, "dsq::fixed_then_bfp: ",
-                      input.numel(), " values are not whole blocks of ", s_block);
+    need_format("fixed_then_bfp", "f_man", f_man, "f_exp", f_exp);
+    need_format("fixed_then_bfp", "s_man", s_man, "s_exp", s_exp);
+    need_range("fixed_then_bfp", "s_block", s_block, 1);
+    TORCH_CHECK_VALUE(input.numel() % s_block == 0, "dsq::fixed_then_bfp: ", input.numel(),
+                      " values are not whole blocks of ", s_block);
     const Tensor x = input.contiguous();
     Tensor first = floats(x.sizes()), second = floats(x.sizes());
     threaded();
@@ -104,13 +132,15 @@ std::tuple<Tensor, Tensor, Tensor> bfp_quantize_and_pack(const Tensor &input, in
                                                          int64_t q_block, int64_t p_man,
                                                          int64_t p_exp, bool stream) {
     need("bfp_quantize_and_pack", input, at::kFloat, 3);
+    need_range("bfp_quantize_and_pack", "p_block", p_block, 1);
+    need_range("bfp_quantize_and_pack", "q_block", q_block, 1);
+    need_format("bfp_quantize_and_pack", "q_man", q_man, "q_exp", q_exp);
+    need_format("bfp_quantize_and_pack", "p_man", p_man, "p_exp", p_exp, 8);  // codes: a byte
     const Tensor x = input.stride(2) == 1 ? input : input.contiguous();
     const int64_t L = x.size(0), N = x.size(1), K = x.size(2);
-    TORCH_CHECK_VALUE(p_block > 0 && q_block > 0 && N % p_block == 0 && K % q_block == 0,
-                      "dsq::bfp_quantize_and_pack: [", N, ", ", K, "] is not whole blocks of ",
-                      p_block, " rows and ", q_block, " values");
-    TORCH_CHECK_VALUE(1 <= p_man && p_man <= 8, "dsq::bfp_quantize_and_pack: stash codes of ",
-                      p_man, " bits do not fit a byte");
+    TORCH_CHECK_VALUE(N % p_block == 0 && K % q_block == 0, "dsq::bfp_quantize_and_pack: [", N,
+                      ", ", K, "] is not whole blocks of ", p_block, " rows and ", q_block,
+                      " values");
     TORCH_CHECK_VALUE(!stream || (p_block * p_man) % 8 == 0, "dsq::bfp_quantize_and_pack: blocks "
                       "of ", p_block, " codes of ", p_man, " bits do not fill whole bytes");
     Tensor values = floats({L, N, K});
@@ -151,10 +181,10 @@ Tensor bfp_decode(const Tensor &mantissas_in, const Tensor &exponents_in, int64_
                   int64_t block, int64_t man_bits, int64_t exp_bits) {
     need("bfp_decode", mantissas_in, at::kByte);
     need("bfp_decode", exponents_in, at::kByte);
-    TORCH_CHECK_VALUE(rows >= 0 && n >= 0 && block > 0 && 2 <= man_bits && man_bits <= 8 &&
-                      1 <= exp_bits && exp_bits <= 8, "dsq::bfp_decode: no kernel for ", rows,
-                      " rows of ", n, " codes in blocks of ", block, " (m ", man_bits, ", E ",
-                      exp_bits, ")");
+    need_range("bfp_decode", "rows", rows, 0);
+    need_range("bfp_decode", "n", n, 0);
+    need_range("bfp_decode", "block", block, 1);
+    need_format("bfp_decode", "man_bits", man_bits, "exp_bits", exp_bits, 8);  // codes: a byte
     holds(mantissas_in, rows * n, man_bits);
     holds(exponents_in, rows * ((n + block - 1) / block), exp_bits);
     const Tensor mantissas = mantissas_in.contiguous(), exponents = exponents_in.contiguous();

@@ -7,11 +7,12 @@ the torch custom ops ``torch.ops.dsq.*``.
 ninja) and loads it. So torch.compile traces the kernels as single ops (each has a fake
 implementation here, which gives its outputs' shapes and dtypes without running it), the
 profiler lists them by name (``dsq::bfp_quantize``), and every call checks its tensors at the
-boundary: a tensor of another dtype, device or layout is a one-line ValueError, never memory
-read as the wrong type. The ops are registered in C++ (``TORCH_LIBRARY``) rather than with
-``torch.library`` in Python because a training step makes hundreds of calls: through the
-dispatcher (``torch.ops.dsq.<op>.default``) a call on a 16 x 16 block costs no more than the
-former ctypes call (about 4 us against 4.5 on a 2-core VM), a Python kernel behind
+boundary: a tensor of another dtype, device or layout, or a width or block length the kernels
+do not hold, is a one-line ValueError, never memory read as the wrong type or a wrong result.
+The ops are registered in C++ (``TORCH_LIBRARY``) rather than with ``torch.library`` in Python
+because a training step makes hundreds of calls: through the dispatcher
+(``torch.ops.dsq.<op>.default``) a call on a 16 x 16 block costs no more than the former ctypes
+call (about 4 us against 4.5 on a 2-core VM), a Python kernel behind
 ``torch.library.Library.impl`` about twice that and one made by ``torch.library.custom_op`` four
 to five times.
 
@@ -23,12 +24,20 @@ What the build guarantees:
   OpenMP alone, then neither); when none builds, BuildError quotes the compiler's complaint for
   each, and the callers run the torch.compile kernels instead (slower, bit for bit the same);
 * one build per CPU: each variant builds in its own folder of ``$DSQ_CACHE/c-kernels`` (default
-  ``~/.cache/dsq``) whose name hashes the sources, the flags, torch's version and the CPU's model
-  and feature flags, so a cluster's shared home never hands one node's ``-march=native`` build to
-  another kind of CPU. Deleting the folder rebuilds;
-* concurrent first uses (test workers, ranks) build once: cpp_extension holds a lock file in the
-  folder while it builds, and the others wait for it. A lock left by a process killed mid-build
-  is removed once older than any build could be (STALE_LOCK_S).
+  ``~/.cache/dsq``) whose name hashes the sources, the flags, torch's version and install
+  folder, the Python headers, the compiler's name and the CPU's model and feature flags, so a
+  cluster's shared home never hands one node's ``-march=native`` build to another kind of CPU.
+  Deleting the folder (or all of ``c-kernels``) rebuilds on the next use;
+* the build does not depend on the checkout: the sources are copied into the folder's ``src``
+  (rewritten only when they differ) and compiled from there, so two clones of the repository
+  (or an installed copy) with the same sources share one build instead of relinking it in turn;
+* concurrent first uses (test workers, ranks) build once: each holds an exclusive lock
+  (``flock``) on the folder's ``.dsq-lock`` around the build and load, and the others wait,
+  with one warning if that takes over WAIT_WARNING_S. The system releases the lock when its
+  holder dies, so a build killed midway (SIGKILL, SIGTERM) blocks nobody: the next process takes
+  the lock, deletes the ``lock`` file torch's builder left behind and builds again;
+* a cache folder that is not writable (a shared, read-only cache) but holds the built library
+  is loaded as it is, without the builder.
 
 At run time the OpenMP calls bind to the libgomp torch has already loaded, sharing its thread
 pool; every op passes torch's thread count to the kernels (``dsq_set_threads``) on each call.
@@ -47,11 +56,17 @@ import logging
 import os
 import platform
 import shutil
+import sysconfig
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+
+try:
+    import fcntl
+except ImportError:  # not on Windows: builds there are not locked against each other
+    fcntl = None
 
 HERE = Path(__file__).parent
 # the first includes the others (the build key hashes all three)
@@ -61,10 +76,11 @@ SOURCES = (HERE / "bfp_ops.cpp", HERE / "bfp_cpu.c", HERE / "op_checks.h")
 FLAGS = ("-O3", "-ffp-contract=off", "-fno-fast-math")
 # Tried in order until one builds: the machine's own instruction set, and OpenMP threads.
 VARIANTS = (("-march=native", "-fopenmp"), ("-fopenmp",), ())
-# A build takes under a minute; a lock file an hour old was left by a process killed mid-build
-# (a build suspended for that long, or on a host of a shared cache whose clock is that far off,
-# loses its lock and builds again beside the next one, each into the same files).
-STALE_LOCK_S = 3600
+# The lock a build holds in its folder (flock: released by the system when its holder dies),
+# and how long a process waits for another's build before saying so (a build takes under a
+# minute on 2 cores).
+LOCK_FILE = ".dsq-lock"
+WAIT_WARNING_S = 10.0
 log = logging.getLogger("dsq.kernels")
 
 
@@ -89,12 +105,14 @@ def cache_dir() -> Path:
 
 
 def build_key(sources: Sequence[Path], flags: Sequence[str], identity: str = "") -> str:
-    """What a build depends on, hashed: the sources' text, every flag, torch's version (the
-    library links against it), the CPU and ``identity`` (anything else, such as the path of a
-    linked library)."""
-    parts = [source.read_bytes() for source in sources]
-    parts += [" ".join(flags).encode(), torch.__version__.encode(), _cpu_identity().encode()]
-    return hashlib.sha256(b"\0".join([*parts, identity.encode()])).hexdigest()[:16]
+    """What a build depends on, hashed: the sources' text, every flag, torch's version and
+    folder (the library links against it), the Python headers, the compiler's name (what the
+    build command holds besides the copied sources' path), the CPU and ``identity`` (anything
+    else, such as the path of a linked library)."""
+    words = [" ".join(flags), torch.__version__, _cpu_identity(), str(Path(torch.__file__).parent)]
+    words += [sysconfig.get_path("include"), os.environ.get("CXX") or "c++", identity]
+    parts = [*(source.read_bytes() for source in sources), *(word.encode() for word in words)]
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 
 def _complaint(message: str) -> str:
@@ -109,15 +127,67 @@ def _complaint(message: str) -> str:
     return (errors or lines or ["failed without a message"])[0]
 
 
-def _remove_stale_lock(directory: Path) -> None:
-    """Delete the lock file of a build killed midway (cpp_extension would wait for it forever);
-    a younger one is a build running elsewhere, which cpp_extension waits for."""
-    lock = directory / "lock"
+@contextlib.contextmanager
+def _build_lock(directory: Path):
+    """Within the block, this process alone builds in ``directory``: it holds an exclusive
+    ``flock`` on its LOCK_FILE, waiting (with one warning after WAIT_WARNING_S) for another
+    process's build to end. The system releases the lock when its holder dies, so a lock file of
+    torch's builder found then (``lock``, which the builder waits on forever) was left by a
+    build killed midway, and is deleted. Without flock (another OS, a file system refusing
+    locks) the block runs unlocked and leaves torch's file alone."""
+    if fcntl is None:
+        yield
+        return
+    fd = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o666)
     try:
-        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
-            lock.unlink()
-    except OSError:  # no lock, or another process removed it first
-        pass
+        start, warned = time.monotonic(), False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                locked = True
+                break
+            except BlockingIOError:  # another process builds here
+                if not warned and time.monotonic() - start >= WAIT_WARNING_S:
+                    log.warning(
+                        "waiting for another process's build of the C kernels in %s", directory
+                    )
+                    warned = True
+                time.sleep(0.2)
+            except OSError as err:  # no locks on this file system
+                log.debug("building in %s without a lock: %s", directory, err)
+                locked = False
+                break
+        if locked:
+            with contextlib.suppress(FileNotFoundError):
+                (directory / "lock").unlink()
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _copied_sources(directory: Path, sources: Sequence[Path]) -> list[Path]:
+    """``sources`` copied into ``directory/src`` (each written to a temporary name, then renamed
+    over the copy; left alone when it already holds the same bytes, since ninja rebuilds what is
+    newer than its output), so that the build command names no checkout's path."""
+    folder = directory / "src"
+    folder.mkdir(exist_ok=True)
+    copies = []
+    for source in sources:
+        text, copy = source.read_bytes(), folder / source.name
+        try:
+            same = copy.read_bytes() == text
+        except OSError:  # no copy yet
+            same = False
+        if not same:
+            temporary = folder / f".{source.name}.{os.getpid()}.tmp"
+            temporary.write_bytes(text)
+            os.replace(temporary, copy)
+        copies.append(copy)
+    return copies
+
+
+def _writable(directory: Path) -> bool:
+    return os.access(directory, os.W_OK)
 
 
 @contextlib.contextmanager
@@ -165,11 +235,12 @@ def build(
     includes: Sequence[Path] = (),
     identity: str = "",
 ) -> str:
-    """``sources[0]`` (a C++ file, which may include the others) built into a cached shared
-    library with torch's extension machinery and loaded into this process, its ops registered;
-    the library's path. The first of ``variants`` (extra flags) that builds wins, each in its
-    own folder ``name-<build_key>`` of `cache_dir`. BuildError (never another exception) if none
-    builds or loads, naming the compiler and its complaint for each."""
+    """``sources[0]`` (a C++ file, which may include the others, all in one folder) built into a
+    cached shared library with torch's extension machinery and loaded into this process, its ops
+    registered; the library's path. The first of ``variants`` (extra flags) that builds wins,
+    each in its own folder ``name-<build_key>`` of `cache_dir`, from copies of ``sources`` in
+    its ``src``, under `_build_lock`. BuildError (never another exception) if none builds or
+    loads, naming the compiler and its complaint for each."""
     try:
         from torch.utils import cpp_extension  # imports setuptools: only when first used
 
@@ -184,22 +255,30 @@ def build(
         # torch's builder keeps one build per extension name and process, and rebuilds under a
         # new name (loading the ops twice, which aborts) when one name meets two folders
         extension = f"dsq_{name}_{hashlib.sha256(str(directory).encode()).hexdigest()[:16]}"
+        library = directory / f"{extension}.so"
         try:
             directory.mkdir(exist_ok=True)
-            _remove_stale_lock(directory)
-            if not (directory / f"{extension}.so").exists():
-                log.info("building %s for this CPU in %s (once, under a minute)", name, directory)
-            with _quiet(cpp_extension.logger), _ninja_on_path():
-                return cpp_extension.load(
-                    name=extension,
-                    sources=[str(sources[0])],
-                    extra_cflags=list(all_flags),
-                    extra_ldflags=[*(flag for flag in variant if flag == "-fopenmp"), *ldflags],
-                    extra_include_paths=[str(path) for path in includes],
-                    build_directory=str(directory),
-                    is_python_module=False,
-                    verbose=False,
-                )
+            if library.exists() and not _writable(directory):
+                # a read-only cache holding the build: torch's builder would fail to lock it
+                torch.ops.load_library(str(library))
+                return str(library)
+            with _build_lock(directory):
+                if not library.exists():
+                    log.info(
+                        "building %s for this CPU in %s (once, under a minute)", name, directory
+                    )
+                copies = _copied_sources(directory, sources)
+                with _quiet(cpp_extension.logger), _ninja_on_path():
+                    return cpp_extension.load(
+                        name=extension,
+                        sources=[str(copies[0])],
+                        extra_cflags=list(all_flags),
+                        extra_ldflags=[*(flag for flag in variant if flag == "-fopenmp"), *ldflags],
+                        extra_include_paths=[str(path) for path in includes],
+                        build_directory=str(directory),
+                        is_python_module=False,
+                        verbose=False,
+                    )
         except Exception as err:  # noqa: BLE001 - a compiler's or loader's complaint, quoted
             complaints.append(f"[{' '.join(variant) or 'plain'}] {_complaint(str(err))}")
     compiler = os.environ.get("CXX") or "c++"
@@ -263,6 +342,21 @@ def need(op: str, t: torch.Tensor, dtype: torch.dtype, dim: int | None = None) -
         raise ValueError(f"{op} needs a {dim}-D tensor, got shape {list(t.shape)}")
 
 
+def need_range(op: str, name: str, value: int, low: int, high: int | None = None) -> None:
+    """``bfp_ops.cpp``'s ``need_range``, with its message, for the fake kernels: the integer
+    argument ``name`` of ``op`` lies in [low, high] (no upper bound when high is None)."""
+    if value < low or (high is not None and value > high):
+        bounds = f"at least {low}" if high is None else f"{low} to {high}"
+        raise ValueError(f"{op} needs {name} of {bounds}, got {value}")
+
+
+def need_format(op: str, man: tuple[str, int], exp: tuple[str, int], most: int = 23) -> None:
+    """``bfp_ops.cpp``'s ``need_format``: BFP(m, E) or fixed<m> as the kernels hold it, 2 <= m
+    <= most (23; 8 for codes, one byte each) and 1 <= E <= 8 (``bfp_cpu.c``'s header)."""
+    need_range(op, *man, 2, most)
+    need_range(op, *exp, 1, 8)
+
+
 def _floats(*shape) -> torch.Tensor:
     return torch.empty(shape, dtype=torch.float32)
 
@@ -273,39 +367,67 @@ def _bytes(*shape) -> torch.Tensor:
 
 def _fake_bfp_quantize(blocks, man_bits, exp_bits):
     need("dsq::bfp_quantize", blocks, torch.float32, 2)
+    need_format("dsq::bfp_quantize", ("man_bits", man_bits), ("exp_bits", exp_bits))
     return _floats(*blocks.shape)
 
 
 def _fake_bfp_quantize_columns(x, block, man_bits, exp_bits):
     need("dsq::bfp_quantize_columns", x, torch.float32, 3)
+    need_range("dsq::bfp_quantize_columns", "block", block, 1)
+    need_format("dsq::bfp_quantize_columns", ("man_bits", man_bits), ("exp_bits", exp_bits))
     return _floats(*x.shape)
 
 
 def _fake_fixed_quantize(x, man_bits, exp_bits):
     need("dsq::fixed_quantize", x, torch.float32)
+    need_format("dsq::fixed_quantize", ("man_bits", man_bits), ("exp_bits", exp_bits))
     return _floats(*x.shape)
 
 
 def _fake_fixed_then_bfp(x, f_man, f_exp, s_man, s_exp, s_block):
-    need("dsq::fixed_then_bfp", x, torch.float32)
+    op = "dsq::fixed_then_bfp"
+    need(op, x, torch.float32)
+    need_format(op, ("f_man", f_man), ("f_exp", f_exp))
+    need_format(op, ("s_man", s_man), ("s_exp", s_exp))
+    need_range(op, "s_block", s_block, 1)
+    if x.numel() % s_block != 0:
+        raise ValueError(f"{op}: {x.numel()} values are not whole blocks of {s_block}")
     return _floats(*x.shape), _floats(*x.shape)
 
 
 def _fake_bfp_quantize_and_pack(x, p_block, q_man, q_exp, q_block, p_man, p_exp, stream):
-    need("dsq::bfp_quantize_and_pack", x, torch.float32, 3)
+    op = "dsq::bfp_quantize_and_pack"
+    need(op, x, torch.float32, 3)
+    need_range(op, "p_block", p_block, 1)
+    need_range(op, "q_block", q_block, 1)
+    need_format(op, ("q_man", q_man), ("q_exp", q_exp))
+    need_format(op, ("p_man", p_man), ("p_exp", p_exp), most=8)
     lead, n, k = x.shape
+    if n % p_block != 0 or k % q_block != 0:
+        raise ValueError(
+            f"{op}: [{n}, {k}] is not whole blocks of {p_block} rows and {q_block} values"
+        )
+    if stream and (p_block * p_man) % 8 != 0:
+        raise ValueError(f"{op}: blocks of {p_block} codes of {p_man} bits do not fill whole bytes")
     stash = _bytes(lead * k * n * p_man // 8) if stream else _bytes(lead, k, n)
     return _floats(lead, n, k), stash, _bytes(lead, k, n // p_block)
 
 
 def _fake_pack_codes(codes, width):
     need("dsq::pack_codes", codes, torch.uint8)
+    if not 1 <= width <= 8:
+        raise ValueError(f"dsq::pack_codes needs a width of 1 to 8 bits, got {width}")
     return _bytes((codes.numel() * width + 7) // 8)
 
 
 def _fake_bfp_decode(mantissas, exponents, rows, n, block, man_bits, exp_bits):
-    need("dsq::bfp_decode", mantissas, torch.uint8)
-    need("dsq::bfp_decode", exponents, torch.uint8)
+    op = "dsq::bfp_decode"
+    need(op, mantissas, torch.uint8)
+    need(op, exponents, torch.uint8)
+    need_range(op, "rows", rows, 0)
+    need_range(op, "n", n, 0)
+    need_range(op, "block", block, 1)
+    need_format(op, ("man_bits", man_bits), ("exp_bits", exp_bits), most=8)
     return _floats(rows, n)
 
 
