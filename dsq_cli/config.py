@@ -30,7 +30,7 @@ from dsq_cli.data.tasks import TASKS
 from dsq_cli.presets import CONF_DIR, PRESET_KEYS, load_quant_preset
 from dsq_cli.run_config import (
     EVAL_CHECKPOINTS,
-    FAMILIES,
+    FAMILY_NAMES,
     RunConfig,
     expects,
 )
@@ -352,7 +352,7 @@ def _model_file(cfg: DictConfig) -> str:
 
 def _family_lines() -> str:
     """``family: translation`` or ``family: glue``: the lines a group file may declare."""
-    return " or ".join(f"`family: {name}`" for name in FAMILIES)
+    return " or ".join(f"`family: {name}`" for name in FAMILY_NAMES)
 
 
 def _models_of(family: str) -> list[str]:
@@ -368,9 +368,9 @@ def _check_task_family(cfg: DictConfig) -> None:
     """task.family names the registry the task's name is in: GLUE tasks or translation tasks."""
 
     name, family = cfg.task.name, cfg.task.family
-    if family not in FAMILIES:
+    if family not in FAMILY_NAMES:
         raise ConfigError(
-            f"task.family must be {' or '.join(FAMILIES)}, got {family!r} ({_task_file(cfg)})"
+            f"task.family must be {' or '.join(FAMILY_NAMES)}, got {family!r} ({_task_file(cfg)})"
         )
     try:
         get_glue_task(name)
@@ -416,9 +416,9 @@ def _check_model_suits_task(cfg: DictConfig) -> None:
     family, wanted = cfg.model.get("family"), cfg.task.family
     if family is None:
         raise ConfigError(f"{_model_file(cfg)} sets no model.family; add {_family_lines()}")
-    if family not in FAMILIES:
+    if family not in FAMILY_NAMES:
         raise ConfigError(
-            f"model.family must be {' or '.join(FAMILIES)}, got {family!r} ({_model_file(cfg)})"
+            f"model.family must be {' or '.join(FAMILY_NAMES)}, got {family!r} ({_model_file(cfg)})"
         )
     if family != wanted:
         raise ConfigError(

@@ -27,7 +27,7 @@ from omegaconf import MISSING
 # model.family (which tasks a model serves), so a model suits a task when the two are equal.
 # Every name is one registered unit in dsq_cli.train.families (its trainer, data and report).
 Family = Literal["translation", "glue"]
-FAMILIES: tuple[Family, ...] = typing.get_args(Family)
+FAMILY_NAMES: tuple[Family, ...] = typing.get_args(Family)
 
 
 def _expects(text: str, default: Any = MISSING) -> Any:

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from dsq_cli.cli import app
 from dsq_cli.presets import CONF_DIR
-from dsq_cli.run_config import FAMILIES as FAMILY_NAMES
+from dsq_cli.run_config import FAMILY_NAMES
 from dsq_cli.run_result import RunResult
 from dsq_cli.train.families import FAMILIES, Glue, TaskFamily, Translation, register
 

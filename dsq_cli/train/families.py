@@ -20,8 +20,7 @@ from dsq_cli.config import ConfigError
 from dsq_cli.data.glue import load_glue
 from dsq_cli.data.prepare import prepare
 from dsq_cli.models.encoders import check_available
-from dsq_cli.run_config import FAMILIES as FAMILY_NAMES
-from dsq_cli.run_config import Family, RunConfig
+from dsq_cli.run_config import FAMILY_NAMES, Family, RunConfig
 from dsq_cli.run_result import RunResult
 
 from .glue import GlueTrainer
