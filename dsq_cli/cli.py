@@ -10,7 +10,7 @@ from pathlib import Path
 
 import typer
 
-from dsq.formats.backends import requested_backend, unavailable_reason
+from dsq.formats.backends import requested_backend, requested_backend_refusal
 from dsq_cli import __version__, cpu_allocator
 from dsq_cli.presets import BASELINE_PRESET
 
@@ -138,10 +138,9 @@ def _check_device(device: str) -> None:
 
         if not torch.cuda.is_available():
             raise ValueError("--device cuda needs a CUDA GPU; none is visible here")
-    requested = requested_backend()
-    reason = None if requested is None else unavailable_reason(requested, device.split(":")[0])
-    if reason is not None:
-        raise ValueError(f"DSQ_BACKEND={requested} cannot run on {device} here: {reason}")
+    refusal = requested_backend_refusal(device.split(":")[0])
+    if refusal is not None:
+        raise ValueError(refusal)
 
 
 @bench_app.command("quant")

@@ -106,6 +106,20 @@ def unavailable_reason(name: str, device_type: str) -> str | None:
     return load_backend(name).unavailable_reason(device_type)
 
 
+def requested_backend_refusal(device_type: str) -> str | None:
+    """Why the backend ``DSQ_BACKEND`` names cannot run tensors of ``device_type`` here, as one
+    line for the user, or None (``auto``, or a backend that runs there): what a command checks
+    before it starts, instead of failing at its first quantizer call."""
+    requested = requested_backend()
+    reason = None if requested is None else unavailable_reason(requested, device_type)
+    if reason is None:
+        return None
+    return (
+        f"DSQ_BACKEND={requested} cannot run on {device_type} here: {reason}; "
+        "unset it (auto) or choose another backend"
+    )
+
+
 @functools.cache
 def _log_once(message: str) -> None:
     log.warning(message)  # the run is slower, not different

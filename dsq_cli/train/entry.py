@@ -16,7 +16,7 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from dsq.atomic_files import write_atomic
-from dsq.formats.backends import requested_backend, unavailable_reason
+from dsq.formats.backends import requested_backend_refusal
 from dsq_cli import runs
 from dsq_cli.config import GROUPS, ConfigError, to_plain, typed
 from dsq_cli.run_config import RunConfig
@@ -44,13 +44,9 @@ def resolve_device(requested: str) -> str:
 def check_devices(world_size: int, device: str) -> None:
     """One device per rank on GPUs, and a quantizer backend named by DSQ_BACKEND that runs on
     ``device`` (before anything is written); CPU ranks share the cores."""
-    requested = requested_backend()
-    reason = None if requested is None else unavailable_reason(requested, device)
-    if reason is not None:
-        raise ConfigError(
-            f"DSQ_BACKEND={requested} cannot run on {device} here: {reason}; "
-            "unset it (auto) or choose another backend"
-        )
+    refusal = requested_backend_refusal(device)
+    if refusal is not None:
+        raise ConfigError(refusal)
     if device != "cuda":
         return
     import torch
