@@ -58,8 +58,8 @@ bench: setup
 	$(VENV)/bin/dsq bench quant
 
 lint: setup
-	$(VENV)/bin/ruff check dsq_cli kernels tests scripts
-	$(VENV)/bin/ruff format --check dsq_cli kernels tests scripts
+	$(VENV)/bin/ruff check dsq dsq_cli tests scripts examples
+	$(VENV)/bin/ruff format --check dsq dsq_cli tests scripts examples
 
 clean:
 	rm -rf $(VENV) .pytest_cache
