@@ -119,8 +119,9 @@ class WandbLogger:
         self.run.log(values, step=int(record["update"]))
 
     def summary(self, values: Mapping) -> None:
-        for key, value in _flatten(values).items():
-            self.run.summary[key] = value
+        # one message to wandb's service for all the values (set key by key, they were one
+        # message each, and the run file of a run on a heavily overloaded machine lacked one)
+        self.run.summary.update(_flatten(values))
 
     def finish(self, exit_code: int = 0) -> None:
         self.run.finish(exit_code=exit_code)
