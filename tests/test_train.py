@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.runs import DSQ, only_run, read_jsonl, small, wait_for_update
+from helpers.runs import DSQ, one_thread, only_run, read_jsonl, small, wait_for_update
 from typer.testing import CliRunner
 
 from dsq_cli import runs
@@ -264,22 +264,24 @@ def test_sigterm_checkpoints_and_resume_matches_an_uninterrupted_run(tmp_path, c
     # in its second epoch (19 updates each): a later epoch's batches must be the same too
     args = small(cache_dir, tmp_path / "x", "train.max_updates=24", "train.validate_every=6",
                  "quant.rounding.q1=stochastic")  # fmt: skip
-    straight = subprocess.run(
+    # the uninterrupted run trains beside the one to be stopped, a thread each
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True,
+             "env": one_thread()}  # fmt: skip
+    straight = subprocess.Popen(
         [DSQ, "train", *[a for a in args if not a.startswith("run.root")],
-         f"run.dir={tmp_path / 'straight'}"],
-        capture_output=True, text=True, timeout=600,
+         f"run.dir={tmp_path / 'straight'}"], **pipes,
     )  # fmt: skip
-    assert straight.returncode == 0, straight.stderr
-
     stopped = tmp_path / "stopped"
     proc = subprocess.Popen(
         [DSQ, "train", *[a for a in args if not a.startswith("run.root")], f"run.dir={stopped}"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        **pipes,
     )  # fmt: skip
     wait_for_update(stopped / "metrics.jsonl", 21, proc)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 128 + signal.SIGTERM, err
+    _, straight_err = straight.communicate(timeout=600)
+    assert straight.returncode == 0, straight_err
     assert f"dsq train resume={stopped}" in err
     interrupted = json.loads((stopped / "result.json").read_text())
     assert interrupted["status"] == "interrupted"
@@ -297,8 +299,9 @@ def test_sigterm_checkpoints_and_resume_matches_an_uninterrupted_run(tmp_path, c
     # the command line the run was started with, repeated, is no change
     same = [a for a in args if not a.startswith("run.root")] + [f"run.dir={stopped}"]
     resumed = subprocess.run(
-        [DSQ, "train", f"resume={stopped}", *same], capture_output=True, text=True, timeout=600
-    )
+        [DSQ, "train", f"resume={stopped}", *same], capture_output=True, text=True, timeout=600,
+        env=one_thread(),
+    )  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr
     a = json.loads((tmp_path / "straight" / "result.json").read_text())
     b = json.loads((stopped / "result.json").read_text())
@@ -332,7 +335,8 @@ def test_every_policy_continues_exactly_after_sigterm(tmp_path, cache_dir):
     args = [a for a in args if not a.startswith("run.root")]
     # the uninterrupted run trains beside the one to be stopped (the suite's time)
     straight_dir = tmp_path / "straight"
-    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True,
+             "env": one_thread()}  # fmt: skip
     straight = subprocess.Popen([DSQ, "train", *args, f"run.dir={straight_dir}"], **pipes)
     stopped = tmp_path / "stopped"
     proc = subprocess.Popen([DSQ, "train", *args, f"run.dir={stopped}"], **pipes)
@@ -342,7 +346,7 @@ def test_every_policy_continues_exactly_after_sigterm(tmp_path, cache_dir):
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert json.loads((stopped / "result.json").read_text())["updates"] < 12
     resumed = subprocess.run([DSQ, "train", f"resume={stopped}"], capture_output=True,
-                             text=True, timeout=600)  # fmt: skip
+                             text=True, timeout=600, env=one_thread())  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr
     _, err = straight.communicate(timeout=600)
     assert straight.returncode == 0, err

@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
 DSQ = str(Path(sys.executable).with_name("dsq"))
+
+
+def one_thread() -> dict[str, str]:
+    """The environment for `dsq train` processes that a test runs side by side: one intra-op
+    thread each, so that two of them share a 2-core machine instead of spinning against each
+    other's threads (GNU OpenMP waits busily). Every process a comparison reads runs with it,
+    so that they all sum in the same order."""
+    return {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def small(cache_dir, root, *extra):
