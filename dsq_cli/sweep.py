@@ -283,10 +283,10 @@ def run(
     elif launcher == "joblib" and todo:
         from joblib import Parallel, delayed
 
+        from dsq_cli.train.launch import threads_per_process
+
         n_jobs = int(options.get("n_jobs", 2))
-        # The cores are shared out: n jobs that each spin up a thread per core run several
-        # times slower than one after the other (OpenMP threads wait busily for each other).
-        threads = max(1, (os.cpu_count() or 1) // n_jobs)
+        threads = threads_per_process(n_jobs)  # the cores shared out among the jobs
         # Threads are enough: each job is its own `dsq train` process.
         Parallel(n_jobs=n_jobs, prefer="threads")(
             delayed(_run_job)(job, dsq, threads) for job in todo

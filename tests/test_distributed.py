@@ -190,6 +190,6 @@ def test_a_run_whose_rank_0_was_killed_is_recorded_as_failed(tmp_path):
 def test_cpu_ranks_share_the_cores():
     """Each of N spawned CPU ranks takes cores // N intra-op threads, at least one (a thread per
     core in every rank spins them against each other)."""
-    assert [launch.rank_threads(n, cores=2) for n in (1, 2, 3)] == [2, 1, 1]
-    assert launch.rank_threads(4, cores=16) == 4
-    assert launch.rank_threads(1) >= 1
+    assert [launch.threads_per_process(n, cores=2) for n in (1, 2, 3)] == [2, 1, 1]
+    assert launch.threads_per_process(4, cores=16) == 4
+    assert launch.threads_per_process(1) >= 1

@@ -104,26 +104,27 @@ def _wait(workers) -> dict[int, int | None]:
     return codes
 
 
-def rank_threads(world_size: int, cores: int | None = None) -> int:
-    """The intra-op threads of each of ``world_size`` CPU ranks on this machine: its cores
-    shared out, at least one. Each rank would otherwise start a thread per core, and with GNU
-    OpenMP's busy waiting N ranks of as many threads as cores run several times slower than
-    ranks that share the cores (torchrun, for the same reason, gives each process one thread)."""
+def threads_per_process(processes: int, cores: int | None = None) -> int:
+    """The intra-op threads of each of ``processes`` CPU training processes (ranks, or a sweep's
+    parallel jobs) on this machine: its cores shared out, at least one. Each would otherwise
+    start a thread per core, and with GNU OpenMP's busy waiting N processes of as many threads
+    as cores run several times slower than processes that share the cores (torchrun, for the
+    same reason, gives each process one thread)."""
     if cores is None:
         affinity = getattr(os, "sched_getaffinity", None)  # the cores this process may use
         cores = len(affinity(0)) if affinity else (os.cpu_count() or 1)
-    return max(1, cores // world_size)
+    return max(1, cores // processes)
 
 
 def _worker(target: RankTarget, rank: Rank, device: str, init_method: str, args: tuple):
     """One spawned rank: its own process group, so that a terminal's Ctrl-C reaches the parent
     only (which passes it on once), then ``target`` inside the initialised process group. On
-    CPU it takes its share of the cores (`rank_threads`), unless OMP_NUM_THREADS says."""
+    CPU it takes its share of the cores (`threads_per_process`), unless OMP_NUM_THREADS says."""
     os.setpgrp()
     if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         import torch
 
-        torch.set_num_threads(rank_threads(rank.world_size))
+        torch.set_num_threads(threads_per_process(rank.world_size))
     init_process_group(rank, device, init_method)
     try:
         code = target(rank, *args)
