@@ -16,7 +16,7 @@ from dsq.kernels import cpu
 
 from . import backend_compile as compiled
 
-fusable_quantize_and_pack = compiled.fusable_quantize_and_pack
+fusable_quantize_and_pack = compiled.c_fusable_quantize_and_pack
 fusable_quantize_chain = compiled.fusable_quantize_chain
 fixed_static_quantize = compiled.fixed_static_quantize  # no C kernel: torch.compile's
 fixed_static_unpack = compiled.fixed_static_unpack

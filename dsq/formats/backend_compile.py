@@ -613,36 +613,55 @@ def _quantize_and_codes_fn(rows, q_man: int, q_exp: int, q_block: int, p_man: in
 
 def fusable_quantize_and_pack(x, q_args, axis, p_args, pack_axis) -> bool:
     """Whether `bfp_quantize_and_pack` runs ``x`` (else the caller quantizes and packs apart):
-    the pair's layout (`reference.quantize_and_pack_layout`) with E <= 8 for both formats."""
-    (_, q_exp, _), (_, p_exp, _) = q_args, p_args
+    the pair's layout (`reference.quantize_and_pack_layout`) with E <= 8 for both formats and
+    the quantizer's blocks tiling the last axis (a compiled kernel is specialised on the padded
+    length, which for an attention product changes with every batch)."""
+    (_, q_exp, q_block), (_, p_exp, _) = q_args, p_args
     layout = ref.quantize_and_pack_layout(x, q_args, axis, p_args, pack_axis)
-    return layout and max(q_exp, p_exp) <= 8
+    return layout and max(q_exp, p_exp) <= 8 and x.shape[-1] % q_block == 0
+
+
+def c_fusable_quantize_and_pack(x, q_args, axis, p_args, pack_axis) -> bool:
+    """`fusable_quantize_and_pack` with the C kernels: also a partial last block along the last
+    axis where the C kernels hold both formats (`bfp_quantize_and_pack` pads the row with zeros
+    for them)."""
+    (q_man, q_exp, _), (p_man, p_exp, _) = q_args, p_args
+    return fusable_quantize_and_pack(x, q_args, axis, p_args, pack_axis) or (
+        ref.quantize_and_pack_layout(x, q_args, axis, p_args, pack_axis)
+        and _c_format(q_man, q_exp)
+        and _c_format(p_man, p_exp, most=8)
+    )
 
 
 def bfp_quantize_and_pack(x, q_args, axis, p_args, pack_axis, *, c=None):
     """``bfp_quantize(x, *q_args, axis)`` and ``bfp_pack(x, *p_args, pack_axis)`` (nearest
     rounding), bit for bit, reading x once; see `fusable_quantize_and_pack` for when it applies.
     Returns (values, mantissa stream, exponent stream)."""
-    (q_man, q_exp, _), (p_man, p_exp, p_block) = q_args, p_args
+    (q_man, q_exp, q_block), (p_man, p_exp, p_block) = q_args, p_args
     x32 = x.detach().to(torch.float32)
     n, k = x32.shape[-2:]
     n_blocks = -(-n // p_block)
+    kernels = c if _c_format(q_man, q_exp) and _c_format(p_man, p_exp, most=8) else None
+    # the C kernels take a partial last block along k padded with zeros (no block's maximum
+    # changes); the padded columns' stash codes are dropped below
+    k_padded = -(-k // q_block) * q_block if kernels is not None else k
     # x in its own strides where whole blocks of rows tile it (an attention operand seen through
     # a transpose: the C kernels read it without a copy), else padded to whole blocks
     matrices = x32.reshape(-1, n, k)
-    if n_blocks * p_block != n:
-        matrices = torch.nn.functional.pad(matrices, (0, 0, 0, n_blocks * p_block - n))
-    kernels = c if _c_format(q_man, q_exp) and _c_format(p_man, p_exp, most=8) else None
+    if n_blocks * p_block != n or k_padded != k:
+        pads = (0, k_padded - k, 0, n_blocks * p_block - n)
+        matrices = torch.nn.functional.pad(matrices, pads)
     if kernels is not None:
         # the stream straight from the tiles when every block's codes start on a byte
-        direct = n == n_blocks * p_block and (p_block * p_man) % 8 == 0
+        direct = n == n_blocks * p_block and k == k_padded and (p_block * p_man) % 8 == 0
         values, stash, exps = kernels.bfp_quantize_and_pack(
             matrices, p_block, *q_args, p_man, p_exp, direct
         )
-        values = values[:, :n].reshape(x.shape)
+        values = values[:, :n, :k].reshape(x.shape)
         if direct:
             mantissas, exponents = stash, _pack_codes(exps.reshape(-1), p_exp, c)
         else:
+            stash, exps = stash[:, :k], exps[:, :k]  # [L, k, ...]: without the padded columns
             mantissas, exponents = _streams(stash, exps, matrices.shape[0] * k, n, p_man, p_exp, c)
         return values.to(x.dtype), mantissas, exponents
     rows = matrices.contiguous().reshape(matrices.shape[0], n_blocks, p_block, k)

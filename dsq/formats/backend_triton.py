@@ -131,11 +131,11 @@ def bfp_unpack(mantissas, exponents, man_bits, exp_bits, block, shape, axis, dty
 # ----------------------------------------------------------------------------- fused pairs
 def fusable_quantize_and_pack(x, q_args, axis, p_args, pack_axis) -> bool:
     """Whether `bfp_quantize_and_pack` runs ``x``: the pair's layout
-    (`reference.quantize_and_pack_layout`) with the quantizer's block a power of two (the
-    kernel reshapes its tile by it)."""
+    (`reference.quantize_and_pack_layout`) with the quantizer's block a power of two that tiles
+    the last axis (the kernel reshapes its tile by it)."""
     q_block = q_args[2]
     layout = reference.quantize_and_pack_layout(x, q_args, axis, p_args, pack_axis)
-    return layout and q_block & (q_block - 1) == 0
+    return layout and q_block & (q_block - 1) == 0 and x.shape[-1] % q_block == 0
 
 
 def bfp_quantize_and_pack(x, q_args, axis, p_args, pack_axis):

@@ -291,8 +291,10 @@ def unpack_bits(stream: torch.Tensor, width: int, count: int) -> torch.Tensor:
 # Every backend offers `bfp_quantize_and_pack` and `bfp_quantize_chain` with a `fusable_*` test
 # each (docs/formats.md, "Fused pairs"); these are the layouts every fused kernel needs.
 def quantize_and_pack_layout(x, q_args, axis, p_args, pack_axis) -> bool:
-    """A quantizer with per-block BFP along the last axis, its blocks tiling it, and a stash with
-    per-block BFP along the axis before it."""
+    """A quantizer with per-block BFP along the last axis and a stash with per-block BFP along
+    the axis before it. The quantizer's last block along a row may be partial (an attention
+    product over a length that is not a multiple of the block): a kernel that needs whole blocks
+    pads the row with zeros, which leave every block's maximum, hence every value, unchanged."""
     (_, _, q_block), (_, _, p_block) = q_args, p_args
     return (
         x.dim() >= 2
@@ -301,7 +303,6 @@ def quantize_and_pack_layout(x, q_args, axis, p_args, pack_axis) -> bool:
         and pack_axis == x.dim() - 2
         and q_block is not None
         and p_block is not None
-        and x.shape[-1] % q_block == 0
     )
 
 
