@@ -3,7 +3,8 @@
 The Table 1 study (scripts/table1_cpu.sh) is best run in a clone of its own, so that code
 edits in this checkout cannot change a run in the middle. This copies, from CLONE, the small
 records (result.json, metrics.jsonl, schedule.jsonl, config.yaml) of every run under
-results/table1-cpu and results/ablations that has an outcome (completed or diverged; `dsq sweep`
+results/table1-cpu, results/ablations and the convergence study's roots (scripts/convergence.sh)
+that has an outcome (completed or diverged; `dsq sweep`
 runs the others again), and rewrites
 each fenced block of docs/results.md that follows a marker ``<!-- dsq table ARGS -->`` to the
 output of ``dsq table ARGS`` run from the repository root (tests/test_results_records.py checks
@@ -27,7 +28,8 @@ from dsq.atomic_files import write_atomic
 
 RECORDS = ("result.json", "metrics.jsonl", "schedule.jsonl", "config.yaml")
 OUTCOMES = ("completed", "diverged")
-ROOTS = ("results/table1-cpu", "results/ablations")
+ROOTS = ("results/table1-cpu", "results/ablations", "results/convergence-budget",
+         "results/convergence")  # fmt: skip
 MARKER = "<!-- dsq table results/table1-cpu -->"  # the one block docs/results.md must hold
 
 
