@@ -78,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="runs/hf-glue", help="output directory")
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args(argv)
+    if args.eval_every > args.steps:
+        parser.error(f"--eval-every {args.eval_every} is more than --steps {args.steps}: the run "
+                     "would never evaluate; give at most --steps")  # fmt: skip
     quiet_logs()
 
     task = get_glue_task(args.task)
@@ -131,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         task=task.name, preset=args.quant, points=preset, metric=task.metric, value=best[key],
         valid_loss=evaluations[-1]["eval_loss"], model="minilm", seed=args.seed,
         wall_seconds=time.time() - started,
-        evaluation={"best_step": best["step"], "final_dev": evaluations[-1][key]},
+        evaluation={"best_step": best["step"], "final_dev": evaluations[-1][key],
+                    "eval_examples": len(dev)},  # as dsq train records it
     )  # fmt: skip
     result.write(out)
     print(

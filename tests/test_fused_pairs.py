@@ -38,8 +38,8 @@ BACKENDS = [
 # (padding not stored), a leading batch dimension (attention operands), a single row
 SHAPES = [(48, 32), (37, 48), (3, 21, 32), (1, 48)]
 # and for quantize_and_pack, a partial last block of the quantizer along the rows (an attention
-# product over 34 tokens)
-PAIR_SHAPES = [*SHAPES, (40, 34)]
+# product over 34 tokens), alone and in a batch of matrices
+PAIR_SHAPES = [*SHAPES, (40, 34), (3, 21, 34)]
 
 
 def fuses(backend: str, shape, pair) -> bool:

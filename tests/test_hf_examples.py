@@ -59,6 +59,7 @@ def test_hf_glue_fine_tunes_minilm_and_reports(tmp_path):
     record = json.loads((tmp_path / "result.json").read_text())
     assert record["task"] == "sst2" and record["metric"] == "accuracy"
     assert 0 <= record["value"] <= 1 and record["best_step"] in (2, 4)
+    assert record["eval_examples"] == 64  # --dev-subset, recorded
     assert "sst2 Acc" in table_of(tmp_path)
 
 

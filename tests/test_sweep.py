@@ -58,6 +58,10 @@ def test_dry_run_lists_the_jobs_without_running(tmp_path):
     assert f"4 jobs under {tmp_path}" in result.output
     assert f"run.dir={tmp_path}/quant-dsq_seed-2" in result.output
     assert list(tmp_path.iterdir()) == []
+    one = RUNNER.invoke(
+        app, ["sweep", "task=demo", "quant=dsq", f"run.root={tmp_path}", "--dry-run"]
+    )
+    assert f"1 job under {tmp_path}" in one.output and f"run.dir={tmp_path}/job" in one.output
 
 
 @pytest.mark.parametrize(
@@ -172,6 +176,7 @@ def test_an_unfinished_run_is_continued_from_its_checkpoint_or_set_aside(tmp_pat
     assert results(tmp_path)["job"]["resumed"] is True
     assert not list(tmp_path.glob("job.old-*"))  # continued in place
     again = RUNNER.invoke(app, [*args, "--resume-unfinished"])
+    assert again.exit_code == 0, again.output
     assert "1 job: 0 ran and completed, 1 skipped (completed earlier)" in again.output
 
     killed()
