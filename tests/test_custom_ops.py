@@ -55,6 +55,7 @@ def test_fake_kernels_give_shapes_and_dtypes():
         cases = [
             (c_kernels.bfp_quantize(x2, 4, 8), [((6, 16), f32)]),
             (c_kernels.bfp_quantize_columns(x3, 16, 4, 8), [((3, 32, 10), f32)]),
+            (c_kernels.bfp_codes(x2, 4, 8), [((6, 16), u8), ((6,), u8)]),
             (c_kernels.fixed_quantize(x3, 8, 8), [((3, 32, 10), f32)]),
             (c_kernels.fixed_then_bfp(x2, 8, 8, 4, 8, 16), [((6, 16), f32)] * 2),
             (
@@ -81,6 +82,7 @@ def test_the_fake_kernels_agree_with_the_kernels():
     calls = [
         (torch.ops.dsq.bfp_quantize.default, (x2, 4, 8)),
         (torch.ops.dsq.bfp_quantize_columns.default, (x3, 16, 4, 8)),
+        (torch.ops.dsq.bfp_codes.default, (x2, 4, 8)),
         (torch.ops.dsq.fixed_then_bfp.default, (x2, 8, 8, 4, 8, 16)),
         (torch.ops.dsq.bfp_quantize_and_pack.default, (x3, 16, 8, 8, 8, 4, 8, True)),
         (torch.ops.dsq.pack_codes.default, (codes, 3)),
@@ -96,6 +98,7 @@ def test_the_fake_kernels_agree_with_the_kernels():
     [
         ((4, 16), lambda x: c_kernels.bfp_quantize(x, 4, 8)),
         ((2, 16, 2), lambda x: c_kernels.bfp_quantize_columns(x, 16, 4, 8)),
+        ((4, 16), lambda x: c_kernels.bfp_codes(x, 4, 8)),
         ((64,), lambda x: c_kernels.fixed_quantize(x, 8, 8)),
         ((64,), lambda x: c_kernels.fixed_then_bfp(x, 8, 8, 4, 8, 16)),
         ((1, 16, 4), lambda x: c_kernels.bfp_quantize_and_pack(x, 16, 8, 8, 4, 4, 8, True)),
@@ -128,6 +131,8 @@ def test_codes_and_shapes_are_checked_at_the_boundary():
         c_kernels.pack_codes(torch.zeros(8, dtype=torch.uint8), 9)
     with pytest.raises(ValueError, match=r"^dsq::bfp_quantize needs a 2-D tensor, got shape"):
         c_kernels.bfp_quantize(torch.zeros(16), 4, 8)
+    with pytest.raises(ValueError, match=r"^dsq::bfp_codes needs man_bits of 2 to 8, got 9$"):
+        c_kernels.bfp_codes(torch.zeros(2, 16), 9, 8)  # codes of one byte each
     with pytest.raises(ValueError, match="60 values are not whole blocks of 16"):
         c_kernels.fixed_then_bfp(torch.zeros(60), 8, 8, 4, 8, 16)
 

@@ -582,6 +582,10 @@ def bfp_quantize(x, man_bits, exp_bits, block, axis, rounding="nearest", generat
 
 def bfp_pack(x, man_bits, exp_bits, block, axis, rounding="nearest", generator=None, *, c=None):
     blocks, n, _ = _rows(x, block, axis)
+    if c is not None and block is not None and rounding == "nearest":
+        if _c_format(man_bits, exp_bits, most=8):  # the C kernels' codes (one byte each)
+            codes, exps = c.bfp_codes(blocks.reshape(-1, block), man_bits, exp_bits)
+            return _streams(codes, exps, blocks.shape[0], n, man_bits, exp_bits, c)
     u = _noise_rows(x, generator, block, axis) if rounding == "stochastic" else None
     if block is None:
         codes, exps = _run_whole_tensor(_bfp_codes_fn, blocks, u, man_bits, exp_bits)

@@ -170,6 +170,39 @@ void dsq_bfp_quantize(const float *x, float *out, int64_t n_blocks, int64_t bloc
 }
 
 /* fixed<man_bits> quantize (one block of n values, exponent width exp_bits). */
+/* The BFP(man_bits <= 8, exp_bits, block) codes of n_blocks contiguous blocks x [n_blocks, block]:
+ * each value's sign-magnitude mantissa code (the sign bit of x, -0.0's included, above the
+ * magnitude of the rounded integer quantize_run scales by the block's power), one byte each,
+ * [n_blocks, block]; each block's exponent code e + emax, [n_blocks]. A block holding NaN or inf
+ * has codes 0 and the exponent code 2^exp_bits - 1 (it decodes to NaN). */
+void dsq_bfp_codes(const float *x, uint8_t *codes, uint8_t *exps, int64_t n_blocks, int64_t block,
+                   int man_bits, int exp_bits) {
+    const Format f = format_of(man_bits, exp_bits);
+    const int64_t per_task = CHUNK / block + 1;
+#pragma omp parallel for schedule(static) num_threads(team) if (n_blocks * block >= PARALLEL_MIN)
+    for (int64_t start = 0; start < n_blocks; start += per_task) {
+        const int64_t end = n_blocks - start < per_task ? n_blocks : start + per_task;
+        for (int64_t b = start; b < end; b++) {
+            const float *xb = x + b * block;
+            uint8_t *cb = codes + b * block;
+            const uint32_t amax = abs_max_bits(xb, block);
+            if (amax >= NONFINITE) {
+                memset(cb, 0, (size_t)block);
+                exps[b] = (uint8_t)((1u << exp_bits) - 1);
+                continue;
+            }
+            const int e = block_exponent(amax, f.emax);
+            const float inverse = pow2(-e);
+            exps[b] = (uint8_t)(e + f.emax);
+            for (int64_t i = 0; i < block; i++) {
+                const float q = round_clamped(xb[i] * inverse * f.up, f.limit);
+                cb[i] = (uint8_t)(((bits_of(xb[i]) >> 31) << (man_bits - 1)) |
+                                  (uint32_t)(int32_t)__builtin_fabsf(q));
+            }
+        }
+    }
+}
+
 void dsq_fixed_quantize(const float *x, float *out, int64_t n, int man_bits, int exp_bits) {
     const uint32_t amax = abs_max_bits_parallel(x, n);
     const Format f = format_of(man_bits, exp_bits);

@@ -93,6 +93,20 @@ Tensor bfp_quantize_columns(const Tensor &input, int64_t block, int64_t man_bits
     return out;
 }
 
+/* (mantissa codes [n_blocks, B], one byte each, exponent codes [n_blocks]) of BFP(man_bits <= 8,
+ * exp_bits, B) of blocks [n_blocks, B]. */
+std::tuple<Tensor, Tensor> bfp_codes(const Tensor &blocks, int64_t man_bits, int64_t exp_bits) {
+    need("bfp_codes", blocks, at::kFloat, 2);
+    need_format("bfp_codes", "man_bits", man_bits, "exp_bits", exp_bits, 8);  // codes: a byte
+    const Tensor x = blocks.contiguous();
+    Tensor codes = bytes(x.sizes()), exps = bytes({x.size(0)});
+    threaded();
+    dsq_bfp_codes(x.const_data_ptr<float>(), codes.mutable_data_ptr<uint8_t>(),
+                  exps.mutable_data_ptr<uint8_t>(), x.size(0), x.size(1), (int)man_bits,
+                  (int)exp_bits);
+    return {codes, exps};
+}
+
 /* fixed<man_bits> of x (any shape): one block over the whole tensor. */
 Tensor fixed_quantize(const Tensor &input, int64_t man_bits, int64_t exp_bits) {
     need("fixed_quantize", input, at::kFloat);
@@ -204,6 +218,7 @@ Tensor bfp_decode(const Tensor &mantissas_in, const Tensor &exponents_in, int64_
 TORCH_LIBRARY_FRAGMENT(dsq, m) {
     m.def("bfp_quantize(Tensor blocks, int man_bits, int exp_bits) -> Tensor");
     m.def("bfp_quantize_columns(Tensor x, int block, int man_bits, int exp_bits) -> Tensor");
+    m.def("bfp_codes(Tensor blocks, int man_bits, int exp_bits) -> (Tensor, Tensor)");
     m.def("fixed_quantize(Tensor x, int man_bits, int exp_bits) -> Tensor");
     m.def("fixed_then_bfp(Tensor x, int f_man, int f_exp, int s_man, int s_exp, int s_block)"
           " -> (Tensor, Tensor)");
@@ -217,6 +232,7 @@ TORCH_LIBRARY_FRAGMENT(dsq, m) {
 TORCH_LIBRARY_IMPL(dsq, CompositeExplicitAutograd, m) {
     m.impl("bfp_quantize", &bfp_quantize);
     m.impl("bfp_quantize_columns", &bfp_quantize_columns);
+    m.impl("bfp_codes", &bfp_codes);
     m.impl("fixed_quantize", &fixed_quantize);
     m.impl("fixed_then_bfp", &fixed_then_bfp);
     m.impl("bfp_quantize_and_pack", &bfp_quantize_and_pack);

@@ -378,6 +378,12 @@ def _fake_bfp_quantize_columns(x, block, man_bits, exp_bits):
     return _floats(*x.shape)
 
 
+def _fake_bfp_codes(blocks, man_bits, exp_bits):
+    need("dsq::bfp_codes", blocks, torch.float32, 2)
+    need_format("dsq::bfp_codes", ("man_bits", man_bits), ("exp_bits", exp_bits), most=8)
+    return _bytes(*blocks.shape), _bytes(blocks.shape[0])
+
+
 def _fake_fixed_quantize(x, man_bits, exp_bits):
     need("dsq::fixed_quantize", x, torch.float32)
     need_format("dsq::fixed_quantize", ("man_bits", man_bits), ("exp_bits", exp_bits))
@@ -449,6 +455,12 @@ def bfp_quantize_columns(x: torch.Tensor, block: int, man_bits: int, exp_bits: i
     """BFP(man_bits, exp_bits, block) of ``x`` [outer, n, inner] float32 along its middle axis,
     in the same layout (blocks of ``block`` along n, the last one partial)."""
     return _ops().bfp_quantize_columns.default(x, block, man_bits, exp_bits)
+
+
+def bfp_codes(blocks: torch.Tensor, man_bits: int, exp_bits: int):
+    """(mantissa codes [n_blocks, B], exponent codes [n_blocks]), uint8, of BFP(man_bits <= 8,
+    exp_bits, B) of ``blocks`` [n_blocks, B] float32: stage 1 of a per-block pack."""
+    return _ops().bfp_codes.default(blocks, man_bits, exp_bits)
 
 
 def fixed_quantize(flat: torch.Tensor, man_bits: int, exp_bits: int) -> torch.Tensor:
