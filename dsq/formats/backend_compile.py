@@ -629,23 +629,28 @@ def c_fusable_quantize_and_pack(x, q_args, axis, p_args, pack_axis) -> bool:
     """`fusable_quantize_and_pack` with the C kernels: also a partial last block along the last
     axis where the C kernels hold both formats (`bfp_quantize_and_pack` pads the row with zeros
     for them)."""
-    (q_man, q_exp, _), (p_man, p_exp, _) = q_args, p_args
     return fusable_quantize_and_pack(x, q_args, axis, p_args, pack_axis) or (
         ref.quantize_and_pack_layout(x, q_args, axis, p_args, pack_axis)
-        and _c_format(q_man, q_exp)
-        and _c_format(p_man, p_exp, most=8)
+        and _c_holds_pair(q_args, p_args)
     )
+
+
+def _c_holds_pair(q_args, p_args) -> bool:
+    """Whether the C kernels hold both formats of a quantize-and-pack pair (the pack's codes
+    up to 8 bits)."""
+    (q_man, q_exp, _), (p_man, p_exp, _) = q_args, p_args
+    return _c_format(q_man, q_exp) and _c_format(p_man, p_exp, most=8)
 
 
 def bfp_quantize_and_pack(x, q_args, axis, p_args, pack_axis, *, c=None):
     """``bfp_quantize(x, *q_args, axis)`` and ``bfp_pack(x, *p_args, pack_axis)`` (nearest
     rounding), bit for bit, reading x once; see `fusable_quantize_and_pack` for when it applies.
     Returns (values, mantissa stream, exponent stream)."""
-    (q_man, q_exp, q_block), (p_man, p_exp, p_block) = q_args, p_args
+    (_, _, q_block), (p_man, p_exp, p_block) = q_args, p_args
     x32 = x.detach().to(torch.float32)
     n, k = x32.shape[-2:]
     n_blocks = -(-n // p_block)
-    kernels = c if _c_format(q_man, q_exp) and _c_format(p_man, p_exp, most=8) else None
+    kernels = c if _c_holds_pair(q_args, p_args) else None
     # the C kernels take a partial last block along k padded with zeros (no block's maximum
     # changes); the padded columns' stash codes are dropped below
     k_padded = -(-k // q_block) * q_block if kernels is not None else k
