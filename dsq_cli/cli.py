@@ -606,7 +606,7 @@ def sweep_cmd(
         typer.echo("\n" + table.render(table.collect([str(root)]), "markdown"))
     except ValueError as err:  # no job produced a run
         typer.echo(f"no table: {err}", err=True)
-    if any(j.status not in ("completed", "skipped") for j in jobs):
+    if any(j.status not in sweep.NOT_FAILED for j in jobs):
         raise typer.Exit(1)
 
 

@@ -71,6 +71,65 @@ def best_checkpoint(run_dir: str | os.PathLike) -> Path:
     return Path(run_dir) / "checkpoints" / "checkpoint_best.pt"
 
 
+# -- one process trains a run at a time ------------------------------------------------------
+# A process that trains a run holds an exclusive lock (flock) on this file of its directory until
+# it exits. The kernel drops the lock when the process ends, however it ends (a SIGKILL, a
+# crashed node), so a lock never outlives its holder and needs no cleaning up.
+LOCK_NAME = ".run.lock"
+_held: dict[Path, int] = {}  # run directory -> the open lock file holding it
+
+
+class RunInUse(ValueError):
+    """Another live process is training this run directory."""
+
+
+def hold(run_dir: str | os.PathLike) -> None:
+    """Mark ``run_dir`` as trained by this process until it exits (`in_use` tells the others);
+    RunInUse when another process holds it. Holding it again is a no-op."""
+    import fcntl
+
+    path = Path(run_dir).resolve()
+    if path in _held:
+        return
+    fd = os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise RunInUse(
+            f"{run_dir}: another process is training this run (it holds {LOCK_NAME} there); "
+            "wait for it to end, or stop it first"
+        ) from None
+    _held[path] = fd
+
+
+def release(run_dir: str | os.PathLike) -> None:
+    """Let go of a run this process held (`hold`), once its training has ended."""
+    fd = _held.pop(Path(run_dir).resolve(), None)
+    if fd is not None:
+        os.close(fd)
+
+
+def in_use(run_dir: str | os.PathLike) -> bool:
+    """Whether another live process trains ``run_dir`` now (holds its lock)."""
+    import fcntl
+
+    path = Path(run_dir).resolve()
+    if path in _held:
+        return False  # this process's own run
+    try:
+        fd = os.open(path / LOCK_NAME, os.O_RDONLY)
+    except FileNotFoundError:
+        return False  # no process has trained it since locks were taken
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing drops the shared lock taken to ask
+
+
 def write_json(path: str | os.PathLike, obj) -> None:
     write_atomic(path, json.dumps(scrub_secrets(obj), indent=2, sort_keys=True) + "\n")
 

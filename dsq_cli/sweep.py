@@ -35,9 +35,9 @@ class Job:
     name: str
     overrides: list[str]
     run_dir: Path
-    status: str = (
-        "pending"  # pending | skipped | completed | diverged | interrupted | failed | invalid
-    )
+    # pending | skipped | busy (trained by another process) | completed | diverged |
+    # interrupted | failed | invalid
+    status: str = "pending"
     detail: str = ""
     resume: bool = False  # continue the job's unfinished run from its checkpoint
 
@@ -254,12 +254,17 @@ def run(
 ) -> tuple[Path, list[Job]]:
     """Run the sweep's jobs, skipping those that completed earlier (unless ``force``). A job
     whose run stopped unfinished is set aside and run again, or, with ``resume_unfinished``,
-    continued from its checkpoint (`resumable`): only when no other process runs it still."""
+    continued from its checkpoint (`resumable`). A job whose run another live process trains
+    (`runs.in_use`) is left to it: ``busy``."""
     root, launcher, options, jobs = plan(overrides)
     root.mkdir(parents=True, exist_ok=True)
     todo = []
     for job in jobs:
         status = RunResult.status_of(job.run_dir) if job.run_dir.exists() else None
+        if job.run_dir.exists() and runs.in_use(job.run_dir):
+            # another sweep or `dsq train` is training it now: never run, resume or move it
+            job.status, job.detail = "busy", "another process is training it now"
+            continue
         if status == "completed" and not force:
             job.status, job.detail = "skipped", "completed earlier"
             continue
@@ -297,19 +302,26 @@ def run(
     return root, jobs
 
 
+# the statuses of jobs that did not fail: the sweep exits 0 when every job has one of them
+NOT_FAILED = ("completed", "skipped", "busy")
+
+
 def summary(jobs: Sequence[Job]) -> str:
     width = max(len(j.name) for j in jobs)
     lines = [f"{'job'.ljust(width)}  status      log / note"]
     for job in jobs:
-        note = str(job.log) if job.status not in ("completed", "skipped") else job.detail
+        note = str(job.log) if job.status not in NOT_FAILED else job.detail
         if job.status == "invalid":
             note = f"{job.log}: {job.detail}"
         lines.append(f"{job.name.ljust(width)}  {job.status:<10}  {note}")
-    failed = [j for j in jobs if j.status not in ("completed", "skipped")]
+    failed = [j for j in jobs if j.status not in NOT_FAILED]
     ran = sum(j.status == "completed" for j in jobs)
+    busy = sum(j.status == "busy" for j in jobs)
     lines.append(
         f"{len(jobs)} job{'s' * (len(jobs) != 1)}: {ran} ran and completed, "
         f"{sum(j.status == 'skipped' for j in jobs)} skipped (completed earlier), "
-        f"{len(failed)} failed"
-    )
+        + (f"{busy} left to another process training it now (run the sweep again after), "
+           if busy else "")
+        + f"{len(failed)} failed"
+    )  # fmt: skip
     return "\n".join(lines)

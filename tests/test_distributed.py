@@ -51,8 +51,8 @@ def test_two_gloo_ranks_train_in_step_and_write_one_run_directory(tmp_path, cach
 
     run_dir = only_run(root)  # one run directory for the two ranks
     assert sorted(p.name for p in run_dir.iterdir()) == [
-        "checkpoints", "config.yaml", "metrics.jsonl", "result.json", "schedule.jsonl",
-        "test.hyp", "train.log", "train.rank1.log",
+        ".run.lock", "checkpoints", "config.yaml", "metrics.jsonl", "result.json",
+        "schedule.jsonl", "test.hyp", "train.log", "train.rank1.log",
     ]  # fmt: skip
     result = json.loads((run_dir / "result.json").read_text())
     assert result["status"] == "completed" and result["updates"] == 4

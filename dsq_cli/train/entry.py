@@ -87,22 +87,29 @@ def train(cfg: RunConfig, *, resume: tuple[Path, dict] | None = None) -> Outcome
     data = family.prepare(cfg)  # DataError (bad or missing data) before any run directory exists
     run_dir, state = _open_run_dir(cfg, resume)
     resumed = resume is not None
-    if world_size > 1:
-        started = started_result(cfg, data, device, resumed)  # stands in if rank 0 writes none
-        codes = launch.spawn(world_size, device, run_spawned_rank,
-                             (cfg, str(run_dir), resumed, device))  # fmt: skip
-        return spawned_outcome(run_dir, codes, started)
-    return run_rank(cfg, run_dir, device=device, resumed=resumed, data=data, state=state)
+    try:
+        if world_size > 1:
+            started = started_result(cfg, data, device, resumed)  # if rank 0 writes none
+            codes = launch.spawn(world_size, device, run_spawned_rank,
+                                 (cfg, str(run_dir), resumed, device))  # fmt: skip
+            return spawned_outcome(run_dir, codes, started)
+        return run_rank(cfg, run_dir, device=device, resumed=resumed, data=data, state=state)
+    finally:
+        runs.release(run_dir)
 
 
 def _open_run_dir(cfg: RunConfig, resume) -> tuple[Path, dict | None]:
+    """The run's directory, held by this process until it exits (`runs.hold`: a second process
+    resuming the same run is refused), with its config.yaml written when the run is new."""
     if resume is not None:
+        runs.hold(resume[0])
         return resume
     run_dir = (
         runs.exact_run_dir(cfg.run.dir)
         if cfg.run.dir
         else runs.new_run_dir(cfg.run.root, run_name(cfg))
     )
+    runs.hold(run_dir)
     write_atomic(run_dir / "config.yaml", config_yaml(cfg))
     return run_dir, None
 
@@ -141,6 +148,8 @@ def _train_launched(cfg: RunConfig, resume, rank: ranks.Rank, device: str) -> Ou
         return run_rank(cfg, Path(told[1]), rank=rank, device=device,
                         resumed=resume is not None, data=data, state=state)  # fmt: skip
     finally:
+        if run_dir is not None:
+            runs.release(run_dir)
         ranks.destroy_process_group()
 
 
@@ -190,6 +199,11 @@ def load_resume(run_dir: str, overrides: list[str]) -> tuple[RunConfig, Path, di
         raise ConfigError(f"resume={run_dir}: no config.yaml there; is it a dsq run directory?")
     if RunResult.status_of(path) == "completed":
         raise ConfigError(f"resume={run_dir}: that run already completed; start a new run")
+    if runs.in_use(path):
+        raise ConfigError(
+            f"resume={run_dir}: another process is training that run now (it holds "
+            f"{runs.LOCK_NAME} there); wait for it to end, or stop it first"
+        )
     checkpoint = runs.last_checkpoint(path)
     if not checkpoint.is_file():
         raise ConfigError(
