@@ -421,6 +421,12 @@ def table_cmd(
         help="After the table, list each scheduled run's formats over its updates and its mean "
         "stash bits (markdown only).",
     ),
+    frontier: bool = typer.Option(
+        False,
+        "--frontier",
+        help="After the table, list per task and cost ratio the rows on the Pareto frontier "
+        "and what dominates each other row (markdown only).",
+    ),
     checkpoint: str = typer.Option(
         None,
         "--checkpoint",
@@ -442,10 +448,11 @@ def table_cmd(
         raise ValueError(f"--format must be one of {', '.join(table.FORMATS)}, got {fmt!r}")
     if plot is not None and not plot.lower().endswith(".png"):
         raise ValueError(f"--plot writes a PNG; {plot!r} does not end in .png")
-    if moves and fmt != "markdown":
-        raise ValueError(
-            f"--moves adds a markdown list; drop it or use --format markdown, not {fmt}"
-        )
+    for flag, given in (("--moves", moves), ("--frontier", frontier)):
+        if given and fmt != "markdown":
+            raise ValueError(
+                f"{flag} adds a markdown list; drop it or use --format markdown, not {fmt}"
+            )
     result_table = table.collect(paths or ["runs"], checkpoint)
     for warning in result_table.warnings:
         typer.echo(f"dsq: warning: {warning}", err=True)
@@ -455,6 +462,9 @@ def table_cmd(
         text += "\nStash moves (scheduled points, per run):\n\n" + "".join(
             f"- {m}\n" for m in lines
         )
+    if frontier:
+        lines = table.frontier_lines(result_table)
+        text += f"\n{table.FRONTIER_HEADING}\n\n" + "".join(f"- {m}\n" for m in lines)
     if out is None:
         typer.echo(text, nl=False)
     else:

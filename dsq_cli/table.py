@@ -712,6 +712,49 @@ def _point_stretches(segments: list[Mapping], point: str) -> str:
     return f"{point} {parts} (moved after update {moves})"
 
 
+# -- the trade-off frontier ---------------------------------------------------------------------
+# (cost key in result.json's `cost`, its name in the frontier's lines)
+COSTS = (("arith_ratio", "arithmetic"), ("dram_ratio", "DRAM"))
+FRONTIER_HEADING = (
+    "Pareto frontier (each row's mean metric against each cost ratio; a row is dominated when "
+    "another is at least as good and at least as cheap, and better or cheaper):"
+)
+
+
+def dominators(points: Mapping[str, tuple[float, float]]) -> dict[str, list[str]]:
+    """For rows' (quality, cost) points, quality higher is better and cost lower is cheaper:
+    each row's dominators, the rows at least as good and as cheap and better or cheaper (in
+    ``points``' order). A row with none sits on the Pareto frontier; two equal points do not
+    dominate each other."""
+    return {
+        row: [
+            other
+            for other, (q2, c2) in points.items()
+            if other != row and q2 >= q and c2 <= c and (q2 > q or c2 < c)
+        ]
+        for row, (q, c) in points.items()
+    }
+
+
+def frontier_lines(table: Table) -> list[str]:
+    """Per column and cost ratio: the rows on the Pareto frontier of the column's metric (every
+    metric of the table is higher-is-better) against that ratio, then each dominated row with
+    the rows that dominate it. Rows with no completed run are left out."""
+    lines = []
+    for column in table.columns:
+        cells = {row: cell for row in table.rows if (cell := table.cell(row, column))}
+        done = {row: cell for row, cell in cells.items() if cell.completed}
+        for key, name in COSTS:
+            points = {row: (cell.metric_mean, cell.cost_mean(key)) for row, cell in done.items()}
+            beaten = dominators(points)
+            on = [row for row in points if not beaten[row]]
+            off = [f"{row} by {', '.join(beaten[row])}" for row in points if beaten[row]]
+            label = f"{column.label} {_metric_label(column.metric)} against {name}"
+            line = f"{label}: on the frontier {', '.join(on) or '-'}"
+            lines.append(line + (f"; dominated: {'; '.join(off)}" if off else ""))
+    return lines
+
+
 def render(table: Table, fmt: str) -> str:
     if fmt not in RENDERERS:
         raise ValueError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")

@@ -502,6 +502,42 @@ def test_moves_lists_each_scheduled_runs_formats_over_its_updates(tmp_path):
     assert "--moves adds a markdown list" in refused.output
 
 
+def test_dominators_need_one_strictly_better_side_and_equal_points_tie():
+    points = {
+        "a": (28.0, 1.0),
+        "b": (28.0, 0.5),
+        "c": (27.0, 0.5),
+        "d": (27.0, 0.5),
+        "e": (29.0, 2.0),
+    }
+    assert table.dominators(points) == {
+        "a": ["b"],  # as good, cheaper
+        "b": [],
+        "c": ["b"],  # b is better at the same cost; d, its equal, does not dominate it
+        "d": ["b"],
+        "e": [],  # the best, however dear
+    }
+
+
+def test_frontier_lists_each_tasks_undominated_rows_per_cost(root):
+    result = invoke("table", root, "--frontier")
+    assert result.exit_code == 0, result.output
+    listed = result.output.split(table.FRONTIER_HEADING + "\n\n")[1]
+    # multi30k: dsq's two seeds average to 26.22 BLEU at 0.0526 / 0.368; its modified variant
+    # (26.2, 0.06 / 0.38) is behind it on both. iwslt17: stash_bfp diverged and dsq is still
+    # running, so only fp32 and fixed16 have a point there.
+    assert listed.splitlines() == [
+        "- iwslt17 BLEU against arithmetic: on the frontier fp32, fixed16",
+        "- iwslt17 BLEU against DRAM: on the frontier fp32, fixed16",
+        "- multi30k BLEU against arithmetic: on the frontier fp32, fixed16, stash_bfp, dsq; "
+        "dominated: dsq* (q1=bfp3) by dsq",
+        "- multi30k BLEU against DRAM: on the frontier fp32, fixed16, stash_bfp, dsq; "
+        "dominated: dsq* (q1=bfp3) by dsq",
+    ]
+    refused = invoke("table", root, "--frontier", "--format", "json")
+    assert refused.exit_code == 2 and "--frontier adds a markdown list" in refused.output
+
+
 # -- stopping early and the scored checkpoint -------------------------------------------------
 
 
