@@ -262,3 +262,33 @@ def test_the_gemm_ops_trace_check_and_have_fake_kernels():
         ValueError, match=r"^dsq::to_bf16 needs a float32 CPU tensor, got float32 on meta$"
     ):
         onednn.to_bf16(a.to("meta"), (1, 8, 8))
+
+
+@pytest.mark.skipif(_gemm_unavailable() is not None, reason=str(_gemm_unavailable()))
+def test_the_split_op_traces_checks_and_has_a_fake_kernel():
+    from dsq.kernels import onednn
+
+    a = torch.randint(-(2**15), 2**15, (1, 5, 7)).float()  # 16 significant bits: a pair of bf16
+    b = torch.randint(-8, 8, (1, 7, 3)).float()
+
+    def product(a, b):
+        hi, lo, _ = torch.ops.dsq.split_bf16.default(a, [1, 8, 8])
+        pb, _ = torch.ops.dsq.to_bf16.default(b, [1, 8, 8])
+        out = torch.ops.dsq.gemm_bf16.default(hi, pb) + torch.ops.dsq.gemm_bf16.default(lo, pb)
+        return out[:, :5, :3]
+
+    assert torch.equal(product(a, b), a @ b)
+    assert torch._dynamo.explain(product)(a, b).graph_break_count == 0
+    with FakeTensorMode():
+        fa = torch.empty(1, 7, 5).transpose(1, 2)  # columns contiguous
+        hi, lo, fits = torch.ops.dsq.split_bf16.default(fa, [1, 8, 8])
+        assert hi.shape == lo.shape == (1, 8, 8) and hi.dtype == lo.dtype == torch.bfloat16
+        assert hi.stride() == lo.stride() == (64, 1, 8) and fits.dtype == torch.bool
+    real = onednn.split_bf16(a.transpose(1, 2).contiguous().transpose(1, 2), (1, 8, 8))
+    assert real[0].stride() == real[1].stride() == (64, 1, 8)  # as the fake says
+    with pytest.raises(
+        ValueError, match=r"^dsq::split_bf16 needs a float32 CPU tensor, got float64 on cpu$"
+    ):
+        onednn.split_bf16(a.double(), (1, 8, 8))
+    with pytest.raises(ValueError, match=r"^dsq::split_bf16: a padded shape \[1, 4, 8\] smaller"):
+        onednn.split_bf16(a, (1, 4, 8))

@@ -175,17 +175,53 @@ CPU = torch.device("cpu")
 
 
 def test_cpu_plan_with_bf16_instructions(monkeypatch):
+    from dsq.formats import compute
+
     monkeypatch.setattr(units, "cpu_unavailable_reason", lambda: None)
+    monkeypatch.setattr(compute, "cpu_split_pays", lambda: False)  # a Zen 4, say
     assert units.plan(F("bfp8"), F("bfp8"), CPU) == units.GemmPlan("bf16")
     assert units.plan(F("bfp8"), F("bfp2"), CPU) == units.GemmPlan("bf16")
     assert units.plan(F("bf16"), F("e4m3"), CPU) == units.GemmPlan("bf16")
-    assert units.plan(F("fixed16"), F("bfp2"), CPU) == units.FP32  # bf16x2 does not pay on a CPU
+    assert units.plan(F("fixed16"), F("bfp2"), CPU) == units.FP32  # the split would not pay
     assert units.plan(F("fp16"), F("fp16"), CPU) == units.FP32  # no TF32 on a CPU
     assert units.plan(F("fp32"), F("bfp8"), CPU) == units.FP32
     assert units.plan(F("bfp8"), F("bfp8"), CPU, "fp32") == units.FP32
     assert units.plan(F("bfp8"), F("bfp8"), CPU, macs=units.MIN_MACS - 1) == units.FP32
     with pytest.raises(ValueError, match="gemm_unit must be one of"):
         units.plan(F("bfp8"), F("bfp8"), CPU, "bf16")
+
+
+def test_a_cpu_whose_split_pays_runs_fixed16_by_bfp_gemms_as_two_bf16_gemms(monkeypatch):
+    from dsq.formats import compute
+
+    monkeypatch.setattr(units, "cpu_unavailable_reason", lambda: None)
+    monkeypatch.setattr(compute, "cpu_split_pays", lambda: True)
+    assert units.plan(F("fixed16"), F("bfp2"), CPU) == units.GemmPlan("bf16x2", split="a")
+    assert units.plan(F("bfp2"), F("fixed16"), CPU) == units.GemmPlan("bf16x2", split="b")
+    assert units.plan(F("bfp8"), F("bfp8"), CPU) == units.GemmPlan("bf16")  # the narrower first
+    assert units.plan(F("fixed16"), F("fixed16"), CPU) == units.FP32  # neither half is bf16
+    assert units.plan(F("bfp16"), F("bfp16"), CPU) == units.FP32
+    assert units.plan(F("fixed16"), F("bfp2"), CPU, "fp32") == units.FP32
+
+
+@pytest.mark.parametrize(
+    "cpuinfo, pays",
+    [
+        ("vendor_id\t: AuthenticAMD\ncpu family\t: 26\nmodel\t\t: 2\n", True),  # Zen 5
+        ("vendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\n", False),  # Zen 4
+        ("vendor_id\t: GenuineIntel\ncpu family\t: 6\nmodel\t\t: 143\n", False),  # not measured
+        ("processor\t: 0\n", False),  # says nothing of its family
+    ],
+)
+def test_the_split_pays_on_the_cpus_it_was_measured_to_pay_on(monkeypatch, cpuinfo, pays):
+    from dsq.kernels import cpu, onednn
+
+    monkeypatch.setattr(cpu, "_cpu_lines", lambda: cpuinfo.splitlines())
+    onednn.cpu_vendor_family.cache_clear()
+    try:
+        assert onednn.split_pays() is pays
+    finally:
+        onednn.cpu_vendor_family.cache_clear()
 
 
 def test_a_cpu_without_bf16_instructions_takes_float32_and_says_so_once(monkeypatch, caplog):
@@ -285,6 +321,75 @@ def test_bf16_gemm_adds_its_bias_and_returns_no_view():
     out = units._run_cpu(a, b, units.GemmPlan("bf16"), bias)
     assert torch.equal(out, (a.double() @ b.double() + bias.double()).float())
     assert out._base is None and out.is_contiguous()  # a custom Function may return it
+
+
+def _fixed16_like(*shape, seed=0):
+    """Values of up to 16 significant bits (fixed16's), at exponents from 2^-40 to 2^20."""
+    g = torch.Generator().manual_seed(seed)
+    integers = torch.randint(-(2**15) + 1, 2**15, shape, generator=g).float()
+    return integers * 2.0 ** torch.randint(-55, 5, shape, generator=g).float()
+
+
+@needs_bf16
+def test_the_c_split_is_exact_and_equals_the_torch_split():
+    from dsq.kernels import onednn
+
+    x = _fixed16_like(3, 40, 50, seed=1).transpose(1, 2)  # strided: read in its memory order
+    parts = onednn.split_bf16(x, (4, 56, 48))  # every side padded
+    assert parts is not None
+    hi, lo = (part.float() for part in parts)
+    assert torch.equal(hi[:3, :50, :40] + lo[:3, :50, :40], x)
+    reference = units.split_bf16(x)
+    assert torch.equal(hi[:3, :50, :40], reference[0]) and torch.equal(
+        lo[:3, :50, :40], reference[1]
+    )
+    for part in (hi, lo):  # the padding adds nothing
+        assert not part[3:].any() and not part[:, 50:].any() and not part[:, :, 40:].any()
+
+
+@needs_bf16
+@pytest.mark.parametrize(
+    "bad",
+    [
+        1.0 + 2.0**-8 + 2.0**-20,  # 21 significant bits: the low part is no bf16 number
+        2.0**-60 + 2.0**-70,  # its low part (2^-70) is below 2^-63
+        math.inf,  # not finite: float32 takes the call
+        math.nan,
+    ],
+)
+def test_the_c_split_refuses_what_two_bf16_numbers_cannot_hold(bad):
+    from dsq.kernels import onednn
+
+    x = torch.ones(1, 4, 70)
+    x[0, 2, 33] = bad
+    assert onednn.split_bf16(x, (1, 4, 70)) is None
+
+
+@needs_bf16
+@pytest.mark.parametrize("split", ["a", "b"])
+def test_the_split_gemm_of_integers_is_exact(split):
+    """16-bit integers times -1, 0 and 1 over 250 terms: every sum is below 2^24, so the two
+    bf16 GEMMs added equal the float64 product, bit for bit, with the bias added."""
+    wide, narrow = _integers(300, 250, bound=2**15 - 1, seed=1), _integers(250, 70, bound=1)
+    a, b = (wide, narrow) if split == "a" else (narrow.t().contiguous(), wide.t())
+    bias = _integers(b.shape[1], seed=3)
+    exact = a.double() @ b.double()
+    out = units._run_cpu(a, b, units.GemmPlan("bf16x2", split=split), bias)
+    assert out is not None and torch.equal(out, (exact + bias.double()).float())
+    assert out._base is None and out.is_contiguous()
+
+
+@needs_bf16
+def test_the_split_gemm_stays_within_float32s_summation_bound():
+    """dsq's dW shape in small: a fixed16 gradient by a bfp2 stash, within gamma_K (as the bf16
+    GEMM's test below)."""
+    g = parse_format("fixed16").quantize(torch.randn(256, 1024))
+    x = parse_format("bfp2").quantize(torch.randn(1024, 128), axis=0)
+    exact = g.double() @ x.double()
+    k = g.shape[1]
+    bound = k * U / (1 - k * U) * (g.double().abs() @ x.double().abs())
+    out = units._run_cpu(g, x, units.GemmPlan("bf16x2", split="a"), None)
+    assert out is not None and ((out.double() - exact).abs() <= bound).all()
 
 
 @needs_bf16
@@ -415,8 +520,29 @@ def test_a_training_step_on_auto_equals_one_on_fp32(monkeypatch, preset, scope):
     last-bit difference into a whole quantization step where a value sits on a rounding
     boundary, and both comparisons meet the same effect. Presets whose GEMMs all stay in
     float32 must agree exactly."""
+    _assert_same_step_on_both_settings(monkeypatch, preset, scope)
+
+
+@needs_bf16
+@pytest.mark.slow
+def test_a_dsq_step_with_its_dw_gemms_split_equals_one_on_fp32(monkeypatch):
+    """As above with the split offered whatever this CPU (a Zen 4 would not offer it): dsq's
+    GEMM3 (a fixed16 gradient by the bfp2 stash) runs as two bf16 GEMMs, within the same
+    tolerance."""
+    from dsq.formats import compute
+
+    monkeypatch.setattr(compute, "cpu_split_pays", lambda: True)
+    ran = _assert_same_step_on_both_settings(monkeypatch, "dsq", "gemm")
+    assert ran["linear.dw"].get("bf16x2"), ran
+
+
+def _assert_same_step_on_both_settings(monkeypatch, preset: str, scope: str) -> dict:
+    """The comparison of `test_a_training_step_on_auto_equals_one_on_fp32`; returns the units
+    the step on auto ran its GEMMs on."""
     model, batch = demo_transformer(), demo_batch()
+    before = units.tally()
     auto = train_step(quantized_copy(model, preset, scope, "auto"), batch)
+    ran = units.merge_tallies(units.tally(), units.negated(before))
     fp32 = train_step(quantized_copy(model, preset, scope, "fp32"), batch)
     with monkeypatch.context() as patched:
         _exact_sums(patched)
@@ -429,6 +555,7 @@ def test_a_training_step_on_auto_equals_one_on_fp32(monkeypatch, preset, scope):
             continue
         order = (f - e).norm().item()  # float32's summation-order effect on this step
         assert (a - f).norm().item() <= 2 * order + 1e-7 * f.norm().item(), name
+    return ran
 
 
 def _formats(preset: str) -> list[str]:

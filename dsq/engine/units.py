@@ -12,14 +12,17 @@ unit     runs on                                           when both operands ar
 bf16     CPU: oneDNN's bf16 matmul (``formats.compute``);   bf16
          CUDA: ``torch.mm(..., out_dtype=float32)``
 tf32     CUDA: float32 GEMM with TF32 allowed for that call tf32 (and not both in bf16)
-bf16x2   CUDA: the wider operand split into an exact pair   bf16 for one, bf16x2 for the other
-         hi + lo of bf16 numbers, two bf16 GEMMs summed
+bf16x2   the wider operand split into an exact pair hi +    bf16 for one, bf16x2 for the other
+         lo of bf16 numbers, two bf16 GEMMs summed (CPU:
+         ``compute.bf16x2_gemm``)
 fp32     float32, as torch runs it                          anything else, or ``gemm_unit=fp32``
 ======== ================================================ ========================================
 
-The CPU offers ``bf16`` where it has bf16 dot-product instructions and the oneDNN kernels load;
-``bf16x2`` does not pay there (two bf16 GEMMs cost about what one float32 GEMM does; measured in
-docs/benchmarks.md). CUDA offers all three from compute capability 8.0 (Ampere).
+The CPU offers ``bf16`` where it has bf16 dot-product instructions and the oneDNN kernels load,
+and ``bf16x2`` where two bf16 GEMMs and the split also beat one float32 GEMM: on AMD Zen 5, not
+on Zen 4, where two bf16 GEMMs cost about what one float32 GEMM does (measured in
+docs/benchmarks.md; ``compute.cpu_split_pays``). CUDA offers all three from compute capability
+8.0 (Ampere).
 
 Exactness is also checked where the values are converted (`gemm`): a value that is not a number
 of the unit's dtype, or one below 2^-63 in magnitude (a product of two such could fall below
@@ -98,7 +101,7 @@ def offered_units(device: torch.device) -> tuple[str, ...]:
     if device.type == "cpu":
         reason = cpu_unavailable_reason()
         if reason is None:
-            return ("bf16",)
+            return ("bf16", "bf16x2") if compute.cpu_split_pays() else ("bf16",)
         _say_once(f"dsq: quantized GEMMs run in float32 on this CPU: {reason}")
         return ()
     if device.type == "cuda":
@@ -216,11 +219,14 @@ def _fallback(how: GemmPlan) -> None:
 
 
 def _run_cpu(a, b, how: GemmPlan, bias):
-    if how.unit != "bf16":
+    if how.unit not in ("bf16", "bf16x2"):
         raise ValueError(f"the CPU has no {how.unit} unit")
     if a.shape[:-2] != b.shape[:-2]:  # broadcast batch dimensions: torch's matmul handles them
         return None
-    out = compute.bf16_gemm(a, b, bias)
+    if how.unit == "bf16":
+        out = compute.bf16_gemm(a, b, bias)
+    else:
+        out = compute.bf16x2_gemm(a, b, how.split, bias)
     if out is None:
         _fallback(how)
     return out

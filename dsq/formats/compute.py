@@ -6,7 +6,9 @@ that every value is a bf16 number the bf16 unit multiplies exactly (``Format.exa
 which formats' values are), pads every side with zeros to one of 32 sizes per octave (so that
 batches of every length share a few hundred oneDNN primitives) and returns the float32 result,
 or None when a value did not pass or oneDNN refused the call: the caller then runs the GEMM in
-float32.
+float32. ``bf16x2_gemm(a, b, split, bias)`` does the same with one operand, whose values have up
+to 16 significant bits (fixed16's), split into an exact pair of bf16 numbers: two bf16 GEMMs
+whose results are added, which pays on CPUs whose bf16 GEMMs are fast enough (``cpu_split_pays``).
 """
 
 from __future__ import annotations
@@ -32,24 +34,53 @@ def cpu_bf16_unavailable_reason() -> str | None:
     return onednn.unavailable_reason()
 
 
+def cpu_split_pays() -> bool:
+    """Whether this CPU runs a GEMM as an exact pair of bf16 GEMMs (`bf16x2_gemm`) faster than
+    in float32 (its bf16 GEMMs available, and measured to pay on this kind of CPU)."""
+    from dsq.kernels import onednn
+
+    return onednn.unavailable_reason() is None and onednn.split_pays()
+
+
 def bf16_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None):
     """``a @ b (+ bias)`` in float32 on the CPU's bf16 unit, for float32 ``a`` [..., m, k] and
     ``b`` [..., k, n] with the same leading dimensions (``bias`` [n] with 2-D operands); a new
     contiguous tensor (never a view), or None when it cannot run exactly there."""
+    return _padded_gemm(a, b, bias, split=None)
+
+
+def bf16x2_gemm(a: torch.Tensor, b: torch.Tensor, split: str, bias: torch.Tensor | None = None):
+    """`bf16_gemm` with the operand ``split`` (``"a"`` or ``"b"``), whose values have up to 16
+    significant bits, held as an exact pair hi + lo of bf16 numbers: ``hi @ b + lo @ b`` (or
+    ``a @ hi + a @ lo``), two GEMMs on the bf16 unit whose float32 results are added. Exact as
+    `bf16_gemm` is (every product of bf16 numbers is exact in float32), up to the order of the
+    float32 sums; None when it cannot run so."""
+    if split not in ("a", "b"):
+        raise ValueError(f"split must be 'a' or 'b', got {split!r}")
+    return _padded_gemm(a, b, bias, split=split)
+
+
+def _padded_gemm(a, b, bias, split):
     from dsq.kernels import onednn
 
     lead, (m, k), n = a.shape[:-2], a.shape[-2:], b.shape[-1]
     a3, b3 = a.reshape(-1, m, k), b.reshape(-1, k, n)  # views where the layout allows
     rows = a3.shape[0]
     batch, pm, pk, pn = (onednn.padded_size(d) for d in (rows, m, k, n))
-    ab = onednn.to_bf16(a3, (batch, pm, pk))
-    bb = onednn.to_bf16(b3, (batch, pk, pn)) if ab is not None else None
+    convert = {name: onednn.split_bf16 if split == name else onednn.to_bf16 for name in ("a", "b")}
+    ab = convert["a"](a3, (batch, pm, pk))
+    bb = convert["b"](b3, (batch, pk, pn)) if ab is not None else None
     if bb is None:
         return None
     if bias is not None and pn > n:
         bias = torch.nn.functional.pad(bias, (0, pn - n))
     try:
-        out = onednn.gemm_bf16(ab, bb, bias)  # [batch, pm, pn], a new contiguous tensor
+        if split is None:
+            out = onednn.gemm_bf16(ab, bb, bias)  # [batch, pm, pn], a new contiguous tensor
+        elif split == "a":
+            out = onednn.gemm_bf16(ab[0], bb, bias).add_(onednn.gemm_bf16(ab[1], bb))
+        else:
+            out = onednn.gemm_bf16(ab, bb[0], bias).add_(onednn.gemm_bf16(ab, bb[1]))
     except RuntimeError as err:  # a layout oneDNN refuses: float32 runs it instead
         _log_once(f"dsq: a bf16 GEMM ran in float32: {err}")
         return None

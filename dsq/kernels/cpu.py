@@ -88,12 +88,17 @@ class BuildError(RuntimeError):
     """The kernels could not be compiled or loaded here (the message says why)."""
 
 
+def _cpu_lines() -> list[str]:
+    """The lines of /proc/cpuinfo (Linux), else none."""
+    try:
+        return Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return []
+
+
 def _cpu_identity() -> str:
     """The CPU's model and feature flags (Linux), else what platform knows of it."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        lines = []
+    lines = _cpu_lines()
     wanted = ("model name", "flags", "Features", "CPU part")
     picked = {line.split(":")[0].strip(): line for line in lines if line.startswith(wanted)}
     return "\n".join(sorted(picked.values())) or f"{platform.machine()} {platform.processor()}"

@@ -70,6 +70,43 @@ int dsq_to_bf16(const float *src, int64_t s0, int64_t s1, int64_t s2, uint16_t *
     return ok;
 }
 
+static inline float float_of(uint32_t u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* hi[i, j, l] + lo[i, j, l] == src[i, j, l] exactly, as two bf16 patterns, for a [n0, n1, n2]
+ * block with strides as in dsq_to_bf16 (hi and lo share the destination strides): hi is src
+ * with its significand cut to bf16's 8 bits (the top 16 bits of its float32 pattern), lo =
+ * src - hi, which float32 holds exactly (hi is src truncated toward zero, so the difference is
+ * src's low significand bits). Returns 1 when every value splits into two numbers the bf16 unit
+ * multiplies exactly (fits_bf16 for both: src has at most 16 significant bits and neither part
+ * is below 2^-63), else 0, and hi and lo are then unspecified. A non-finite value does not split:
+ * the float32 GEMM takes the call. */
+int dsq_split_bf16(const float *src, int64_t s0, int64_t s1, int64_t s2, uint16_t *hi,
+                   uint16_t *lo, int64_t t0, int64_t t1, int64_t t2, int64_t n0, int64_t n1,
+                   int64_t n2) {
+    int ok = 1;
+    int64_t rows = n0 * n1;
+#pragma omp parallel for reduction(& : ok) schedule(static) if (rows * n2 >= 65536)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *from = src + (r / n1) * s0 + (r % n1) * s1;
+        int64_t at = (r / n1) * t0 + (r % n1) * t1;
+        int row_ok = 1;
+        for (int64_t l = 0; l < n2; l++) {
+            uint32_t u = bits_of(from[l * s2]);
+            uint32_t h = u & 0xFFFF0000u;
+            uint32_t v = bits_of(float_of(u) - float_of(h));
+            row_ok &= ((u & 0x7F800000u) != 0x7F800000u) & fits_bf16(h) & fits_bf16(v);
+            hi[at + l * t2] = (uint16_t)(h >> 16);
+            lo[at + l * t2] = (uint16_t)(v >> 16);
+        }
+        ok &= row_ok;
+    }
+    return ok;
+}
+
 /* ---------------------------------------------------------------------------- the GEMM */
 #define KEY_LEN 13
 #define CACHE_SLOTS 8192 /* a power of two; the table is emptied when half full */

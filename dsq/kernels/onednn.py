@@ -1,5 +1,5 @@
 """Exact GEMMs on the CPU's bf16 units: ``gemm_cpu.c`` (docs/dsq.md, "GEMM units"), as the
-torch custom ops ``torch.ops.dsq.to_bf16`` and ``torch.ops.dsq.gemm_bf16``.
+torch custom ops ``torch.ops.dsq.to_bf16``, ``split_bf16`` and ``gemm_bf16``.
 
 Two kinds of kernels, registered by ``gemm_ops.cpp`` and built on first use beside the
 quantizers (``cpu.build``: torch's extension machinery, the same exactness flags, variants and
@@ -9,6 +9,8 @@ per-CPU cache under ``$DSQ_CACHE/c-kernels``), linked against the installed oneD
   a bf16 number the bf16 unit multiplies exactly; None when one is not, and the caller then runs
   the float32 GEMM. It writes into a zero-padded tensor (``padded_size``), so that batches of
   every length share a few hundred GEMM shapes;
+* ``split_bf16``: a float32 tensor of values of up to 16 significant bits as an exact pair hi +
+  lo of bf16 tensors, padded and checked as ``to_bf16``'s, for a GEMM run as two bf16 GEMMs;
 * ``gemm_bf16``: oneDNN's matmul primitive with bf16 operands and a float32 result, cached per
   shape and layout.
 
@@ -69,15 +71,47 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+# AMD's family of Zen 5 (and later): AVX-512 on a full 512-bit datapath. There a bf16 GEMM runs
+# at about 3.5x a float32 GEMM of the benchmark's shapes (Zen 4, family 0x19, splits each 512-bit
+# instruction in two: about 2x), so two bf16 GEMMs and the split beat one float32 GEMM
+# (docs/benchmarks.md, "GEMM units").
+SPLIT_PAYS_AMD_FAMILY = 0x1A
+
+
+@functools.cache
+def cpu_vendor_family() -> tuple[str, int] | None:
+    """(vendor_id, cpu family) of the CPU (Linux /proc/cpuinfo), or None where it does not say."""
+    fields = {}
+    for line in cpu._cpu_lines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    try:
+        return fields["vendor_id"], int(fields["cpu family"])
+    except (KeyError, ValueError):
+        return None
+
+
+def split_pays() -> bool:
+    """Whether an exact pair of bf16 GEMMs (``split_bf16``) beats one float32 GEMM on this CPU:
+    measured so on AMD Zen 5, not on Zen 4; other CPUs keep float32 for such GEMMs until
+    measured."""
+    identity = cpu_vendor_family()
+    return (
+        identity is not None
+        and identity[0] == "AuthenticAMD"
+        and (identity[1] >= SPLIT_PAYS_AMD_FAMILY)
+    )
+
+
 # the first includes the others (the build key hashes all three)
 SOURCES = (Path(__file__).with_name("gemm_ops.cpp"), SOURCE, cpu.HERE / "op_checks.h")
 
 
 @functools.cache
 def library() -> str:
-    """The path of the loaded GEMM kernels (``torch.ops.dsq.to_bf16`` and ``gemm_bf16``
-    registered), linked against the installed oneDNN; BuildError if they cannot be built or
-    loaded."""
+    """The path of the loaded GEMM kernels (``torch.ops.dsq.to_bf16``, ``split_bf16`` and
+    ``gemm_bf16`` registered), linked against the installed oneDNN; BuildError if they cannot
+    be built or loaded."""
     include, lib = onednn_paths()
     ldflags = (f"-L{lib}", "-ldnnl", f"-Wl,-rpath,{lib}", "-lpthread")
     path = cpu.build("gemm_ops", SOURCES, ldflags=ldflags, includes=(include,), identity=str(lib))
@@ -92,6 +126,11 @@ def _fake_to_bf16(x, shape):
     return buffer.permute([order.index(d) for d in range(3)]), torch.empty((), dtype=torch.bool)
 
 
+def _fake_split_bf16(x, shape):
+    hi, ok = _fake_to_bf16(x, shape)
+    return hi, torch.empty_like(hi), ok
+
+
 def _fake_gemm_bf16(a, b, bias=None):
     cpu.need("dsq::gemm_bf16", a, torch.bfloat16, 3)
     cpu.need("dsq::gemm_bf16", b, torch.bfloat16, 3)
@@ -101,6 +140,7 @@ def _fake_gemm_bf16(a, b, bias=None):
 @functools.cache
 def _register_fakes() -> None:
     torch.library.register_fake("dsq::to_bf16", _fake_to_bf16)
+    torch.library.register_fake("dsq::split_bf16", _fake_split_bf16)
     torch.library.register_fake("dsq::gemm_bf16", _fake_gemm_bf16)
 
 
@@ -141,6 +181,16 @@ def to_bf16(x: torch.Tensor, shape: tuple[int, int, int]) -> torch.Tensor | None
     library()
     padded, fits = torch.ops.dsq.to_bf16.default(x, list(shape))
     return padded if fits.item() else None
+
+
+def split_bf16(x: torch.Tensor, shape: tuple[int, int, int]):
+    """``x`` [b, r, c] (float32, CPU, any strides) as (hi, lo), bf16 tensors padded and laid out
+    as `to_bf16`'s with ``hi + lo == x`` exactly; None when a value does not split into two bf16
+    numbers the bf16 unit multiplies exactly (more than 16 significant bits, a part below 2^-63,
+    or not finite)."""
+    library()
+    hi, lo, fits = torch.ops.dsq.split_bf16.default(x, list(shape))
+    return (hi, lo) if fits.item() else None
 
 
 def gemm_bf16(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None):
