@@ -526,9 +526,9 @@ def test_a_training_step_on_auto_equals_one_on_fp32(monkeypatch, preset, scope):
 @needs_bf16
 @pytest.mark.slow
 def test_a_dsq_step_with_its_dw_gemms_split_equals_one_on_fp32(monkeypatch):
-    """As above with the split offered whatever this CPU (a Zen 4 would not offer it): dsq's
-    GEMM3 (a fixed16 gradient by the bfp2 stash) runs as two bf16 GEMMs, within the same
-    tolerance."""
+    """As above with the split offered whatever this CPU (one whose bf16 GEMMs are slower does not
+    offer it): dsq's GEMM3 (a fixed16 gradient by the bfp2 stash) runs as two bf16 GEMMs, within
+    the same tolerance."""
     from dsq.formats import compute
 
     monkeypatch.setattr(compute, "cpu_split_pays", lambda: True)

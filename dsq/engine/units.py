@@ -20,9 +20,9 @@ fp32     float32, as torch runs it                          anything else, or ``
 
 The CPU offers ``bf16`` where it has bf16 dot-product instructions and the oneDNN kernels load,
 and ``bf16x2`` where two bf16 GEMMs and the split also beat one float32 GEMM: on AMD Zen 5, not
-on Zen 4, where two bf16 GEMMs cost about what one float32 GEMM does (measured in
-docs/benchmarks.md; ``compute.cpu_split_pays``). CUDA offers all three from compute capability
-8.0 (Ampere).
+where bf16 GEMMs run only about 2x float32 and two of them cost what one float32 GEMM does
+(measured in docs/benchmarks.md; ``compute.cpu_split_pays``). CUDA offers all three from
+compute capability 8.0 (Ampere).
 
 Exactness is also checked where the values are converted (`gemm`): a value that is not a number
 of the unit's dtype, or one below 2^-63 in magnitude (a product of two such could fall below

@@ -71,10 +71,11 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
-# AMD's family of Zen 5 (and later): AVX-512 on a full 512-bit datapath. There a bf16 GEMM runs
-# at about 3.5x a float32 GEMM of the benchmark's shapes (Zen 4, family 0x19, splits each 512-bit
-# instruction in two: about 2x), so two bf16 GEMMs and the split beat one float32 GEMM
-# (docs/benchmarks.md, "GEMM units").
+# AMD's family of Zen 5 (and later): AVX-512 on a full 512-bit datapath. There a bf16 GEMM of the
+# benchmark's shapes runs 3.3x to 5x faster than a float32 one, so two bf16 GEMMs and the split
+# beat one float32 GEMM (measured: 0.52x its time). On an earlier EPYC host of this project, whose
+# bf16 GEMMs ran only 2x float32 (as Zen 4's would, family 0x19, which issues each 512-bit
+# instruction as two halves), the pair cost 1.4x (docs/benchmarks.md, "GEMM units").
 SPLIT_PAYS_AMD_FAMILY = 0x1A
 
 
@@ -93,8 +94,7 @@ def cpu_vendor_family() -> tuple[str, int] | None:
 
 def split_pays() -> bool:
     """Whether an exact pair of bf16 GEMMs (``split_bf16``) beats one float32 GEMM on this CPU:
-    measured so on AMD Zen 5, not on Zen 4; other CPUs keep float32 for such GEMMs until
-    measured."""
+    measured so on AMD Zen 5; other CPUs keep float32 for such GEMMs until measured."""
     identity = cpu_vendor_family()
     return (
         identity is not None

@@ -188,6 +188,8 @@ def run(
 def machine_description(dev: torch.device) -> str:
     if dev.type == "cuda":
         return torch.cuda.get_device_name(dev)
+    from dsq.kernels import onednn
+
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -197,7 +199,11 @@ def machine_description(dev: torch.device) -> str:
                     break
     except OSError:
         pass
-    return f"{cpu}, {torch.get_num_threads()} threads"
+    # the family tells CPUs apart that share a model name ("AMD EPYC"), and with it how fast
+    # their bf16 GEMMs are (docs/dsq.md, "GEMM units")
+    identity = onednn.cpu_vendor_family()
+    family = f" (family {identity[1]})" if identity else ""
+    return f"{cpu}{family}, {torch.get_num_threads()} threads"
 
 
 def format_table(result: dict) -> str:
