@@ -11,11 +11,15 @@ Besides the final statuses, ``running`` marks a result.json written when a run s
 from __future__ import annotations
 
 import datetime as _dt
+import errno
+import functools
 import json
+import logging
 import os
 import platform
 import re
 import subprocess
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -28,6 +32,7 @@ _SECRET_NAME = re.compile(
     re.IGNORECASE,
 )
 REDACTED = "<redacted>"
+log = logging.getLogger(__name__)
 
 
 def new_run_dir(root: str | os.PathLike, name: str) -> Path:
@@ -74,60 +79,108 @@ def best_checkpoint(run_dir: str | os.PathLike) -> Path:
 # -- one process trains a run at a time ------------------------------------------------------
 # A process that trains a run holds an exclusive lock (flock) on this file of its directory until
 # it exits. The kernel drops the lock when the process ends, however it ends (a SIGKILL, a
-# crashed node), so a lock never outlives its holder and needs no cleaning up.
+# crashed node), so a lock never outlives its holder and needs no cleaning up. On a file system
+# without locks (some NFS and Lustre mounts) nothing is locked, and that is said once.
 LOCK_NAME = ".run.lock"
-_held: dict[Path, int] = {}  # run directory -> the open lock file holding it
+_held: dict[Path, int] = {}  # lock file -> its open descriptor, holding the lock
+# A process asking `in_use` holds a shared lock for an instant; one taking the lock retries for
+# about a second before it believes another process holds it.
+_ATTEMPTS, _PAUSE_S = 20, 0.05
+_NO_LOCKS = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP}
 
 
 class RunInUse(ValueError):
     """Another live process is training this run directory."""
 
 
-def hold(run_dir: str | os.PathLike) -> None:
-    """Mark ``run_dir`` as trained by this process until it exits (`in_use` tells the others);
-    RunInUse when another process holds it. Holding it again is a no-op."""
+def _no_locks_here(path: Path, err: OSError) -> None:
+    if err.errno not in _NO_LOCKS:
+        raise err
+    _say_once(
+        f"dsq: {path.parent}: this file system takes no locks ({os.strerror(err.errno)}); "
+        "runs there are not protected from being trained by two processes at once"
+    )
+
+
+@functools.cache
+def _say_once(message: str) -> None:
+    log.warning(message)
+
+
+def lock_file(path: str | os.PathLike) -> bool:
+    """Take an exclusive lock on the file ``path`` (created if missing) for this process until
+    it calls `unlock_file` or exits: True when taken (or held here already, or when the file
+    system takes no locks), False when another live process holds it."""
     import fcntl
 
-    path = Path(run_dir).resolve()
+    path = Path(path).resolve()
     if path in _held:
-        return
-    fd = os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise RunInUse(
-            f"{run_dir}: another process is training this run (it holds {LOCK_NAME} there); "
-            "wait for it to end, or stop it first"
-        ) from None
-    _held[path] = fd
+        return True
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    for attempt in range(_ATTEMPTS):
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _held[path] = fd
+            return True
+        except BlockingIOError:
+            if attempt + 1 < _ATTEMPTS:
+                time.sleep(_PAUSE_S)
+        except OSError as err:
+            os.close(fd)
+            _no_locks_here(path, err)
+            return True
+    os.close(fd)
+    return False
 
 
-def release(run_dir: str | os.PathLike) -> None:
-    """Let go of a run this process held (`hold`), once its training has ended."""
-    fd = _held.pop(Path(run_dir).resolve(), None)
+def unlock_file(path: str | os.PathLike) -> None:
+    """Let go of a lock this process took with `lock_file`."""
+    fd = _held.pop(Path(path).resolve(), None)
     if fd is not None:
         os.close(fd)
 
 
-def in_use(run_dir: str | os.PathLike) -> bool:
-    """Whether another live process trains ``run_dir`` now (holds its lock)."""
+def locked_elsewhere(path: str | os.PathLike) -> bool:
+    """Whether another live process holds the lock on the file ``path`` now."""
     import fcntl
 
-    path = Path(run_dir).resolve()
+    path = Path(path).resolve()
     if path in _held:
-        return False  # this process's own run
+        return False  # this process's own
     try:
-        fd = os.open(path / LOCK_NAME, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
-        return False  # no process has trained it since locks were taken
+        return False  # never locked
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         return False
     except BlockingIOError:
         return True
+    except OSError as err:
+        _no_locks_here(path, err)
+        return False
     finally:
         os.close(fd)  # closing drops the shared lock taken to ask
+
+
+def hold(run_dir: str | os.PathLike) -> None:
+    """Mark ``run_dir`` as trained by this process until it exits (`in_use` tells the others);
+    RunInUse when another process holds it. Holding it again is a no-op."""
+    if not lock_file(Path(run_dir) / LOCK_NAME):
+        raise RunInUse(
+            f"{run_dir}: another process is training this run (it holds {LOCK_NAME} there); "
+            "wait for it to end, or stop it first"
+        )
+
+
+def release(run_dir: str | os.PathLike) -> None:
+    """Let go of a run this process held (`hold`), once its training has ended."""
+    unlock_file(Path(run_dir) / LOCK_NAME)
+
+
+def in_use(run_dir: str | os.PathLike) -> bool:
+    """Whether another live process trains ``run_dir`` now (holds its lock)."""
+    return locked_elsewhere(Path(run_dir) / LOCK_NAME)
 
 
 def write_json(path: str | os.PathLike, obj) -> None:

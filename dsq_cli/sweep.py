@@ -215,7 +215,42 @@ def _check_job(job: Job) -> bool:
 
 def _run_job(job: Job, dsq: Sequence[str], threads: int | None = None) -> Job:
     """One `dsq train` process; its stdout and stderr go to the job's log. ``threads``: the
-    intra-op threads it may use (OMP_NUM_THREADS), unless the environment already says."""
+    intra-op threads it may use (OMP_NUM_THREADS), unless the environment already says.
+
+    The job is claimed first (a lock on ``.<name>.claim`` beside its run, for as long as this
+    runs), so that two sweeps over one root never start, continue or log the same job: the one
+    that finds it claimed, or started or finished by another process since it was planned,
+    leaves it (``busy``, or ``skipped`` when it completed meanwhile)."""
+    claim = job.run_dir.with_name(f".{job.name}.claim")
+    if not runs.lock_file(claim):
+        job.status, job.detail = "busy", "another sweep is running it now"
+        return job
+    try:
+        if not _taken_meanwhile(job):
+            _launch(job, dsq, threads)
+    finally:
+        runs.unlock_file(claim)
+    return job
+
+
+def _taken_meanwhile(job: Job) -> bool:
+    """Whether another process started, continued or finished the job since it was planned
+    (its status then says so)."""
+    status = RunResult.status_of(job.run_dir) if job.run_dir.exists() else None
+    if job.resume:
+        taken = status == "completed" or runs.in_use(job.run_dir)
+    else:  # planned as a new run: its directory did not exist (or was set aside)
+        taken = job.run_dir.exists()
+    if not taken:
+        return False
+    if status == "completed" and not runs.in_use(job.run_dir):
+        job.status, job.detail = "skipped", "completed by another process meanwhile"
+    else:
+        job.status, job.detail = "busy", "another process is training it now"
+    return True
+
+
+def _launch(job: Job, dsq: Sequence[str], threads: int | None) -> None:
     env = os.environ.copy()
     if threads is not None:
         env.setdefault("OMP_NUM_THREADS", str(threads))
@@ -234,7 +269,6 @@ def _run_job(job: Job, dsq: Sequence[str], threads: int | None = None) -> Job:
     job.status = status if status else "failed"
     if proc.returncode != 0:
         job.detail = f"exit {proc.returncode}"
-    return job
 
 
 def _set_aside(run_dir: Path) -> None:

@@ -207,8 +207,12 @@ def test_a_cpu_whose_split_pays_runs_fixed16_by_bfp_gemms_as_two_bf16_gemms(monk
 @pytest.mark.parametrize(
     "cpuinfo, pays",
     [
-        ("vendor_id\t: AuthenticAMD\ncpu family\t: 26\nmodel\t\t: 2\n", True),  # Zen 5
-        ("vendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\n", False),  # Zen 4
+        ("vendor_id\t: AuthenticAMD\ncpu family\t: 26\nmodel name\t: AMD EPYC\n", True),
+        (
+            "vendor_id\t: AuthenticAMD\ncpu family\t: 26\nmodel name\t: AMD Ryzen AI 9 HX 370\n",
+            False,
+        ),  # a laptop Zen 5: AVX-512 at 256 bits
+        ("vendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel name\t: AMD EPYC 9654\n", False),
         ("vendor_id\t: GenuineIntel\ncpu family\t: 6\nmodel\t\t: 143\n", False),  # not measured
         ("processor\t: 0\n", False),  # says nothing of its family
     ],

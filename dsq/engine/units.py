@@ -19,7 +19,7 @@ fp32     float32, as torch runs it                          anything else, or ``
 ======== ================================================ ========================================
 
 The CPU offers ``bf16`` where it has bf16 dot-product instructions and the oneDNN kernels load,
-and ``bf16x2`` where two bf16 GEMMs and the split also beat one float32 GEMM: on AMD Zen 5, not
+and ``bf16x2`` where two bf16 GEMMs and the split also beat one float32 GEMM: on AMD EPYC Zen 5, not
 where bf16 GEMMs run only about 2x float32 and two of them cost what one float32 GEMM does
 (measured in docs/benchmarks.md; ``compute.cpu_split_pays``). CUDA offers all three from
 compute capability 8.0 (Ampere).

@@ -98,7 +98,12 @@ int dsq_split_bf16(const float *src, int64_t s0, int64_t s1, int64_t s2, uint16_
             uint32_t u = bits_of(from[l * s2]);
             uint32_t h = u & 0xFFFF0000u;
             uint32_t v = bits_of(float_of(u) - float_of(h));
-            row_ok &= ((u & 0x7F800000u) != 0x7F800000u) & fits_bf16(h) & fits_bf16(v);
+            uint32_t magnitude = u & 0x7FFFFFFFu;
+            /* x itself in range too: where subnormal inputs are flushed (DAZ), x - h of a
+             * subnormal x would give h = v = 0 */
+            row_ok &= ((u & 0x7F800000u) != 0x7F800000u) &
+                      ((magnitude == 0) | (magnitude >= ((127u - 63u) << 23))) & fits_bf16(h) &
+                      fits_bf16(v);
             hi[at + l * t2] = (uint16_t)(h >> 16);
             lo[at + l * t2] = (uint16_t)(v >> 16);
         }

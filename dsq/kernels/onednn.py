@@ -71,36 +71,38 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
-# AMD's family of Zen 5 (and later): AVX-512 on a full 512-bit datapath. There a bf16 GEMM of the
-# benchmark's shapes runs 3.3x to 5x faster than a float32 one, so two bf16 GEMMs and the split
-# beat one float32 GEMM (measured: 0.52x its time). On an earlier EPYC host of this project, whose
-# bf16 GEMMs ran only 2x float32 (as Zen 4's would, family 0x19, which issues each 512-bit
-# instruction as two halves), the pair cost 1.4x (docs/benchmarks.md, "GEMM units").
+# AMD's family of Zen 5 (and later), whose EPYCs run AVX-512 on a full 512-bit datapath. There a
+# bf16 GEMM of the benchmark's shapes runs 3.3x to 5x faster than a float32 one, so two bf16 GEMMs
+# and the split beat one float32 GEMM (measured: 0.52x its time). On an earlier EPYC host of this
+# project, whose bf16 GEMMs ran only 2x float32 (as Zen 4's would, family 0x19, which issues each
+# 512-bit instruction as two halves), the pair cost 1.4x (docs/benchmarks.md, "GEMM units").
 SPLIT_PAYS_AMD_FAMILY = 0x1A
 
 
 @functools.cache
-def cpu_vendor_family() -> tuple[str, int] | None:
-    """(vendor_id, cpu family) of the CPU (Linux /proc/cpuinfo), or None where it does not say."""
+def cpu_vendor_family() -> tuple[str, int, str] | None:
+    """(vendor_id, cpu family, model name) of the CPU (Linux /proc/cpuinfo), or None where it
+    does not say."""
     fields = {}
     for line in cpu._cpu_lines():
         key, _, value = line.partition(":")
         fields.setdefault(key.strip(), value.strip())
     try:
-        return fields["vendor_id"], int(fields["cpu family"])
+        return fields["vendor_id"], int(fields["cpu family"]), fields.get("model name", "")
     except (KeyError, ValueError):
         return None
 
 
 def split_pays() -> bool:
     """Whether an exact pair of bf16 GEMMs (``split_bf16``) beats one float32 GEMM on this CPU:
-    measured so on AMD Zen 5; other CPUs keep float32 for such GEMMs until measured."""
+    measured so on an AMD EPYC of family 26 (server Zen 5). Other CPUs keep float32 for such
+    GEMMs until measured: the laptop parts of the same family issue AVX-512 at 256 bits, as
+    Zen 4 does."""
     identity = cpu_vendor_family()
-    return (
-        identity is not None
-        and identity[0] == "AuthenticAMD"
-        and (identity[1] >= SPLIT_PAYS_AMD_FAMILY)
-    )
+    if identity is None:
+        return False
+    vendor, family, model = identity
+    return vendor == "AuthenticAMD" and family >= SPLIT_PAYS_AMD_FAMILY and "EPYC" in model
 
 
 # the first includes the others (the build key hashes all three)
@@ -120,14 +122,18 @@ def library() -> str:
 
 
 def _fake_to_bf16(x, shape):
-    cpu.need("dsq::to_bf16", x, torch.float32, 3)
+    return _fake_padded("dsq::to_bf16", x, shape)
+
+
+def _fake_padded(op: str, x, shape):
+    cpu.need(op, x, torch.float32, 3)
     order = sorted(range(3), key=lambda d: (-x.stride(d), d))  # outermost in memory first
     buffer = torch.empty([shape[d] for d in order], dtype=torch.bfloat16)
     return buffer.permute([order.index(d) for d in range(3)]), torch.empty((), dtype=torch.bool)
 
 
 def _fake_split_bf16(x, shape):
-    hi, ok = _fake_to_bf16(x, shape)
+    hi, ok = _fake_padded("dsq::split_bf16", x, shape)
     return hi, torch.empty_like(hi), ok
 
 

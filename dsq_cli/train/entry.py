@@ -199,7 +199,8 @@ def load_resume(run_dir: str, overrides: list[str]) -> tuple[RunConfig, Path, di
         raise ConfigError(f"resume={run_dir}: no config.yaml there; is it a dsq run directory?")
     if RunResult.status_of(path) == "completed":
         raise ConfigError(f"resume={run_dir}: that run already completed; start a new run")
-    if runs.in_use(path):
+    launched = ranks.from_environment()  # under torchrun only rank 0 holds the run
+    if (launched is None or launched.is_main) and runs.in_use(path):
         raise ConfigError(
             f"resume={run_dir}: another process is training that run now (it holds "
             f"{runs.LOCK_NAME} there); wait for it to end, or stop it first"
