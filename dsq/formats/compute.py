@@ -35,11 +35,13 @@ def cpu_bf16_unavailable_reason() -> str | None:
 
 
 def cpu_split_pays() -> bool:
-    """Whether this CPU runs a GEMM as an exact pair of bf16 GEMMs (`bf16x2_gemm`) faster than
-    in float32 (its bf16 GEMMs available, and measured to pay on this kind of CPU)."""
+    """Whether this CPU, whose bf16 GEMMs are available (the caller asks
+    `cpu_bf16_unavailable_reason` first), runs a GEMM as an exact pair of bf16 GEMMs
+    (`bf16x2_gemm`) faster than in float32: measured to pay on this kind of CPU. Asked at every
+    GEMM's plan, so it reads only the cached CPU identity."""
     from dsq.kernels import onednn
 
-    return onednn.unavailable_reason() is None and onednn.split_pays()
+    return onednn.split_pays()
 
 
 def bf16_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None):
