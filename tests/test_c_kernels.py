@@ -110,14 +110,17 @@ def test_fixed_equals_reference(width, nonfinite, monkeypatch):
 # (q0 format, stash format): the stash written as its stream straight from the tiles (block
 # codes filling whole bytes: 2 x 16, 4 x 16, 8 x 16, 3 x 8, 5 x 8, 6 x 4) or as one byte per code
 # first (7 x 4, 3 x 5, any stash whose rows are padded: 37 and 1 rows, and any row whose q0
-# blocks are padded: 34 columns)
+# blocks are padded: 34 columns). The direct stream is gathered in runs of tiles filling 64 bytes
+# of each column: 336 rows make several runs, the last one shorter.
 PAIRS = [((8, 8, 16), (2, 8, 16)), ((8, 8, 16), (4, 8, 16)), ((8, 8, 16), (8, 8, 16)),
          ((4, 8, 16), (3, 8, 8)), ((8, 8, 16), (5, 2, 8)), ((8, 8, 16), (6, 5, 4)),
          ((6, 5, 8), (7, 3, 4)), ((23, 8, 16), (3, 8, 5))]  # fmt: skip
 
 
 @pytest.mark.parametrize("q,p", PAIRS)
-@pytest.mark.parametrize("shape", [(64, 32), (2, 48, 48), (2, 37, 48), (1, 160), (2, 48, 34)])
+@pytest.mark.parametrize(
+    "shape", [(64, 32), (2, 48, 48), (2, 37, 48), (1, 160), (2, 48, 34), (2, 336, 32)]
+)
 @pytest.mark.parametrize("nonfinite", [False, True])
 def test_quantize_and_pack_equals_reference(q, p, shape, nonfinite, monkeypatch):
     fmt, stash = parse_format("bfp{}e{}b{}".format(*q)), parse_format("bfp{}e{}b{}".format(*p))

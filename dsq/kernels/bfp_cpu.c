@@ -387,6 +387,12 @@ static void tile_stream(const float *x, int64_t rows, int64_t k, int64_t row_str
     }
 }
 
+/* Bytes of each column's stash stream that one task of dsq_bfp_quantize_and_pack gathers before
+ * storing them: a cache line. Stored straight from each tile, a column's codes were a few bytes
+ * 2 KiB or so apart from the next column's, into lines that the next tile wrote again; those
+ * scattered stores were most of the kernel's time. */
+#define STREAM_RUN_BYTES 64
+
 /* The engine's q0 and q1 of one activation, reading it once: x [L, N, K] (N = n_blocks * p_block
  * rows, padded by the caller), its rows `stride_n` floats apart and its matrices `stride_l`
  * apart (K contiguous: an attention operand seen through a transpose needs no copy):
@@ -395,35 +401,53 @@ static void tile_stream(const float *x, int64_t rows, int64_t k, int64_t row_str
  *   codes), written to `out` as
  *     - stream = 0: one byte per mantissa code, [L, K, N] (the caller packs them);
  *     - stream = 1: the mantissa stream itself; needs p_block * p_man a multiple of 8 and no
- *       padding in N (each tile's column starts on a byte);
+ *       padding in N (each tile's column starts on a byte). A task then takes a run of
+ *       consecutive tiles whose codes fill STREAM_RUN_BYTES of each column, gathers them in a
+ *       per-thread buffer [K, run bytes] and stores each column's run at once;
  *   and its exponent codes to exps [L, K, n_blocks], one byte each.
  * Returns 0, or -1 when scratch memory could not be allocated (nothing is written then). */
 int dsq_bfp_quantize_and_pack(const float *x, int64_t stride_l, int64_t stride_n, float *values,
                               uint8_t *out, uint8_t *exps, int64_t L, int64_t n_blocks,
                               int64_t p_block, int64_t K, int q_man, int q_exp, int64_t q_block,
                               int p_man, int p_exp, int stream) {
-    const int64_t N = n_blocks * p_block, tiles = L * n_blocks;
+    const int64_t N = n_blocks * p_block;
     const Format q = format_of(q_man, q_exp), p = format_of(p_man, p_exp);
-    const size_t per_thread = tile_scratch_bytes(p_block, K);
+    /* tiles per task, and the bytes of one tile's codes in a column (stream = 1) */
+    const int64_t tile_bytes = stream ? p_block * p_man / 8 : 0;
+    int64_t run = stream ? (STREAM_RUN_BYTES + tile_bytes - 1) / tile_bytes : 1;
+    run = run < n_blocks ? run : n_blocks;
+    const int64_t runs = (n_blocks + run - 1) / run, tasks = L * runs;
+    const size_t scratch = tile_scratch_bytes(p_block, K);
+    const size_t per_thread = scratch + (size_t)(K * run * tile_bytes + 63) / 64 * 64;
     char *memory = (char *)malloc(per_thread * (size_t)threads());
     if (!memory) return -1;
 #pragma omp parallel for schedule(static) num_threads(team) if (L * N * K >= PARALLEL_MIN)
-    for (int64_t t = 0; t < tiles; t++) {
-        TileScratch s = tile_scratch(memory + per_thread * (size_t)thread_index(), K);
-        const int64_t l = t / n_blocks, nb = t % n_blocks, row = l * N + nb * p_block;
-        const float *tile = x + l * stride_l + nb * p_block * stride_n;
-        /* the values first: the tile is then in cache for the stash */
-        for (int64_t r = 0; r < p_block; r++)
-            quantize_blocks_serial(tile + r * stride_n, values + (row + r) * K, K / q_block,
-                                   q_block, q);
-        column_scales(tile, p_block, K, stride_n, s, exps + (l * K * n_blocks + nb), n_blocks, p,
-                      p_exp);
+    for (int64_t t = 0; t < tasks; t++) {
+        char *mine = memory + per_thread * (size_t)thread_index();
+        TileScratch s = tile_scratch(mine, K);
+        uint8_t *gathered = (uint8_t *)mine + scratch; /* [K, run * tile_bytes] */
+        const int64_t l = t / runs, first = t % runs * run;
+        const int64_t count = n_blocks - first < run ? n_blocks - first : run;
+        for (int64_t nb = first; nb < first + count; nb++) {
+            const int64_t row = l * N + nb * p_block;
+            const float *tile = x + l * stride_l + nb * p_block * stride_n;
+            /* the values first: the tile is then in cache for the stash */
+            for (int64_t r = 0; r < p_block; r++)
+                quantize_blocks_serial(tile + r * stride_n, values + (row + r) * K, K / q_block,
+                                       q_block, q);
+            column_scales(tile, p_block, K, stride_n, s, exps + (l * K * n_blocks + nb),
+                          n_blocks, p, p_exp);
+            if (stream)
+                tile_stream(tile, p_block, K, stride_n, s, gathered + (nb - first) * tile_bytes,
+                            run * tile_bytes, p, p_man);
+            else
+                tile_codes(tile, p_block, K, stride_n, s, out + (l * K * N + nb * p_block), N, p,
+                           p_man);
+        }
         if (stream)
-            tile_stream(tile, p_block, K, stride_n, s, out + (l * K * N + nb * p_block) * p_man / 8,
-                        N * p_man / 8, p, p_man);
-        else
-            tile_codes(tile, p_block, K, stride_n, s, out + (l * K * N + nb * p_block), N, p,
-                       p_man);
+            for (int64_t kk = 0; kk < K; kk++)
+                memcpy(out + (l * K + kk) * N * p_man / 8 + first * tile_bytes,
+                       gathered + kk * run * tile_bytes, (size_t)(count * tile_bytes));
     }
     free(memory);
     return 0;
