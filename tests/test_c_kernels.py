@@ -111,7 +111,8 @@ def test_fixed_equals_reference(width, nonfinite, monkeypatch):
 # codes filling whole bytes: 2 x 16, 4 x 16, 8 x 16, 3 x 8, 5 x 8, 6 x 4) or as one byte per code
 # first (7 x 4, 3 x 5, any stash whose rows are padded: 37 and 1 rows, and any row whose q0
 # blocks are padded: 34 columns). The direct stream is gathered in runs of tiles filling 64 bytes
-# of each column: 336 rows make several runs, the last one shorter.
+# of each column: 336 rows make several runs, the last one shorter, and 2 x 336 x 64 values run
+# on the kernels' threads.
 PAIRS = [((8, 8, 16), (2, 8, 16)), ((8, 8, 16), (4, 8, 16)), ((8, 8, 16), (8, 8, 16)),
          ((4, 8, 16), (3, 8, 8)), ((8, 8, 16), (5, 2, 8)), ((8, 8, 16), (6, 5, 4)),
          ((6, 5, 8), (7, 3, 4)), ((23, 8, 16), (3, 8, 5))]  # fmt: skip
@@ -119,7 +120,7 @@ PAIRS = [((8, 8, 16), (2, 8, 16)), ((8, 8, 16), (4, 8, 16)), ((8, 8, 16), (8, 8,
 
 @pytest.mark.parametrize("q,p", PAIRS)
 @pytest.mark.parametrize(
-    "shape", [(64, 32), (2, 48, 48), (2, 37, 48), (1, 160), (2, 48, 34), (2, 336, 32)]
+    "shape", [(64, 32), (2, 48, 48), (2, 37, 48), (1, 160), (2, 48, 34), (2, 336, 64)]
 )
 @pytest.mark.parametrize("nonfinite", [False, True])
 def test_quantize_and_pack_equals_reference(q, p, shape, nonfinite, monkeypatch):
@@ -141,6 +142,15 @@ def test_quantize_and_pack_equals_reference(q, p, shape, nonfinite, monkeypatch)
     expected = stash.pack(x, before, backend="reference")
     for name, stream in expected.payload.items():
         assert torch.equal(packed.payload[name], stream), name
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_quantize_and_pack_of_no_rows_writes_nothing(stream):
+    """The operator takes [L, 0, K] (no tile, no run): empty outputs, not a division by zero."""
+    values, stash, exps = c_kernels.bfp_quantize_and_pack(
+        torch.empty(2, 0, 16), 16, 8, 8, 16, 8, 8, stream
+    )
+    assert values.shape == (2, 0, 16) and stash.numel() == 0 and exps.shape == (2, 16, 0)
 
 
 @pytest.mark.parametrize("layout", ["rows-strided", "last-axis-strided"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import re
 import signal
 import subprocess
@@ -193,3 +194,79 @@ def test_cpu_ranks_share_the_cores():
     assert [launch.threads_per_process(n, cores=2) for n in (1, 2, 3)] == [2, 1, 1]
     assert launch.threads_per_process(4, cores=16) == 4
     assert launch.threads_per_process(1) >= 1
+
+
+LAUNCHER = """
+import os, sys, time
+from dsq_cli.train import launch
+
+
+def rank(rank, pid_file):
+    with open(pid_file + ".part", "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(pid_file + ".part", pid_file)
+    time.sleep(120)
+    return 0
+
+
+if __name__ == "__main__":
+    launch.spawn(1, "cpu", rank, (sys.argv[1],))
+"""
+
+
+def _process_state(pid: int) -> tuple[str, str] | None:
+    """(state, start time) of process ``pid`` (/proc/PID/stat), or None when there is none."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return fields[0], fields[19]
+
+
+def _gone(pid: int, started: str) -> bool:
+    """Whether the process ``pid`` that started at ``started`` has ended (a zombie that no one
+    has reaped yet counts as ended; so does another process that reuses the pid)."""
+    state = _process_state(pid)
+    return state is None or state[1] != started or state[0] in ("Z", "X")
+
+
+LINUX_ONLY = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="prctl(PR_SET_PDEATHSIG) is Linux's"
+)
+
+
+@LINUX_ONLY
+def test_workers_die_with_a_launcher_killed_by_sigkill(tmp_path):
+    """The launcher holds the run's lock; SIGKILLed, it cannot pass a signal on, so the kernel
+    kills its workers (PR_SET_PDEATHSIG) instead of leaving them training in an unguarded run."""
+    script, pid_file = tmp_path / "launcher.py", tmp_path / "worker.pid"
+    script.write_text(LAUNCHER)
+    parent = subprocess.Popen([sys.executable, str(script), str(pid_file)])
+    worker = started = None
+    try:
+        deadline = time.monotonic() + 120
+        while not pid_file.exists():
+            assert parent.poll() is None and time.monotonic() < deadline, "no worker started"
+            time.sleep(0.1)
+        worker = int(pid_file.read_text())
+        state = _process_state(worker)
+        assert state is not None and state[0] not in ("Z", "X")
+        started = state[1]
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 10
+        while not _gone(worker, started) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _gone(worker, started), "the worker outlived its SIGKILLed launcher"
+    finally:
+        parent.kill()
+        parent.wait()
+        if worker is not None and started is not None and not _gone(worker, started):
+            os.kill(worker, signal.SIGKILL)
+
+
+@LINUX_ONLY
+def test_a_worker_whose_launcher_is_already_gone_exits_at_once():
+    code = "from dsq_cli.train.launch import die_with_parent; die_with_parent(-1); print('alive')"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 1 and "alive" not in done.stdout

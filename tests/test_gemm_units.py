@@ -221,11 +221,11 @@ def test_the_split_pays_on_the_cpus_it_was_measured_to_pay_on(monkeypatch, cpuin
     from dsq.kernels import cpu, onednn
 
     monkeypatch.setattr(cpu, "_cpu_lines", lambda: cpuinfo.splitlines())
-    onednn.cpu_vendor_family.cache_clear()
+    onednn.cpu_vendor_family_model.cache_clear()
     try:
         assert onednn.split_pays() is pays
     finally:
-        onednn.cpu_vendor_family.cache_clear()
+        onednn.cpu_vendor_family_model.cache_clear()
 
 
 def test_a_cpu_without_bf16_instructions_takes_float32_and_says_so_once(monkeypatch, caplog):

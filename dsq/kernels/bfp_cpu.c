@@ -411,11 +411,14 @@ int dsq_bfp_quantize_and_pack(const float *x, int64_t stride_l, int64_t stride_n
                               int64_t p_block, int64_t K, int q_man, int q_exp, int64_t q_block,
                               int p_man, int p_exp, int stream) {
     const int64_t N = n_blocks * p_block;
+    if (L <= 0 || n_blocks <= 0) return 0; /* nothing to write */
     const Format q = format_of(q_man, q_exp), p = format_of(p_man, p_exp);
     /* tiles per task, and the bytes of one tile's codes in a column (stream = 1) */
     const int64_t tile_bytes = stream ? p_block * p_man / 8 : 0;
     int64_t run = stream ? (STREAM_RUN_BYTES + tile_bytes - 1) / tile_bytes : 1;
     run = run < n_blocks ? run : n_blocks;
+    /* a task for every thread first (the values are most of the work), shorter runs second */
+    while (run > 1 && L * ((n_blocks + run - 1) / run) < threads()) run = (run + 1) / 2;
     const int64_t runs = (n_blocks + run - 1) / run, tasks = L * runs;
     const size_t scratch = tile_scratch_bytes(p_block, K);
     const size_t per_thread = scratch + (size_t)(K * run * tile_bytes + 63) / 64 * 64;

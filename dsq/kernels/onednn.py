@@ -80,7 +80,7 @@ SPLIT_PAYS_AMD_FAMILY = 0x1A
 
 
 @functools.cache
-def cpu_vendor_family() -> tuple[str, int, str] | None:
+def cpu_vendor_family_model() -> tuple[str, int, str] | None:
     """(vendor_id, cpu family, model name) of the CPU (Linux /proc/cpuinfo), or None where it
     does not say."""
     fields = {}
@@ -98,7 +98,7 @@ def split_pays() -> bool:
     measured so on an AMD EPYC of family 26 (server Zen 5). Other CPUs keep float32 for such
     GEMMs until measured: the laptop parts of the same family issue AVX-512 at 256 bits, as
     Zen 4 does."""
-    identity = cpu_vendor_family()
+    identity = cpu_vendor_family_model()
     if identity is None:
         return False
     vendor, family, model = identity

@@ -201,7 +201,7 @@ def machine_description(dev: torch.device) -> str:
         pass
     # the family tells CPUs apart that share a model name ("AMD EPYC"), and with it how fast
     # their bf16 GEMMs are (docs/dsq.md, "GEMM units")
-    identity = onednn.cpu_vendor_family()
+    identity = onednn.cpu_vendor_family_model()
     family = f" (family {identity[1]})" if identity else ""
     return f"{cpu}{family}, {torch.get_num_threads()} threads"
 

@@ -12,6 +12,7 @@ imported from below.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
@@ -49,7 +50,7 @@ def spawn(world_size: int, device: str, target: RankTarget, args: tuple) -> dict
     workers = [
         context.Process(
             target=_worker,
-            args=(target, Rank(r, world_size, r), device, init_method, args),
+            args=(target, Rank(r, world_size, r), device, init_method, args, os.getpid()),
             name=f"dsq-rank{r}",
         )
         for r in range(world_size)
@@ -116,11 +117,38 @@ def threads_per_process(processes: int, cores: int | None = None) -> int:
     return max(1, cores // processes)
 
 
-def _worker(target: RankTarget, rank: Rank, device: str, init_method: str, args: tuple):
+# Linux's prctl option: the signal a process receives when its parent dies
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent: int) -> bool:
+    """Have the kernel SIGKILL this process when its parent (pid ``parent``) dies, however it
+    dies; exit at once if it already has. The launcher holds the run's lock (`runs.hold`): a
+    worker that outlived a killed launcher would go on writing to a run directory that the lock
+    no longer guards. False where the system offers no such request (not Linux): there the
+    workers stop when the launcher passes its signals on, and not when it is killed."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return False
+    prctl.argtypes = [ctypes.c_int] + [ctypes.c_ulong] * 4
+    prctl.restype = ctypes.c_int
+    if prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+        log.warning("prctl(PR_SET_PDEATHSIG) failed: %s", os.strerror(ctypes.get_errno()))
+        return False
+    if os.getppid() != parent:  # the parent died before the request: nobody would send it
+        os._exit(1)
+    return True
+
+
+def _worker(target: RankTarget, rank: Rank, device: str, init_method: str, args: tuple,
+            parent: int):  # fmt: skip
     """One spawned rank: its own process group, so that a terminal's Ctrl-C reaches the parent
-    only (which passes it on once), then ``target`` inside the initialised process group. On
-    CPU it takes its share of the cores (`threads_per_process`), unless OMP_NUM_THREADS says."""
+    only (which passes it on once), then ``target`` inside the initialised process group. It
+    dies with the launching process (`die_with_parent`). On CPU it takes its share of the cores
+    (`threads_per_process`), unless OMP_NUM_THREADS says."""
     os.setpgrp()
+    die_with_parent(parent)
     if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         import torch
 
