@@ -108,11 +108,12 @@ def test_fixed_equals_reference(width, nonfinite, monkeypatch):
 
 
 # (q0 format, stash format): the stash written as its stream straight from the tiles (block
-# codes filling whole bytes: 2 x 16, 4 x 16, 8 x 16, 3 x 8, 5 x 8, 6 x 4) or as one byte per code
-# first (7 x 4, 3 x 5, any stash whose rows are padded: 37 and 1 rows, and any row whose q0
-# blocks are padded: 34 columns). The direct stream is gathered in runs of tiles filling 64 bytes
-# of each column: 336 rows make several runs, the last one shorter, and 2 x 336 x 64 values run
-# on the kernels' threads.
+# codes and each column's codes filling whole bytes: 2 x 16, 4 x 16, 8 x 16, 3 x 8, 5 x 8, 6 x 4,
+# over whole blocks of rows or a partial last one: 44 rows of 2, 4, 6 or 8 bits, 37 of 8) or as
+# one byte per code first (7 x 4, 3 x 5, a column of 37 or 1 codes of fewer than 8 bits, 44 of 3
+# or 5, and any row whose q0 blocks are padded: 34 columns). The direct stream is gathered in
+# runs of tiles filling 64 bytes of each column: 340 rows make several runs, the last one
+# shorter and its last tile partial, and 2 x 340 x 64 values run on the kernels' threads.
 PAIRS = [((8, 8, 16), (2, 8, 16)), ((8, 8, 16), (4, 8, 16)), ((8, 8, 16), (8, 8, 16)),
          ((4, 8, 16), (3, 8, 8)), ((8, 8, 16), (5, 2, 8)), ((8, 8, 16), (6, 5, 4)),
          ((6, 5, 8), (7, 3, 4)), ((23, 8, 16), (3, 8, 5))]  # fmt: skip
@@ -120,7 +121,8 @@ PAIRS = [((8, 8, 16), (2, 8, 16)), ((8, 8, 16), (4, 8, 16)), ((8, 8, 16), (8, 8,
 
 @pytest.mark.parametrize("q,p", PAIRS)
 @pytest.mark.parametrize(
-    "shape", [(64, 32), (2, 48, 48), (2, 37, 48), (1, 160), (2, 48, 34), (2, 336, 64)]
+    "shape",
+    [(64, 32), (2, 48, 48), (2, 37, 48), (2, 44, 48), (1, 160), (2, 48, 34), (2, 340, 64)],
 )
 @pytest.mark.parametrize("nonfinite", [False, True])
 def test_quantize_and_pack_equals_reference(q, p, shape, nonfinite, monkeypatch):
@@ -136,7 +138,7 @@ def test_quantize_and_pack_equals_reference(q, p, shape, nonfinite, monkeypatch)
     )
     last, before = x.dim() - 1, x.dim() - 2
     values, packed = fmt.quantize_and_pack(x, last, stash, before, backend="c")
-    direct = shape[-2] % p[2] == 0 and shape[-1] % q[2] == 0 and p[0] * p[2] % 8 == 0
+    direct = shape[-1] % q[2] == 0 and p[0] * p[2] % 8 == 0 and shape[-2] * p[0] % 8 == 0
     assert routes == [direct]
     assert_bitwise_equal(values, fmt.quantize(x, last, backend="reference"), "values")
     expected = stash.pack(x, before, backend="reference")

@@ -652,21 +652,26 @@ def bfp_quantize_and_pack(x, q_args, axis, p_args, pack_axis, *, c=None):
     n_blocks = -(-n // p_block)
     kernels = c if _c_holds_pair(q_args, p_args) else None
     # the C kernels take a partial last block along k padded with zeros (no block's maximum
-    # changes); the padded columns' stash codes are dropped below
+    # changes; the padded columns' stash codes are dropped below) and a partial last block of
+    # rows as it is
     k_padded = -(-k // q_block) * q_block if kernels is not None else k
-    # x in its own strides where whole blocks of rows tile it (an attention operand seen through
-    # a transpose: the C kernels read it without a copy), else padded to whole blocks
+    rows_padded = n if kernels is not None else n_blocks * p_block
+    # x in its own strides where nothing is padded (an attention operand seen through a
+    # transpose: the C kernels read it without a copy), else padded
     matrices = x32.reshape(-1, n, k)
-    if n_blocks * p_block != n or k_padded != k:
-        pads = (0, k_padded - k, 0, n_blocks * p_block - n)
+    if rows_padded != n or k_padded != k:
+        pads = (0, k_padded - k, 0, rows_padded - n)
         matrices = torch.nn.functional.pad(matrices, pads)
     if kernels is not None:
-        # the stream straight from the tiles when every block's codes start on a byte
-        direct = n == n_blocks * p_block and k == k_padded and (p_block * p_man) % 8 == 0
+        # the stream straight from the tiles when every block's and every row's codes start on
+        # a byte
+        direct = k == k_padded and (p_block * p_man) % 8 == 0 and (n * p_man) % 8 == 0
         values, stash, exps = kernels.bfp_quantize_and_pack(
             matrices, p_block, *q_args, p_man, p_exp, direct
         )
-        values = values[:, :n, :k].reshape(x.shape)
+        if k_padded != k:
+            values = values[:, :, :k]
+        values = values.reshape(x.shape)
         if direct:
             mantissas, exponents = stash, _pack_codes(exps.reshape(-1), p_exp, c)
         else:

@@ -393,27 +393,28 @@ static void tile_stream(const float *x, int64_t rows, int64_t k, int64_t row_str
  * scattered stores were most of the kernel's time. */
 #define STREAM_RUN_BYTES 64
 
-/* The engine's q0 and q1 of one activation, reading it once: x [L, N, K] (N = n_blocks * p_block
- * rows, padded by the caller), its rows `stride_n` floats apart and its matrices `stride_l`
- * apart (K contiguous: an attention operand seen through a transpose needs no copy):
+/* The engine's q0 and q1 of one activation, reading it once: x [L, N, K], its rows `stride_n`
+ * floats apart and its matrices `stride_l` apart (K contiguous: an attention operand seen
+ * through a transpose needs no copy), tiles of p_block rows, the last one of each matrix partial
+ * when N is not a multiple of p_block (its rows alone are read, as if padded with zeros):
  *   values = BFP(q_man, q_exp, q_block) quantize along K (K a multiple of q_block), [L, N, K];
  *   the stash: BFP(p_man <= 8, p_exp, p_block) along N, in the stream's order (rows (l, k) of N
  *   codes), written to `out` as
  *     - stream = 0: one byte per mantissa code, [L, K, N] (the caller packs them);
- *     - stream = 1: the mantissa stream itself; needs p_block * p_man a multiple of 8 and no
- *       padding in N (each tile's column starts on a byte). A task then takes a run of
- *       consecutive tiles whose codes fill STREAM_RUN_BYTES of each column, gathers them in a
- *       per-thread buffer [K, run bytes] and stores each column's run at once;
- *   and its exponent codes to exps [L, K, n_blocks], one byte each.
+ *     - stream = 1: the mantissa stream itself; needs p_block * p_man and N * p_man multiples
+ *       of 8 (each tile's column starts on a byte, and so does each row of the stream). A task
+ *       then takes a run of consecutive tiles whose codes fill STREAM_RUN_BYTES of each column,
+ *       gathers them in a per-thread buffer [K, run bytes] and stores each column's run at once;
+ *   and its exponent codes to exps [L, K, ceil(N / p_block)], one byte each.
  * Returns 0, or -1 when scratch memory could not be allocated (nothing is written then). */
 int dsq_bfp_quantize_and_pack(const float *x, int64_t stride_l, int64_t stride_n, float *values,
-                              uint8_t *out, uint8_t *exps, int64_t L, int64_t n_blocks,
-                              int64_t p_block, int64_t K, int q_man, int q_exp, int64_t q_block,
-                              int p_man, int p_exp, int stream) {
-    const int64_t N = n_blocks * p_block;
+                              uint8_t *out, uint8_t *exps, int64_t L, int64_t N, int64_t p_block,
+                              int64_t K, int q_man, int q_exp, int64_t q_block, int p_man,
+                              int p_exp, int stream) {
+    const int64_t n_blocks = (N + p_block - 1) / p_block;
     if (L <= 0 || n_blocks <= 0) return 0; /* nothing to write */
     const Format q = format_of(q_man, q_exp), p = format_of(p_man, p_exp);
-    /* tiles per task, and the bytes of one tile's codes in a column (stream = 1) */
+    /* tiles per task, and the bytes of one whole tile's codes in a column (stream = 1) */
     const int64_t tile_bytes = stream ? p_block * p_man / 8 : 0;
     int64_t run = stream ? (STREAM_RUN_BYTES + tile_bytes - 1) / tile_bytes : 1;
     run = run < n_blocks ? run : n_blocks;
@@ -432,25 +433,29 @@ int dsq_bfp_quantize_and_pack(const float *x, int64_t stride_l, int64_t stride_n
         const int64_t l = t / runs, first = t % runs * run;
         const int64_t count = n_blocks - first < run ? n_blocks - first : run;
         for (int64_t nb = first; nb < first + count; nb++) {
+            const int64_t rows = N - nb * p_block < p_block ? N - nb * p_block : p_block;
             const int64_t row = l * N + nb * p_block;
             const float *tile = x + l * stride_l + nb * p_block * stride_n;
             /* the values first: the tile is then in cache for the stash */
-            for (int64_t r = 0; r < p_block; r++)
+            for (int64_t r = 0; r < rows; r++)
                 quantize_blocks_serial(tile + r * stride_n, values + (row + r) * K, K / q_block,
                                        q_block, q);
-            column_scales(tile, p_block, K, stride_n, s, exps + (l * K * n_blocks + nb),
-                          n_blocks, p, p_exp);
+            column_scales(tile, rows, K, stride_n, s, exps + (l * K * n_blocks + nb), n_blocks,
+                          p, p_exp);
             if (stream)
-                tile_stream(tile, p_block, K, stride_n, s, gathered + (nb - first) * tile_bytes,
+                tile_stream(tile, rows, K, stride_n, s, gathered + (nb - first) * tile_bytes,
                             run * tile_bytes, p, p_man);
             else
-                tile_codes(tile, p_block, K, stride_n, s, out + (l * K * N + nb * p_block), N, p,
+                tile_codes(tile, rows, K, stride_n, s, out + (l * K * N + nb * p_block), N, p,
                            p_man);
         }
-        if (stream)
+        if (stream) { /* this run's rows of each column: the last run's last tile may be partial */
+            const int64_t end = (first + count) * p_block < N ? (first + count) * p_block : N;
+            const size_t run_bytes = (size_t)((end - first * p_block) * p_man / 8);
             for (int64_t kk = 0; kk < K; kk++)
                 memcpy(out + (l * K + kk) * N * p_man / 8 + first * tile_bytes,
-                       gathered + kk * run * tile_bytes, (size_t)(count * tile_bytes));
+                       gathered + kk * run * tile_bytes, run_bytes);
+        }
     }
     free(memory);
     return 0;

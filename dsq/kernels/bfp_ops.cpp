@@ -152,19 +152,19 @@ std::tuple<Tensor, Tensor, Tensor> bfp_quantize_and_pack(const Tensor &input, in
     need_format("bfp_quantize_and_pack", "p_man", p_man, "p_exp", p_exp, 8);  // codes: a byte
     const Tensor x = input.stride(2) == 1 ? input : input.contiguous();
     const int64_t L = x.size(0), N = x.size(1), K = x.size(2);
-    TORCH_CHECK_VALUE(N % p_block == 0 && K % q_block == 0, "dsq::bfp_quantize_and_pack: [", N,
-                      ", ", K, "] is not whole blocks of ", p_block, " rows and ", q_block,
-                      " values");
-    TORCH_CHECK_VALUE(!stream || (p_block * p_man) % 8 == 0, "dsq::bfp_quantize_and_pack: blocks "
-                      "of ", p_block, " codes of ", p_man, " bits do not fill whole bytes");
+    TORCH_CHECK_VALUE(K % q_block == 0, "dsq::bfp_quantize_and_pack: rows of ", K,
+                      " values are not whole blocks of ", q_block);
+    TORCH_CHECK_VALUE(!stream || ((p_block * p_man) % 8 == 0 && (N * p_man) % 8 == 0),
+                      "dsq::bfp_quantize_and_pack: blocks of ", p_block, " codes or rows of ", N,
+                      " codes of ", p_man, " bits do not fill whole bytes");
     Tensor values = floats({L, N, K});
     Tensor out = stream ? bytes({L * K * N * p_man / 8}) : bytes({L, K, N});
-    Tensor exps = bytes({L, K, N / p_block});
+    Tensor exps = bytes({L, K, (N + p_block - 1) / p_block});
     threaded();
     int status = dsq_bfp_quantize_and_pack(
         x.const_data_ptr<float>(), x.stride(0), x.stride(1), values.mutable_data_ptr<float>(),
-        out.mutable_data_ptr<uint8_t>(), exps.mutable_data_ptr<uint8_t>(), L, N / p_block, p_block,
-        K, (int)q_man, (int)q_exp, q_block, (int)p_man, (int)p_exp, stream ? 1 : 0);
+        out.mutable_data_ptr<uint8_t>(), exps.mutable_data_ptr<uint8_t>(), L, N, p_block, K,
+        (int)q_man, (int)q_exp, q_block, (int)p_man, (int)p_exp, stream ? 1 : 0);
     TORCH_CHECK_WITH(OutOfMemoryError, status == 0, "dsq::bfp_quantize_and_pack: no scratch "
                      "memory for a tile of ", p_block, " x ", K);
     return {values, out, exps};

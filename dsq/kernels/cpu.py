@@ -414,14 +414,15 @@ def _fake_bfp_quantize_and_pack(x, p_block, q_man, q_exp, q_block, p_man, p_exp,
     need_format(op, ("q_man", q_man), ("q_exp", q_exp))
     need_format(op, ("p_man", p_man), ("p_exp", p_exp), most=8)
     lead, n, k = x.shape
-    if n % p_block != 0 or k % q_block != 0:
+    if k % q_block != 0:
+        raise ValueError(f"{op}: rows of {k} values are not whole blocks of {q_block}")
+    if stream and ((p_block * p_man) % 8 != 0 or (n * p_man) % 8 != 0):
         raise ValueError(
-            f"{op}: [{n}, {k}] is not whole blocks of {p_block} rows and {q_block} values"
+            f"{op}: blocks of {p_block} codes or rows of {n} codes of {p_man} bits do not fill "
+            "whole bytes"
         )
-    if stream and (p_block * p_man) % 8 != 0:
-        raise ValueError(f"{op}: blocks of {p_block} codes of {p_man} bits do not fill whole bytes")
     stash = _bytes(lead * k * n * p_man // 8) if stream else _bytes(lead, k, n)
-    return _floats(lead, n, k), stash, _bytes(lead, k, n // p_block)
+    return _floats(lead, n, k), stash, _bytes(lead, k, -(-n // p_block))
 
 
 def _fake_pack_codes(codes, width):
@@ -483,11 +484,12 @@ def fixed_then_bfp(flat, f_man: int, f_exp: int, s_man: int, s_exp: int, s_block
 def bfp_quantize_and_pack(
     x, p_block: int, q_man: int, q_exp: int, q_block: int, p_man: int, p_exp: int, stream: bool
 ):
-    """For ``x`` [L, N, K] float32 (N a multiple of p_block, K of q_block, p_man <= 8; K's
-    stride 1, the other two any): (values [L, N, K] of BFP(q_man, q_exp, q_block) along K, the
-    stash of BFP(p_man, p_exp, p_block) along N, exponent codes [L, K, N / p_block] uint8). The
-    stash is its mantissa stream when ``stream`` (p_block * p_man a multiple of 8, and the
-    caller's rows not padded), else one code per byte, [L, K, N] uint8."""
+    """For ``x`` [L, N, K] float32 (K a multiple of q_block, p_man <= 8; K's stride 1, the
+    other two any): (values [L, N, K] of BFP(q_man, q_exp, q_block) along K, the stash of
+    BFP(p_man, p_exp, p_block) along N, the last block of each column partial when N is not a
+    multiple of p_block, exponent codes [L, K, ceil(N / p_block)] uint8). The stash is its
+    mantissa stream when ``stream`` (p_block * p_man and N * p_man multiples of 8), else one
+    code per byte, [L, K, N] uint8."""
     return _ops().bfp_quantize_and_pack.default(
         x, p_block, q_man, q_exp, q_block, p_man, p_exp, stream
     )
