@@ -236,14 +236,16 @@ def _run_job(job: Job, dsq: Sequence[str], threads: int | None = None) -> Job:
 def _taken_meanwhile(job: Job) -> bool:
     """Whether another process started, continued or finished the job since it was planned
     (its status then says so)."""
-    status = RunResult.status_of(job.run_dir) if job.run_dir.exists() else None
+    exists = job.run_dir.exists()
+    status = RunResult.status_of(job.run_dir) if exists else None
+    training = exists and runs.in_use(job.run_dir)
     if job.resume:
-        taken = status == "completed" or runs.in_use(job.run_dir)
+        taken = status == "completed" or training
     else:  # planned as a new run: its directory did not exist (or was set aside)
-        taken = job.run_dir.exists()
+        taken = exists
     if not taken:
         return False
-    if status == "completed" and not runs.in_use(job.run_dir):
+    if status == "completed" and not training:
         job.status, job.detail = "skipped", "completed by another process meanwhile"
     else:
         job.status, job.detail = "busy", "another process is training it now"
