@@ -173,6 +173,34 @@ def test_quantize_and_pack_reads_strided_operands(layout, monkeypatch):
         assert torch.equal(packed.payload[name], stream), name
 
 
+@pytest.mark.parametrize(
+    "spec,shape,joined",
+    [
+        ("bfp8", (256, 32, 64), (128, 4096)),  # an attention stash: rows of 32, 16,384 of them
+        ("bfp2", (3, 32, 17), (1, 1632)),  # 51 rows joined whole (1632 = 51 x 32 <= 4096)
+        ("bfp5e4b3", (7, 6, 13), (1, 546)),  # rows of 30 bits: joined rows start mid-byte
+        ("bfp3", (2, 4096, 3), (6, 4096)),  # rows at the joined length already: none joined
+        ("bfp4", (5, 40, 4), (20, 40)),  # a partial last block in every row: none joined
+    ],
+)
+@pytest.mark.parametrize("nonfinite", [False, True])
+def test_decode_joins_rows_of_whole_blocks(spec, shape, joined, nonfinite, monkeypatch):
+    """The stash decoded with consecutive rows of whole blocks taken as one longer row (they
+    follow each other in both streams): the rows the kernel is given, and the values, bit for
+    bit the reference's."""
+    fmt = parse_format(spec)
+    x = wide_tensor(shape, seed=len(spec) + sum(shape))
+    x = with_nonfinite(x) if nonfinite else x
+    packed = fmt.pack(x, 1, backend="c")
+    calls = []
+    original = c_kernels.bfp_decode
+    monkeypatch.setattr(
+        c_kernels, "bfp_decode", lambda *args: calls.append(args[2:4]) or original(*args)
+    )
+    assert_bitwise_equal(packed.unpack(backend="c"), fmt.quantize(x, 1, backend="reference"))
+    assert calls == [joined]
+
+
 @pytest.mark.parametrize("first,second", [("fixed16", "bfp8"), ("fixed8", "bfp3e4b8"),
                                           ("fixed23", "bfp23")])  # fmt: skip
 def test_chain_equals_reference(first, second, monkeypatch):

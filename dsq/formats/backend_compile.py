@@ -721,6 +721,25 @@ def bfp_quantize_chain(x, first_args, axis, second_args, second_axis, *, c=None)
     return first.reshape(x.shape).to(x.dtype), second.reshape(x.shape).to(x.dtype)
 
 
+# Values per row the C decode aims at when it joins rows: its per-row work (reading the row's
+# codes and exponents out of the streams) is then small beside the row's values.
+DECODE_ROW = 4096
+
+
+def _decode_rows_joined(rows: int, n: int, block: int) -> int:
+    """How many consecutive rows of ``n`` values the C decode takes as one row: rows of whole
+    blocks follow each other in both streams as one sequence of blocks, so ``g`` of them decode
+    as one row of ``g * n`` (``g`` divides ``rows``, ``g * n`` at most DECODE_ROW). An attention
+    stash has rows of a sentence's length, 32 values, thousands of them. 1 when a row ends in a
+    partial block."""
+    if n % block or n >= DECODE_ROW:
+        return 1
+    joined = min(rows, DECODE_ROW // n)
+    while rows % joined:
+        joined -= 1
+    return joined
+
+
 def bfp_unpack(mantissas, exponents, man_bits, exp_bits, block, shape, axis, dtype, *, c=None):
     numel = math.prod(shape)
     if block is None:
@@ -735,8 +754,11 @@ def bfp_unpack(mantissas, exponents, man_bits, exp_bits, block, shape, axis, dty
     rows = numel // n
     kernels = c if _c_format(man_bits, exp_bits, most=8) else None
     if kernels is not None:
-        values = kernels.bfp_decode(mantissas, exponents, rows, n, block, man_bits, exp_bits)
-        return _restore(values, n, moved_shape, shape, axis, dtype)
+        joined = _decode_rows_joined(rows, n, block)
+        values = kernels.bfp_decode(
+            mantissas, exponents, rows // joined, n * joined, block, man_bits, exp_bits
+        )
+        return _restore(values.reshape(rows, n), n, moved_shape, shape, axis, dtype)
     codes = _unpack_codes(mantissas, man_bits, numel).reshape(rows, n)
     if n_blocks * block != n:
         codes = torch.nn.functional.pad(codes, (0, n_blocks * block - n))
