@@ -215,6 +215,13 @@ def bench_step(
         "(each GEMM on the fastest unit exact for its operands, e.g. bf16) and fp32 (every GEMM "
         "in float32).",
     ),
+    quantize_head: bool = typer.Option(
+        False,
+        "--quantize-head",
+        help="Quantize the output projection too, as dsq train does. Without it the projection "
+        "(width x vocab, the step's largest GEMMs) stays fp32 in every row, so the rows compare "
+        "what each preset does to the layers.",
+    ),
     device: str = typer.Option("cpu", help="cpu or cuda."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ):
@@ -230,7 +237,7 @@ def bench_step(
     _check_device(device)
     result = step.run(
         names, layers, width, tokens, src_len, repeats, vocab, device=device, scopes=scope_list,
-        gemm_units=unit_list,
+        gemm_units=unit_list, quantize_head=quantize_head,
     )  # fmt: skip
     _print_bench(result, as_json, step.format_table)
 

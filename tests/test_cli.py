@@ -161,6 +161,7 @@ def test_bench_step_json_on_a_tiny_transformer():
     )
     assert result.exit_code == 0, result.output
     data = json.loads(result.output[result.output.index("{") :])
+    assert data["head"] == "fp32"  # the output projection fp32 in every row unless asked
     rows = {(r["preset"], r["scope"]): r for r in data["rows"]}
     # fp32 has no stash to scope; every other preset is timed with both scopes
     assert set(rows) == {("fp32", "gemm"), ("stash_bfp", "gemm"), ("stash_bfp", "all")}
@@ -229,3 +230,4 @@ def test_bench_step_prints_its_table():
     assert result.exit_code == 0, result.output
     assert "fp32" in result.output and "dsq" in result.output
     assert "torch" in result.output  # the machine line above the table
+    assert "(output projection fp32 in every row)" in result.output

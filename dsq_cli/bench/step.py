@@ -95,11 +95,17 @@ class Batch:
         return self.src.numel()
 
 
+# The decoder's output projection (decoder width x vocabulary): the step's largest GEMMs.
+HEAD = "decoder.output_projection"
+
+
 @dataclasses.dataclass
 class Setup:
-    """One preset's model (quantized by the engine unless fp32; the output projection stays fp32)
-    and its Adam optimizer. ``points`` are the preset's formats at their first level, with the
-    stash scope and where the GEMMs run (``gemm_unit``)."""
+    """One preset's model (quantized by the engine unless fp32) and its Adam optimizer. The
+    output projection (`HEAD`) stays fp32 unless ``quantize_head``: `dsq train` quantizes it, but
+    left fp32 in every row it is the same work for all, so the rows compare what the presets do
+    to the layers. ``points`` are the preset's formats at their first level, with the stash
+    scope and where the GEMMs run (``gemm_unit``)."""
 
     preset: str
     points: dict[str, Any]
@@ -109,15 +115,14 @@ class Setup:
     @classmethod
     def build(
         cls, preset: str, scope: str, layers: int, width: int, vocab: int, dev: torch.device,
-        gemm_unit: str = "auto",
+        gemm_unit: str = "auto", quantize_head: bool = False,
     ) -> Setup:  # fmt: skip
         points = at_first_level(load_quant_preset(preset)) | {"stash_scope": scope}
         points["gemm_unit"] = gemm_unit
         model = build_model(layers, width, vocab).to(dev)
         if preset != "fp32":
-            quantize_model(
-                model, QuantConfig.from_dict(points), exclude=["decoder.output_projection"]
-            )
+            exclude = [] if quantize_head else [HEAD]
+            quantize_model(model, QuantConfig.from_dict(points), exclude=exclude)
         model.train()
         return cls(preset, points, model, torch.optim.Adam(model.parameters(), lr=1e-4))
 
@@ -269,6 +274,7 @@ def run(
     device: str = "cpu",
     scopes: tuple[str, ...] = ("gemm",),
     gemm_units: tuple[str, ...] = ("auto",),
+    quantize_head: bool = False,
 ) -> dict:
     dev = torch.device(device)
     if dev.type == "cpu":
@@ -279,7 +285,9 @@ def run(
         for scope in scopes if name != "fp32" else ("gemm",):  # fp32 has no stash to scope
             for unit in gemm_units if name != "fp32" else ("fp32",):  # nor quantized GEMMs
                 key = (name, scope, unit)
-                setups[key] = Setup.build(name, scope, layers, width, vocab, dev, unit)
+                setups[key] = Setup.build(
+                    name, scope, layers, width, vocab, dev, unit, quantize_head
+                )
 
     warmup = {}
     for key, setup in setups.items():  # warm up: compile every shape once
@@ -327,6 +335,7 @@ def run(
         "width": width,
         "tokens": batch.tokens,
         "vocab": vocab,
+        "head": "quantized" if quantize_head else "fp32",
         "threads": torch.get_num_threads(),
         "machine": machine_description(dev),
         "torch": torch.__version__,
@@ -342,12 +351,16 @@ def units_cell(used: dict[str, list[str]]) -> str:
     return f"{' '.join(cells[:3])} | {' '.join(cells[3:])}"
 
 
+_HEAD_WORDS = {"fp32": "fp32 in every row", "quantized": "quantized, as dsq train does"}
+
+
 def format_table(result: dict) -> str:
     baseline = "x " + result["rows"][0]["preset"]
     lines = [
         f"dsq bench step: fairseq transformer, {result['layers']}+{result['layers']} layers, "
-        f"width {result['width']}, {result['tokens']} tokens per batch, vocab {result['vocab']}, "
-        f"{result['machine']}, torch {result['torch']}, median of "
+        f"width {result['width']}, {result['tokens']} tokens per batch, vocab {result['vocab']} "
+        f"(output projection {_HEAD_WORDS[result['head']]}), {result['machine']}, torch "
+        f"{result['torch']}, median of "
         f"{result['repeats']}",
         "",
         f"{'preset':<12} {'scope':<6} {'q0 / q1 / q2 / q3':<40} {'GEMM units':<34} "
