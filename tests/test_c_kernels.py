@@ -177,8 +177,10 @@ def test_quantize_and_pack_reads_strided_operands(layout, monkeypatch):
     "spec,shape,joined",
     [
         ("bfp8", (256, 32, 64), (128, 4096)),  # an attention stash: rows of 32, 16,384 of them
-        ("bfp2", (3, 32, 17), (1, 1632)),  # 51 rows joined whole (1632 = 51 x 32 <= 4096)
-        ("bfp5e4b3", (7, 6, 13), (1, 546)),  # rows of 30 bits: joined rows start mid-byte
+        ("bfp8", (3, 32, 100), (3, 3200)),  # 300 rows: 128 to a row do not divide them, 100 do
+        ("bfp2", (3, 32, 17), (3, 544)),  # 51 rows, no more than 25 a row (two threads): 17
+        ("bfp5e3b3", (2, 6, 1023), (3, 4092)),  # 2,046 rows of 30 bits, each exponent 3 bits:
+        # the joined rows start mid-byte in both streams
         ("bfp3", (2, 4096, 3), (6, 4096)),  # rows at the joined length already: none joined
         ("bfp4", (5, 40, 4), (20, 40)),  # a partial last block in every row: none joined
     ],
@@ -186,8 +188,8 @@ def test_quantize_and_pack_reads_strided_operands(layout, monkeypatch):
 @pytest.mark.parametrize("nonfinite", [False, True])
 def test_decode_joins_rows_of_whole_blocks(spec, shape, joined, nonfinite, monkeypatch):
     """The stash decoded with consecutive rows of whole blocks taken as one longer row (they
-    follow each other in both streams): the rows the kernel is given, and the values, bit for
-    bit the reference's."""
+    follow each other in both streams), leaving at least one row per thread (here two): the
+    rows the kernel is given, and the values, bit for bit the reference's."""
     fmt = parse_format(spec)
     x = wide_tensor(shape, seed=len(spec) + sum(shape))
     x = with_nonfinite(x) if nonfinite else x
@@ -197,7 +199,13 @@ def test_decode_joins_rows_of_whole_blocks(spec, shape, joined, nonfinite, monke
     monkeypatch.setattr(
         c_kernels, "bfp_decode", lambda *args: calls.append(args[2:4]) or original(*args)
     )
-    assert_bitwise_equal(packed.unpack(backend="c"), fmt.quantize(x, 1, backend="reference"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        unpacked = packed.unpack(backend="c")
+    finally:
+        torch.set_num_threads(threads)
+    assert_bitwise_equal(unpacked, fmt.quantize(x, 1, backend="reference"))
     assert calls == [joined]
 
 

@@ -729,12 +729,13 @@ DECODE_ROW = 4096
 def _decode_rows_joined(rows: int, n: int, block: int) -> int:
     """How many consecutive rows of ``n`` values the C decode takes as one row: rows of whole
     blocks follow each other in both streams as one sequence of blocks, so ``g`` of them decode
-    as one row of ``g * n`` (``g`` divides ``rows``, ``g * n`` at most DECODE_ROW). An attention
-    stash has rows of a sentence's length, 32 values, thousands of them. 1 when a row ends in a
-    partial block."""
+    as one row of ``g * n`` (``g`` divides ``rows``, ``g * n`` at most DECODE_ROW, and at least
+    as many rows are left as torch has threads, the kernel's tasks). An attention stash whose
+    sentences are whole blocks long has thousands of rows of their length (the bench step's: 32
+    values). 1 when a row ends in a partial block."""
     if n % block or n >= DECODE_ROW:
         return 1
-    joined = min(rows, DECODE_ROW // n)
+    joined = max(1, min(rows // torch.get_num_threads(), DECODE_ROW // n))
     while rows % joined:
         joined -= 1
     return joined
