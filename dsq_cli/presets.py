@@ -23,8 +23,16 @@ TABLE1_ORDER = (
 )
 # Presets of conf/quant/ that are not rows of the paper's Table 1, shown after them: a variant the
 # ablations of docs/results.md found worth naming, bf16, the baseline readers now compare with,
-# and bfp6 (the CPU-scale frontier) with DSQ's rising stash, the convergence study's design.
-BEYOND_TABLE1 = ("dsq_bfp3", "bf16", "bfp6_rising_stash")
+# bfp6 (the CPU-scale frontier) with DSQ's rising stash, the convergence study's design, and the
+# static-stash controls that study compares each rising stash with.
+BEYOND_TABLE1 = (
+    "dsq_bfp3",
+    "bf16",
+    "bfp6_rising_stash",
+    "bfp6_stash_bfp3",
+    "bfp6_stash_bfp4",
+    "dsq_stash_bfp3",
+)
 # the preset every cost ratio is against, as the paper's Table 1 (docs/spec.md §4)
 BASELINE_PRESET = "fixed32"
 PRESET_ORDER = TABLE1_ORDER + BEYOND_TABLE1
