@@ -428,13 +428,14 @@ def table_cmd(
         False,
         "--moves",
         help="After the table, list each scheduled run's formats over its updates and its mean "
-        "stash bits (markdown only).",
+        "stash bits (markdown; json: under moves).",
     ),
     frontier: bool = typer.Option(
         False,
         "--frontier",
-        help="After the table, list per task and cost ratio the rows on the Pareto frontier "
-        "and what dominates each other row (markdown only).",
+        help="After the table, list per task and cost ratio the rows on the Pareto frontier, "
+        "what dominates each other row, and whether that holds within the seeds' intervals "
+        "(markdown; json: under frontier).",
     ),
     checkpoint: str = typer.Option(
         None,
@@ -442,6 +443,19 @@ def table_cmd(
         help="best | last: every run's metric from that model (result.json's checkpoints) "
         "instead of its own headline value (its eval.checkpoint).",
         show_default=False,
+    ),
+    against: str = typer.Option(
+        None,
+        "--against",
+        help="A row (e.g. fp32) every other row is compared with seed by seed: the paired "
+        "difference in the metric and in best validation loss, with its interval.",
+        show_default=False,
+    ),
+    level: float = typer.Option(
+        0.95,
+        "--level",
+        help="Confidence level of every interval (Student t over seeds); 0.90 gives the "
+        "intervals of two one-sided equivalence tests at 5%.",
     ),
 ):
     """Table 1 (docs/spec.md §6) from runs' result.json: presets as rows, tasks as columns
@@ -458,20 +472,29 @@ def table_cmd(
     if plot is not None and not plot.lower().endswith(".png"):
         raise ValueError(f"--plot writes a PNG; {plot!r} does not end in .png")
     for flag, given in (("--moves", moves), ("--frontier", frontier)):
-        if given and fmt != "markdown":
+        if given and fmt not in ("markdown", "json"):
             raise ValueError(
-                f"{flag} adds a markdown list; drop it or use --format markdown, not {fmt}"
+                f"{flag} adds a list to markdown or json; drop it or use --format markdown or "
+                f"json, not {fmt}"
             )
-    result_table = table.collect(paths or ["runs"], checkpoint)
+    result_table = table.collect(paths or ["runs"], checkpoint, level=level, against=against)
     for warning in result_table.warnings:
         typer.echo(f"dsq: warning: {warning}", err=True)
-    text = table.render(result_table, fmt)
-    if moves:
+    if fmt == "json":
+        record = table.as_json(result_table)
+        if moves:
+            record["moves"] = table.stash_moves(result_table)
+        if frontier:
+            record["frontier"] = table.frontier_records(result_table)
+        text = json.dumps(record, indent=2) + "\n"
+    else:
+        text = table.render(result_table, fmt)
+    if moves and fmt == "markdown":
         lines = table.stash_moves(result_table) or ["(no run of a scheduled row)"]
         text += "\nStash moves (scheduled points, per run):\n\n" + "".join(
             f"- {m}\n" for m in lines
         )
-    if frontier:
+    if frontier and fmt == "markdown":
         lines = table.frontier_lines(result_table)
         text += f"\n{table.FRONTIER_HEADING}\n\n" + "".join(f"- {m}\n" for m in lines)
     if out is None:

@@ -14,12 +14,13 @@ import io
 import json
 import os
 import statistics
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from dsq.engine.config import POINTS
 from dsq_cli.config import quant_differences
+from dsq_cli.intervals import Interval, mean_interval, paired_interval
 from dsq_cli.presets import BASELINE_PRESET, PRESET_ORDER
 from dsq_cli.run_config import EVAL_CHECKPOINTS
 from dsq_cli.run_result import RunResult, metric_decimals
@@ -54,6 +55,22 @@ CSV_COLUMNS = (
     "n",
     "metric_mean",
     "metric_std",
+    "level",
+    "metric_low",
+    "metric_high",
+    "loss_n",
+    "loss_mean",
+    "loss_low",
+    "loss_high",
+    "against",
+    "diff_n",
+    "diff_mean",
+    "diff_low",
+    "diff_high",
+    "loss_diff_n",
+    "loss_diff_mean",
+    "loss_diff_low",
+    "loss_diff_high",
     "arith_ratio",
     "dram_ratio",
     "arith_reduction",
@@ -79,6 +96,17 @@ class Run:
     @property
     def status(self) -> str:
         return self.result.status
+
+
+# What a table compares rows by: the column's metric (result.json's ``value``, higher is better)
+# and the best validation loss (lower is better). Intervals and paired differences are given for
+# both (docs/table.md, "Intervals").
+METRIC, LOSS = "metric", "best_valid_loss"
+MEASURES = (METRIC, LOSS)
+
+
+def measure_of(run: Run, measure: str) -> float | None:
+    return run.result.value if measure == METRIC else run.result.best_valid_loss
 
 
 @dataclass
@@ -114,6 +142,26 @@ class Cell:
     def metric_std(self) -> float | None:
         values = self.metric_values
         return statistics.stdev(values) if len(values) > 1 else None
+
+    def by_seed(self, measure: str) -> dict[int, float]:
+        """A measure (`MEASURES`) of each completed run, by seed: what `paired_interval` pairs.
+        Runs without a seed, or that record no such measure, are left out; `Table.warnings` names
+        a cell with two runs of one seed, which pairs none."""
+        seeds = [r.result.seed for r in self.completed]
+        if len(set(seeds)) != len(seeds):
+            return {}
+        out = {}
+        for run in self.completed:
+            value = measure_of(run, measure)
+            if run.result.seed is not None and value is not None:
+                out[run.result.seed] = value
+        return out
+
+    def interval(self, measure: str, level: float) -> Interval | None:
+        """The Student t interval of a measure's mean over the completed runs (None: no run
+        records it)."""
+        values = [v for r in self.completed if (v := measure_of(r, measure)) is not None]
+        return mean_interval(values, level) if values else None
 
     def cost_mean(self, key: str) -> float | None:
         """Cost ratios are equal across seeds of a static preset; a scheduled preset's differ
@@ -159,9 +207,19 @@ class Table:
     row_quant: dict[str, dict]  # row -> the quant mapping of its runs (preset, points, modified)
     baselines: list[str]
     warnings: list[str]
+    level: float = 0.95  # of every interval the table shows
+    against: str | None = None  # the row every other row's paired differences are from
 
     def cell(self, row: str, column: Column) -> Cell | None:
         return self.cells.get((row, column.label))
+
+    def difference(self, row: str, other: str, column: Column, measure: str) -> Interval | None:
+        """``row`` minus ``other`` in ``measure``, seed by seed, with its interval at the table's
+        level: None where the two share no seed (or either has none completed)."""
+        mine, theirs = self.cell(row, column), self.cell(other, column)
+        if mine is None or theirs is None:
+            return None
+        return paired_interval(mine.by_seed(measure), theirs.by_seed(measure), self.level)
 
     def rebased(self) -> list[dict]:
         """Our dsq row against our fixed16 row, per task, in the paper's headline terms."""
@@ -359,10 +417,16 @@ def build_table(found: list[Run], warnings: list[str] | None = None) -> Table:
             columns[key] = Column(key, label)
         cells.setdefault((run.row, columns[key].label), Cell()).runs.append(run)
         row_quant.setdefault(run.row, dict(run.result.quant))
-    for cell in cells.values():
-        cell.runs.sort(key=lambda r: (r.result.seed is None, r.result.seed, r.path))
-    baselines = sorted({str(r.result.cost["baseline"]) for r in found})
     warnings = list(warnings or [])
+    for (row, label), cell in cells.items():
+        cell.runs.sort(key=lambda r: (r.result.seed is None, r.result.seed, r.path))
+        seeds = [r.result.seed for r in cell.completed]
+        if len(set(seeds)) != len(seeds):
+            warnings.append(
+                f"{row}, {label}: several completed runs share a seed; its runs are not paired "
+                "with other rows'"
+            )
+    baselines = sorted({str(r.result.cost["baseline"]) for r in found})
     if len(baselines) > 1:
         warnings.append(
             f"cost ratios are against different baselines ({', '.join(baselines)}); "
@@ -378,9 +442,23 @@ def build_table(found: list[Run], warnings: list[str] | None = None) -> Table:
     )
 
 
-def collect(paths: Iterable[str | os.PathLike], checkpoint: str | None = None) -> Table:
+def collect(
+    paths: Iterable[str | os.PathLike],
+    checkpoint: str | None = None,
+    *,
+    level: float = 0.95,
+    against: str | None = None,
+) -> Table:
+    """The table of the runs under ``paths``; ``level``: of its intervals; ``against``: a row
+    the others are compared with seed by seed (`Table.difference`)."""
+    if not 0 < level < 1:
+        raise ValueError(f"--level is a confidence level between 0 and 1, got {level}")
     found, warnings = read_runs(paths, checkpoint)
-    return build_table(found, warnings)
+    table = build_table(found, warnings)
+    if against is not None and against not in table.rows:
+        raise ValueError(f"--against {against!r} is no row of this table; its rows: "
+                         + ", ".join(table.rows))  # fmt: skip
+    return replace(table, level=level, against=against)
 
 
 # -- rendering ------------------------------------------------------------------------------
@@ -393,27 +471,46 @@ def _fmt_ratio(ratio: float) -> str:
     return f"{ratio:.3g} ({1 / ratio:.3g}x)"
 
 
-def _metric_text(cell: Cell, pm: str) -> str:
+def _decimals(metric: str, measure: str) -> int:
+    """BLEU two decimals, GLUE's fractions three (`metric_decimals`), losses three."""
+    return metric_decimals(metric) if measure == METRIC else 3
+
+
+def interval_text(
+    interval: Interval, digits: int, signed: bool = False, with_n: bool = True
+) -> str:
+    """``27.87 [23.42, 32.32] (n=2)``: the mean, its interval in brackets where there is one,
+    and n where it is over more than one value (``with_n``); ``signed`` for differences
+    (``+0.56``)."""
+    sign = "+" if signed else ""
+    text = f"{interval.mean:{sign}.{digits}f}"
+    if interval.low is not None:
+        text += f" [{interval.low:{sign}.{digits}f}, {interval.high:{sign}.{digits}f}]"
+    return text + (f" (n={interval.n})" if with_n and interval.n > 1 else "")
+
+
+def _metric_text(cell: Cell, level: float) -> str:
     digits = metric_decimals(cell.runs[0].metric)
-    text = f"{cell.metric_mean:.{digits}f}"
+    interval = cell.interval(METRIC, level)
+    text = f"{interval.mean:.{digits}f}"
     notes = [cell.note] if cell.note else []
     stopped = sum(1 for r in cell.completed if r.result.stopped_early)
     if stopped:
         notes.insert(0, f"{stopped} stopped early")
-    if cell.metric_std is not None:
-        text += f" {pm} {cell.metric_std:.{digits}f}"
-        notes.insert(0, f"n={len(cell.completed)}")
+    if interval.low is not None:
+        text += f" [{interval.low:.{digits}f}, {interval.high:.{digits}f}]"
+        notes.insert(0, f"n={interval.n}")
     return f"{text} ({'; '.join(notes)})" if notes else text
 
 
-def cell_texts(cell: Cell | None, pm: str = "±") -> list[str]:
+def cell_texts(cell: Cell | None, level: float = 0.95) -> list[str]:
     """Metric, arith, DRAM, stash bits as shown: numbers of completed runs, else the status."""
     if cell is None:
         return ["-"] * 4
     if not cell.completed:
         return [cell.note, "-", "-", "-"]
     return [
-        _metric_text(cell, pm),
+        _metric_text(cell, level),
         _fmt_ratio(cell.cost_mean("arith_ratio")),
         _fmt_ratio(cell.cost_mean("dram_ratio")),
         f"{cell.stash_bits_mean:.3g}",
@@ -428,6 +525,10 @@ def _baseline_text(table: Table) -> str:
     return "/".join(table.baselines) or BASELINE_PRESET
 
 
+def _level_text(level: float) -> str:
+    return f"{level * 100:.4g}%"
+
+
 def legend_lines(table: Table) -> list[str]:
     baseline = _baseline_text(table)
     paper = PAPER_REFERENCE
@@ -435,8 +536,10 @@ def legend_lines(table: Table) -> list[str]:
         f"arith, DRAM: cost per training step as a fraction of {baseline} at every point "
         f"(result.json's cost ratios, docs/spec.md §4), and in brackets how many times fewer; "
         "lower is cheaper.",
-        "metric: mean ± sample standard deviation over completed seeds (n runs); runs that did "
-        "not complete are counted beside it, or shown by status when none completed.",
+        f"metric: mean over completed seeds and, in brackets, the {_level_text(table.level)} "
+        "interval of that mean (Student t on the seeds' sample standard deviation, n runs); "
+        "runs that did not complete are counted beside it, or shown by status when none "
+        "completed.",
         f"reference, paper ({paper['task'].upper()}, DSQ vs {paper['baseline']}): "
         f"{paper['arith_reduction']}x arithmetic, {paper['dram_reduction']}x DRAM.",
     ]
@@ -454,6 +557,14 @@ def _md_escape(text: str) -> str:
     return text.replace("|", "\\|")
 
 
+def _markdown_grid(header: list[str], rows: list[list[str]]) -> list[str]:
+    return [
+        "| " + " | ".join(_md_escape(h) for h in header) + " |",
+        "|" + "---|" + "---:|" * (len(header) - 1),
+        *("| " + " | ".join(_md_escape(t) for t in texts) + " |" for texts in rows),
+    ]
+
+
 def render_markdown(table: Table) -> str:
     header = ["quant"]
     for column in table.columns:
@@ -463,18 +574,60 @@ def render_markdown(table: Table) -> str:
             "DRAM",
             "stash bits",
         ]
-    lines = [
-        "| " + " | ".join(_md_escape(h) for h in header) + " |",
-        "|" + "---|" + "---:|" * (len(header) - 1),
-    ]
+    rows = []
     for row in table.rows:
-        texts = [_md_escape(row)]
+        texts = [row]
         for column in table.columns:
-            texts += [_md_escape(t) for t in cell_texts(table.cell(row, column))]
-        lines.append("| " + " | ".join(texts) + " |")
+            texts += cell_texts(table.cell(row, column), table.level)
+        rows.append(texts)
+    lines = _markdown_grid(header, rows)
     lines.append("")
     lines += [f"- {_md_escape(line)}" for line in legend_lines(table)]
+    if table.against is not None:
+        lines += ["", against_heading(table), ""]
+        header, rows = against_grid(table)
+        lines += _markdown_grid(header, rows)
     return "\n".join(lines) + "\n"
+
+
+# -- paired differences -----------------------------------------------------------------------
+
+
+def against_heading(table: Table) -> str:
+    return (
+        f"Paired differences from {table.against} (each row minus {table.against}, seed by "
+        f"seed; mean, {_level_text(table.level)} interval, n pairs; a higher metric is better, "
+        "a lower loss is better):"
+    )
+
+
+def against_grid(table: Table) -> tuple[list[str], list[list[str]]]:
+    """The rows' best validation loss and their paired differences from ``table.against``, per
+    column: a header and one list of texts per row."""
+    header = ["quant"]
+    for column in table.columns:
+        label = _metric_label(column.metric)
+        header += [
+            f"{column.label} best valid loss",
+            f"{label} - {table.against}",
+            f"loss - {table.against}",
+        ]
+    rows = []
+    for row in table.rows:
+        texts = [row]
+        for column in table.columns:
+            cell = table.cell(row, column)
+            loss = cell.interval(LOSS, table.level) if cell else None
+            texts.append(interval_text(loss, 3) if loss else "-")
+            for measure in MEASURES:
+                if row == table.against:
+                    texts.append("-")
+                    continue
+                diff = table.difference(row, table.against, column, measure)
+                digits = _decimals(column.metric, measure)
+                texts.append(interval_text(diff, digits, signed=True) if diff else "-")
+        rows.append(texts)
+    return header, rows
 
 
 def _latex_escape(text: str) -> str:
@@ -496,7 +649,8 @@ def _latex_escape(text: str) -> str:
 
 
 def render_latex(table: Table) -> str:
-    """A booktabs tabular (``\\usepackage{booktabs}``), the legend as spanning footnote rows."""
+    """A booktabs tabular (``\\usepackage{booktabs}``), the legend as spanning footnote rows;
+    with ``against``, a second tabular of the paired differences."""
     width = 1 + 4 * len(table.columns)
     lines = [
         r"\begin{tabular}{l" + "rrrr" * len(table.columns) + "}",
@@ -521,21 +675,65 @@ def render_latex(table: Table) -> str:
     for row in table.rows:
         texts = [_latex_escape(row)]
         for column in table.columns:
-            texts += [_latex_escape(t) for t in cell_texts(table.cell(row, column))]
+            texts += [_latex_escape(t) for t in cell_texts(table.cell(row, column), table.level)]
         lines.append(" & ".join(texts) + r" \\")
     lines.append(r"\bottomrule")
     for line in legend_lines(table):
         lines.append(rf"\multicolumn{{{width}}}{{l}}{{\footnotesize {_latex_escape(line)}}} \\")
     lines.append(r"\end{tabular}")
+    if table.against is not None:
+        header, rows = against_grid(table)
+        lines += [
+            "",
+            r"\begin{tabular}{l" + "r" * (len(header) - 1) + "}",
+            r"\toprule",
+            " & ".join(_latex_escape(h) for h in header) + r" \\",
+            r"\midrule",
+            *(" & ".join(_latex_escape(t) for t in texts) + r" \\" for texts in rows),
+            r"\bottomrule",
+            rf"\multicolumn{{{len(header)}}}{{l}}{{\footnotesize "
+            rf"{_latex_escape(against_heading(table))}}} \\",
+            r"\end{tabular}",
+        ]
     return "\n".join(lines) + "\n"
 
 
-def _cell_record(row: str, column: Column, cell: Cell, quant: Mapping) -> dict:
+def _interval_fields(interval: Interval | None) -> dict:
+    if interval is None:
+        return {"n": 0, "mean": None, "low": None, "high": None}
+    return {"n": interval.n, "mean": interval.mean, "low": interval.low, "high": interval.high}
+
+
+def measure_records(table: Table, row: str, column: Column, cell: Cell) -> dict:
+    """Per measure (the column's metric by its name, and ``best_valid_loss``): the mean, n, sd,
+    interval and, with ``against``, the paired difference with its interval."""
+    records = {}
+    for measure in MEASURES:
+        interval = cell.interval(measure, table.level)
+        record = interval.as_dict() if interval else {**_interval_fields(None), "sd": None}
+        record["level"] = table.level
+        if table.against is not None:
+            diff = None
+            if row != table.against:
+                diff = table.difference(row, table.against, column, measure)
+            record["difference"] = {
+                "against": table.against,
+                "level": table.level,
+                **(diff.as_dict() if diff else {**_interval_fields(None), "sd": None}),
+            }
+        records[column.metric if measure == METRIC else LOSS] = record
+    return records
+
+
+def _cell_record(table: Table, row: str, column: Column, cell: Cell) -> dict:
     """The numbers of one cell, unrounded: a single completed run's are its result.json's."""
+    quant = table.row_quant[row]
     completed = bool(cell.completed)
     arith = cell.cost_mean("arith_ratio")
     dram = cell.cost_mean("dram_ratio")
-    return {
+    metric = cell.interval(METRIC, table.level) if completed else None
+    loss = cell.interval(LOSS, table.level) if completed else None
+    record = {
         "row": row,
         "preset": quant["preset"],
         "modified": bool(quant.get("modified", "*" in row)),  # a budget row is not modified
@@ -545,15 +743,34 @@ def _cell_record(row: str, column: Column, cell: Cell, quant: Mapping) -> dict:
         "n": len(cell.completed),
         "metric_mean": cell.metric_mean,
         "metric_std": cell.metric_std,
-        "arith_ratio": arith,
-        "dram_ratio": dram,
-        "arith_reduction": 1 / arith if arith else None,
-        "dram_reduction": 1 / dram if dram else None,
-        "stash_bits_mean": cell.stash_bits_mean,
-        "baseline": "/".join(sorted({str(r.result.cost["baseline"]) for r in cell.runs})),
-        "status": "completed" if completed else cell.note,
-        "note": cell.note if completed else "",
+        "level": table.level,
+        "metric_low": metric.low if metric else None,
+        "metric_high": metric.high if metric else None,
+        "loss_n": loss.n if loss else 0,
+        "loss_mean": loss.mean if loss else None,
+        "loss_low": loss.low if loss else None,
+        "loss_high": loss.high if loss else None,
+        "against": table.against,
     }
+    for prefix, measure in (("diff", METRIC), ("loss_diff", LOSS)):
+        diff = None
+        if table.against is not None and row != table.against:
+            diff = table.difference(row, table.against, column, measure)
+        for key, value in _interval_fields(diff).items():
+            record[f"{prefix}_{key}"] = value
+    record.update(
+        {
+            "arith_ratio": arith,
+            "dram_ratio": dram,
+            "arith_reduction": 1 / arith if arith else None,
+            "dram_reduction": 1 / dram if dram else None,
+            "stash_bits_mean": cell.stash_bits_mean,
+            "baseline": "/".join(sorted({str(r.result.cost["baseline"]) for r in cell.runs})),
+            "status": "completed" if completed else cell.note,
+            "note": cell.note if completed else "",
+        }
+    )
+    return record
 
 
 def _filled_cells(table: Table):
@@ -567,10 +784,7 @@ def _filled_cells(table: Table):
 
 def cell_records(table: Table) -> list[dict]:
     """One record per (row, column) that has runs, in table order."""
-    return [
-        _cell_record(row, column, cell, table.row_quant[row])
-        for row, column, cell in _filled_cells(table)
-    ]
+    return [_cell_record(table, row, column, cell) for row, column, cell in _filled_cells(table)]
 
 
 def reference_records(table: Table) -> list[dict]:
@@ -616,13 +830,15 @@ def render_csv(table: Table) -> str:
 def as_json(table: Table) -> dict:
     cells: dict[str, dict] = {}
     for row, column, cell in _filled_cells(table):
-        record = _cell_record(row, column, cell, table.row_quant[row])
+        record = _cell_record(table, row, column, cell)
+        record["measures"] = measure_records(table, row, column, cell)
         record["runs"] = [
             {
                 "result": str(run.path),
                 "seed": run.result.seed,
                 "status": run.status,
                 "value": run.result.value,
+                "best_valid_loss": run.result.best_valid_loss,
                 "arith_ratio": run.result.cost["arith_ratio"],
                 "dram_ratio": run.result.cost["dram_ratio"],
                 "stash_bits_mean": run.result.stash_bits_mean,
@@ -640,6 +856,8 @@ def as_json(table: Table) -> dict:
             {"column": c.label, "task": c.task, "model": c.model, "metric": c.metric}
             for c in table.columns
         ],
+        "level": table.level,
+        "against": table.against,
         "cells": cells,
         "baselines": table.baselines,
         "reference": {"paper": dict(PAPER_REFERENCE), "ours": table.rebased()},
@@ -693,23 +911,66 @@ def stash_moves(table: Table) -> list[str]:
 def _point_stretches(segments: list[Mapping], point: str) -> str:
     """``q1 bfp2e8b16 for all 640 updates`` or ``q1 bfp2e8b16 1-240, bfp3e8b16 241-640 (moved
     after update 240)``: consecutive segments with the same format at ``point`` merged, segments
-    of no update left out. ``segments`` record at least one update."""
-    stretches: list[list] = []  # [format, first update, last update]
+    of no update left out. A stretch of updates where the formats repeat with a period (a
+    cyclic policy's) is one phrase, ``cycles bfp2e8b16 .. bfp8e8b16 (5 levels) every 35
+    updates, 32 periods (updates 1-1120)`` (`periodic_span`). ``segments`` record at least one
+    update."""
+    stretches: list[tuple[str, int, int]] = []  # (format, first update, last update)
     done = 0
     for segment in segments:
         fmt, count = segment["points"][point], int(segment["updates"])
         if count == 0:
             continue
         if stretches and stretches[-1][0] == fmt:
-            stretches[-1][2] = done + count
+            stretches[-1] = (fmt, stretches[-1][1], done + count)
         else:
-            stretches.append([fmt, done + 1, done + count])
+            stretches.append((fmt, done + 1, done + count))
         done += count
     if len(stretches) == 1:
         return f"{point} {stretches[0][0]} for all {done} updates"
-    parts = ", ".join(f"{fmt} {first}-{last}" for fmt, first, last in stretches)
-    moves = ", ".join(str(last) for _, _, last in stretches[:-1])
-    return f"{point} {parts} (moved after update {moves})"
+    span = periodic_span(stretches)
+    if span is None:
+        parts = ", ".join(f"{fmt} {first}-{last}" for fmt, first, last in stretches)
+        moves = ", ".join(str(last) for _, _, last in stretches[:-1])
+        return f"{point} {parts} (moved after update {moves})"
+    start, stop, period = span
+    first, last = stretches[start][1], stretches[stop - 1][2]
+    length = stretches[start + period - 1][2] - first + 1
+    levels = [fmt for fmt, _, _ in stretches[start : start + period]]
+    cycle = (
+        f"cycles {levels[0]} .. {levels[-1]} ({period} levels) every {length} updates, "
+        f"{(last - first + 1) / length:.3g} periods (updates {first}-{last})"
+    )
+    before = [f"{fmt} {a}-{b}" for fmt, a, b in stretches[:start]]
+    after = [f"{fmt} {a}-{b}" for fmt, a, b in stretches[stop:]]
+    return f"{point} " + ", ".join([*before, cycle, *after])
+
+
+def periodic_span(stretches: Sequence[tuple[str, int, int]]) -> tuple[int, int, int] | None:
+    """The longest run of ``stretches`` (format, first, last update) that repeats with a period
+    of ``k`` stretches, each the same format for the same number of updates as the one ``k``
+    before it, over at least two whole periods: ``(start, stop, k)``, stretches
+    ``start:stop``; the shortest ``k`` among equally long runs. None where nothing repeats."""
+
+    def same(i: int, j: int) -> bool:
+        (fa, a0, a1), (fb, b0, b1) = stretches[i], stretches[j]
+        return fa == fb and a1 - a0 == b1 - b0
+
+    best = None
+    n = len(stretches)
+    for k in range(1, n // 2 + 1):
+        j = 0
+        while j + k < n:
+            if not same(j, j + k):
+                j += 1
+                continue
+            start = j
+            while j + k < n and same(j, j + k):
+                j += 1
+            stop = j + k  # stretches start..stop repeat with period k
+            if stop - start >= 2 * k and (best is None or stop - start > best[1] - best[0]):
+                best = (start, stop, k)
+    return best
 
 
 # -- the trade-off frontier ---------------------------------------------------------------------
@@ -717,7 +978,9 @@ def _point_stretches(segments: list[Mapping], point: str) -> str:
 COSTS = (("arith_ratio", "arithmetic"), ("dram_ratio", "DRAM"))
 FRONTIER_HEADING = (
     "Pareto frontier (each row's mean metric against each cost ratio; a row is dominated when "
-    "another is at least as good and at least as cheap, and better or cheaper):"
+    "another is at least as good and at least as cheap, and better or cheaper; beside each "
+    "dominator, its metric minus the dominated row's, seed by seed, with its interval: the "
+    "dominance holds where that interval lies above 0, else it is unresolved at this n):"
 )
 
 
@@ -736,22 +999,66 @@ def dominators(points: Mapping[str, tuple[float, float]]) -> dict[str, list[str]
     }
 
 
-def frontier_lines(table: Table) -> list[str]:
+def frontier_records(table: Table) -> list[dict]:
     """Per column and cost ratio: the rows on the Pareto frontier of the column's metric (every
-    metric of the table is higher-is-better) against that ratio, then each dominated row with
-    the rows that dominate it. Rows with no completed run are left out."""
-    lines = []
+    metric of the table is higher-is-better) against that ratio by the rows' means, and each
+    dominated row with the rows that dominate it. Each dominance carries the paired difference
+    (dominator minus dominated, seed by seed, at the table's level) and whether it ``holds``:
+    that interval lies above 0. Otherwise it is unresolved at the seeds there are. Rows with no
+    completed run are left out."""
+    records = []
     for column in table.columns:
         cells = {row: cell for row in table.rows if (cell := table.cell(row, column))}
         done = {row: cell for row, cell in cells.items() if cell.completed}
         for key, name in COSTS:
             points = {row: (cell.metric_mean, cell.cost_mean(key)) for row, cell in done.items()}
             beaten = dominators(points)
-            on = [row for row in points if not beaten[row]]
-            off = [f"{row} by {', '.join(beaten[row])}" for row in points if beaten[row]]
-            label = f"{column.label} {_metric_label(column.metric)} against {name}"
-            line = f"{label}: on the frontier {', '.join(on) or '-'}"
-            lines.append(line + (f"; dominated: {'; '.join(off)}" if off else ""))
+            dominated = []
+            for row in points:
+                if not beaten[row]:
+                    continue
+                by = []
+                for other in beaten[row]:
+                    diff = table.difference(other, row, column, METRIC)
+                    holds = bool(diff and diff.low is not None and diff.low > 0)
+                    difference = diff.as_dict() if diff else None
+                    by.append({"row": other, "difference": difference, "holds": holds})
+                dominated.append({"row": row, "by": by})
+            records.append(
+                {
+                    "column": column.label,
+                    "metric": column.metric,
+                    "cost": name,
+                    "level": table.level,
+                    "on_frontier": [row for row in points if not beaten[row]],
+                    "dominated": dominated,
+                }
+            )
+    return records
+
+
+def frontier_lines(table: Table) -> list[str]:
+    """`frontier_records` as lines: per column and cost ratio, the rows on the frontier, each
+    dominated row with its dominators and, for each, the paired difference in the metric and
+    whether the dominance holds at the table's level or is unresolved at this n."""
+    lines = []
+    for record in frontier_records(table):
+        digits = metric_decimals(record["metric"])
+        label = f"{record['column']} {_metric_label(record['metric'])} against {record['cost']}"
+        line = f"{label}: on the frontier {', '.join(record['on_frontier']) or '-'}"
+        off = []
+        for dominated in record["dominated"]:
+            parts = []
+            for by in dominated["by"]:
+                diff = by["difference"]
+                if diff is None:
+                    parts.append(f"{by['row']} (no shared seed)")
+                    continue
+                text = interval_text(Interval(**diff), digits, signed=True, with_n=False)
+                verdict = "holds" if by["holds"] else "unresolved"
+                parts.append(f"{by['row']} ({text}, {verdict} at n={diff['n']})")
+            off.append(f"{dominated['row']} by {', '.join(parts)}")
+        lines.append(line + (f"; dominated: {'; '.join(off)}" if off else ""))
     return lines
 
 

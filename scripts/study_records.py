@@ -29,7 +29,8 @@ from dsq.atomic_files import write_atomic
 RECORDS = ("result.json", "metrics.jsonl", "schedule.jsonl", "config.yaml")
 OUTCOMES = ("completed", "diverged")
 ROOTS = ("results/table1-cpu", "results/ablations", "results/convergence-budget",
-         "results/convergence")  # fmt: skip
+         "results/convergence", "results/convergence-en-de-budget",
+         "results/convergence-en-de")  # fmt: skip
 MARKER = "<!-- dsq table results/table1-cpu -->"  # the one block docs/results.md must hold
 
 

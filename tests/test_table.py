@@ -20,6 +20,18 @@ from dsq_cli.cli import app
 
 runner = CliRunner()
 
+
+def mean_ci(values, digits, notes=""):
+    """The cell text of ``values``' mean and its 95% Student t interval, from scipy's t quantile
+    (an oracle independent of dsq_cli.intervals)."""
+    from scipy import stats
+
+    mean, sd = statistics.fmean(values), statistics.stdev(values)
+    half = stats.t.ppf(0.975, len(values) - 1) * sd / len(values) ** 0.5
+    return (f"{mean:.{digits}f} [{mean - half:.{digits}f}, {mean + half:.{digits}f}] "
+            f"(n={len(values)}{notes})")  # fmt: skip
+
+
 POINTS = {
     "fp32": {"q0": "fp32", "q1": "fp32", "q2": "fp32", "q3": "fp32"},
     "fixed16": {"q0": "fixed16", "q1": "fixed16", "q2": "fixed16", "q3": "fixed16"},
@@ -168,18 +180,16 @@ def test_glue_fractions_show_three_decimals_and_bleu_two(tmp_path):
     header, rows = parse_markdown(invoke("table", root).stdout)
     assert header[1] == "multi30k BLEU" and header[5] == "sst2 Acc"
     assert rows["fp32"][0] == "27.38" and rows["fp32"][4] == "0.862"
-    mean, std = statistics.fmean([0.86468, 0.86812]), statistics.stdev([0.86468, 0.86812])
-    assert rows["dsq"][4] == f"{mean:.3f} ± {std:.3f} (n=2)" == "0.866 ± 0.002 (n=2)"
+    assert rows["dsq"][4] == mean_ci([0.86468, 0.86812], 3) == "0.866 [0.845, 0.888] (n=2)"
 
 
 def test_markdown_seeds_give_mean_and_spread_and_count_what_did_not_complete(root):
     _, rows = parse_markdown(invoke("table", root).stdout)
     seeds = completed("dsq", "multi30k")
     values = [r[4] for r in seeds]
-    mean, std = statistics.fmean(values), statistics.stdev(values)
     arith = statistics.fmean(r[5] for r in seeds)
     bits = statistics.fmean(r[7] for r in seeds)
-    assert rows["dsq"][4] == f"{mean:.2f} ± {std:.2f} (n=2; +1 diverged)"
+    assert rows["dsq"][4] == mean_ci(values, 2, "; +1 diverged")
     assert rows["dsq"][5] == ratio_text(arith)
     assert rows["dsq"][7] == f"{bits:.3g}"
     assert rows["fixed16"][0] == "33.05 (+1 interrupted)"
@@ -284,7 +294,7 @@ def test_latex_is_a_booktabs_tabular_with_the_reference_as_footnote(root):
     assert text.startswith(r"\begin{tabular}{l" + "rrrr" * 2 + "}")
     assert text.rstrip().endswith(r"\end{tabular}")
     assert r"stash\_bfp & diverged & - & - & - & 26.93 & " in text
-    assert r"26.22 $\pm$ 0.27 (n=2; +1 diverged)" in text
+    assert mean_ci([26.4149, 26.0312], 2, "; +1 diverged") in text
     assert r"\multicolumn{9}{l}{\footnotesize reference, paper (IWSLT17" in text
 
 
@@ -446,7 +456,7 @@ def test_a_run_on_another_budget_gets_its_own_row(tmp_path):
     assert found.cell("dsq", multi30k).other_statuses == {"running": 1}
     assert found.cell("dsq (validate_every=40)", multi30k).metric_values == [20.0, 22.0]
     _, rows = parse_markdown(invoke("table", root).output)
-    assert rows["dsq (validate_every=40)"][0] == "21.00 ± 1.41 (n=2)"
+    assert rows["dsq (validate_every=40)"][0] == mean_ci([20.0, 22.0], 2)
     records = list(csv.DictReader(io.StringIO(invoke("table", root, "--format", "csv").output)))
     modified = {r["row"]: r["modified"] for r in records if r["kind"] == "result"}
     assert modified["dsq (validate_every=40)"] == "False"
@@ -499,7 +509,7 @@ def test_moves_lists_each_scheduled_runs_formats_over_its_updates(tmp_path):
     ]  # stash_bfp's stash is static: not listed
     refused = invoke("table", root, "--moves", "--format", "csv")
     assert refused.exit_code == 2
-    assert "--moves adds a markdown list" in refused.output
+    assert "--moves adds a list to markdown or json" in refused.output
 
 
 def test_dominators_need_one_strictly_better_side_and_equal_points_tie():
@@ -530,12 +540,12 @@ def test_frontier_lists_each_tasks_undominated_rows_per_cost(root):
         "- iwslt17 BLEU against arithmetic: on the frontier fp32, fixed16",
         "- iwslt17 BLEU against DRAM: on the frontier fp32, fixed16",
         "- multi30k BLEU against arithmetic: on the frontier fp32, fixed16, stash_bfp, dsq; "
-        "dominated: dsq* (q1=bfp3) by dsq",
+        "dominated: dsq* (q1=bfp3) by dsq (+0.21, unresolved at n=1)",
         "- multi30k BLEU against DRAM: on the frontier fp32, fixed16, stash_bfp, dsq; "
-        "dominated: dsq* (q1=bfp3) by dsq",
+        "dominated: dsq* (q1=bfp3) by dsq (+0.21, unresolved at n=1)",
     ]
-    refused = invoke("table", root, "--frontier", "--format", "json")
-    assert refused.exit_code == 2 and "--frontier adds a markdown list" in refused.output
+    refused = invoke("table", root, "--frontier", "--format", "csv")
+    assert refused.exit_code == 2 and "--frontier adds a list to markdown or json" in refused.output
 
 
 # -- stopping early and the scored checkpoint -------------------------------------------------
@@ -572,8 +582,8 @@ def test_early_stopping_runs_get_their_own_row_and_pool_wherever_they_stopped(tm
     assert found.cell("dsq", column).metric_values == [26.0, 27.0, 28.0]
     assert found.cell("dsq (stop_patience=4)", column).metric_values == [20.0, 22.0]
     _, rows = parse_markdown(invoke("table", root).output)
-    assert rows["dsq (stop_patience=4)"][0] == "21.00 ± 1.41 (n=2; 1 stopped early)"
-    assert rows["dsq"][0] == "27.00 ± 1.00 (n=3)"
+    assert rows["dsq (stop_patience=4)"][0] == mean_ci([20.0, 22.0], 2, "; 1 stopped early")
+    assert rows["dsq"][0] == mean_ci([26.0, 27.0, 28.0], 2) == "27.00 [24.52, 29.48] (n=3)"
 
 
 def test_checkpoint_option_shows_that_models_metric(tmp_path):
@@ -582,9 +592,9 @@ def test_checkpoint_option_shows_that_models_metric(tmp_path):
     write_run(root, scored(2, 28.0, 27.0))
     assert table.collect([root]).cell("dsq", table.collect([root]).columns[0]).metric_mean == 27
     _, rows = parse_markdown(invoke("table", root, "--checkpoint", "last").output)
-    assert rows["dsq"][0] == "26.00 ± 1.41 (n=2)"
+    assert rows["dsq"][0] == mean_ci([25.0, 27.0], 2)
     _, rows = parse_markdown(invoke("table", root, "--checkpoint", "best").output)
-    assert rows["dsq"][0] == "27.00 ± 1.41 (n=2)"
+    assert rows["dsq"][0] == mean_ci([26.0, 28.0], 2)
     refused = invoke("table", root, "--checkpoint", "middle")
     assert refused.exit_code == 2 and "--checkpoint must be best or last" in refused.output
 
@@ -601,7 +611,7 @@ def test_checkpoint_option_on_runs_written_before_checkpoints(tmp_path):
     assert "records no score of its best model" in result.stderr
     assert parse_markdown(result.stdout)[1]["dsq"][0] == "28.00"
     assert parse_markdown(invoke("table", root, "--checkpoint", "last").stdout)[1]["dsq"][0] == (
-        "26.50 ± 0.71 (n=2)"
+        mean_ci([26.0, 27.0], 2)
     )
     from dsq_cli.run_result import RunResult
 

@@ -1,0 +1,243 @@
+"""Intervals in `dsq table` (docs/table.md, "Intervals"): the Student t quantile against scipy
+and textbook values, each cell's interval and the paired differences of ``--against`` checked
+by hand from the records, the frontier's dominances that hold and those unresolved, and
+``--moves`` on a periodic schedule."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from dsq_cli import table
+from dsq_cli.cli import app
+from dsq_cli.intervals import mean_interval, paired_interval, t_quantile
+
+runner = CliRunner()
+REPO = Path(__file__).resolve().parents[1]
+CONVERGENCE = REPO / "results" / "convergence"
+
+
+def invoke(*args):
+    return runner.invoke(app, ["table", *map(str, args)])
+
+
+# -- the t quantile -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "df, quantile",  # two-sided 95% critical values, from any t table
+    [(1, 12.706), (2, 4.303), (3, 3.182), (4, 2.776), (9, 2.262), (30, 2.042)],
+)
+def test_t_quantile_matches_the_textbook_table(df, quantile):
+    assert t_quantile(0.975, df) == pytest.approx(quantile, abs=5e-4)
+
+
+def test_t_quantile_matches_scipy_across_levels_and_degrees_of_freedom():
+    stats = pytest.importorskip("scipy.stats")
+    for df in (1, 2, 3, 4, 5, 7, 12, 30, 120, 1000):
+        for p in (0.55, 0.9, 0.95, 0.975, 0.995, 0.9995, 0.05, 0.025):
+            assert t_quantile(p, df) == pytest.approx(stats.t.ppf(p, df), rel=1e-9, abs=1e-9)
+    with pytest.raises(ValueError, match="0 < p < 1"):
+        t_quantile(1.0, 3)
+    with pytest.raises(ValueError, match="degree of freedom"):
+        t_quantile(0.9, 0)
+
+
+def test_mean_and_paired_intervals():
+    one = mean_interval([27.5])
+    assert (one.mean, one.n, one.low, one.high) == (27.5, 1, None, None)
+    values = [28.22, 27.52, 27.9]
+    interval = mean_interval(values, 0.9)
+    half = t_quantile(0.95, 2) * statistics.stdev(values) / math.sqrt(3)
+    assert interval.low == pytest.approx(statistics.fmean(values) - half)
+    assert interval.high == pytest.approx(statistics.fmean(values) + half)
+    # paired: only the shared keys, row minus the other
+    diff = paired_interval({1: 5.0, 2: 6.0, 3: 7.5, 4: 1.0}, {1: 4.0, 2: 4.5, 3: 6.5})
+    assert diff.n == 3 and diff.mean == pytest.approx((1.0 + 1.5 + 1.0) / 3)
+    assert diff.excludes_zero
+    assert paired_interval({1: 1.0}, {2: 1.0}) is None
+
+
+# -- one interval by hand, from the committed records --------------------------------------------
+
+
+def _records(row_dir: str) -> dict[int, dict]:
+    out = {}
+    for path in sorted(CONVERGENCE.glob(f"seed*/{row_dir}/result.json")):
+        result = json.loads(path.read_text())
+        if result["status"] == "completed":
+            out[result["seed"]] = result
+    return out
+
+
+def test_against_json_gives_mean_n_interval_and_paired_difference_by_hand():
+    """`dsq table results/convergence --against fp32 --format json`: dsq's BLEU interval and its
+    paired difference from fp32 in BLEU and best validation loss, recomputed here from the
+    result.json files with the t quantile and the sample standard deviation."""
+    stats = pytest.importorskip("scipy.stats")
+    fp32, dsq = _records("quant-fp32"), _records("quant-dsq")
+    assert len(fp32) >= 2 and len(dsq) >= 2
+    result = invoke(CONVERGENCE, "--against", "fp32", "--format", "json")
+    assert result.exit_code == 0, result.output
+    cell = json.loads(result.stdout)["cells"]["dsq"]["multi30k"]
+
+    bleu = [r["value"] for r in dsq.values()]
+    n = len(bleu)
+    half = stats.t.ppf(0.975, n - 1) * statistics.stdev(bleu) / math.sqrt(n)
+    measure = cell["measures"]["bleu"]
+    assert measure["n"] == n and measure["level"] == 0.95
+    assert measure["mean"] == pytest.approx(statistics.fmean(bleu))
+    assert measure["low"] == pytest.approx(statistics.fmean(bleu) - half)
+    assert measure["high"] == pytest.approx(statistics.fmean(bleu) + half)
+
+    for key, name in (("value", "bleu"), ("best_valid_loss", "best_valid_loss")):
+        seeds = sorted(set(fp32) & set(dsq))
+        diffs = [dsq[s][key] - fp32[s][key] for s in seeds]
+        half = stats.t.ppf(0.975, len(diffs) - 1) * statistics.stdev(diffs) / math.sqrt(len(diffs))
+        difference = cell["measures"][name]["difference"]
+        assert difference["against"] == "fp32" and difference["n"] == len(seeds)
+        assert difference["mean"] == pytest.approx(statistics.fmean(diffs))
+        assert difference["low"] == pytest.approx(statistics.fmean(diffs) - half)
+        assert difference["high"] == pytest.approx(statistics.fmean(diffs) + half)
+    # the against row has no difference from itself; the CSV carries the same numbers
+    itself = json.loads(result.stdout)["cells"]["fp32"]["multi30k"]["measures"]["bleu"]
+    assert itself["difference"]["n"] == 0
+    csv_text = invoke(CONVERGENCE, "--against", "fp32", "--format", "csv").stdout
+    import csv
+    import io
+
+    row = next(r for r in csv.DictReader(io.StringIO(csv_text)) if r["row"] == "dsq")
+    assert float(row["diff_mean"]) == pytest.approx(cell["diff_mean"])
+    assert float(row["loss_diff_low"]) == pytest.approx(cell["loss_diff_low"])
+    assert row["against"] == "fp32" and float(row["level"]) == 0.95
+
+
+# -- synthetic rows: resolved and unresolved dominance --------------------------------------------
+
+
+def _run(root: Path, preset: str, points: dict, seed: int, bleu: float, loss: float, arith, dram):
+    run_dir = root / f"{preset}-seed{seed}"
+    run_dir.mkdir(parents=True)
+    result = {
+        "status": "completed",
+        "task": "multi30k",
+        "model": "transformer_tiny",
+        "seed": seed,
+        "quant": {"preset": preset, **points, "stash_scope": "gemm", "modified": False},
+        "metric": "bleu",
+        "value": bleu,
+        "bleu": bleu,
+        "valid_loss": loss,
+        "best_valid_loss": loss,
+        "updates": 640,
+        "cost": {"arith_ratio": arith, "dram_ratio": dram, "baseline": "fixed32"},
+        "stash_bits_mean": 4.5,
+        "wall_seconds": 100.0,
+        "versions": {"python": "3.11.7", "torch": "2.13.0+cpu"},
+    }
+    (run_dir / "result.json").write_text(json.dumps(result))
+
+
+@pytest.fixture
+def paired_root(tmp_path):
+    """fp32 and two cheaper rows over 4 seeds: ``cheap_better`` beats fp32 by 1 BLEU on every
+    seed, give or take 0.1 (the dominance holds); ``cheap_noisy`` by 0.2 on average with a spread
+    of a point (unresolved)."""
+    root = tmp_path / "runs"
+    fp32 = {p: "fp32" for p in ("q0", "q1", "q2", "q3")}
+    bfp = {p: "bfp8" for p in ("q0", "q1", "q2", "q3")}
+    base = {1: 27.0, 2: 28.0, 3: 27.5, 4: 26.5}
+    for seed, value in base.items():
+        _run(root, "fp32", fp32, seed, value, 5.2, 1.0, 1.0)
+        _run(root, "bfp8", bfp, seed, value + 1.0 + 0.1 * (-1) ** seed, 5.1, 0.06, 0.27)
+        _run(root, "bfp6", {p: "bfp6" for p in bfp}, seed, value + [1.2, -0.8, 1.1, -0.7][seed - 1],
+             5.2, 0.035, 0.2)  # fmt: skip
+    return root
+
+
+def test_frontier_says_which_dominances_hold_and_which_are_unresolved(paired_root):
+    found = table.collect([paired_root])
+    records = {r["cost"]: r for r in table.frontier_records(found)}
+    arithmetic = records["arithmetic"]
+    assert arithmetic["on_frontier"] == ["bfp8", "bfp6"]
+    (fp32,) = arithmetic["dominated"]
+    verdicts = {by["row"]: by["holds"] for by in fp32["by"]}
+    assert verdicts == {"bfp8": True, "bfp6": False}
+    by_bfp8 = next(by for by in fp32["by"] if by["row"] == "bfp8")
+    assert by_bfp8["difference"]["n"] == 4 and by_bfp8["difference"]["low"] > 0
+    line = table.frontier_lines(found)[0]
+    assert "fp32 by bfp8 (+1.00 [" in line and "holds at n=4" in line
+    assert "bfp6 (+0.20 [" in line and "unresolved at n=4" in line
+    as_json = json.loads(invoke(paired_root, "--frontier", "--format", "json").stdout)
+    assert as_json["frontier"] == table.frontier_records(found)
+
+
+def test_against_markdown_and_level(paired_root):
+    result = invoke(paired_root, "--against", "fp32", "--level", "0.9")
+    assert result.exit_code == 0, result.output
+    assert "90% interval" in result.stdout
+    grid = result.stdout.split("Paired differences from fp32")[1]
+    line = next(x for x in grid.splitlines() if x.startswith("| bfp8 |"))
+    diff = paired_interval(
+        {s: v + 1.0 + 0.1 * (-1) ** s for s, v in {1: 27.0, 2: 28.0, 3: 27.5, 4: 26.5}.items()},
+        {1: 27.0, 2: 28.0, 3: 27.5, 4: 26.5},
+        0.9,
+    )
+    assert f"+1.00 [{diff.low:+.2f}, {diff.high:+.2f}] (n=4)" in line
+    assert "-0.100 [-0.100, -0.100] (n=4)" in line  # loss: 5.1 against 5.2 on every seed
+    latex = invoke(paired_root, "--against", "fp32", "--format", "latex").stdout
+    assert latex.count(r"\begin{tabular}") == 2
+
+
+def test_bad_against_or_level_is_a_one_line_usage_error(paired_root):
+    unknown = invoke(paired_root, "--against", "fp16")
+    assert unknown.exit_code == 2
+    assert "--against 'fp16' is no row of this table; its rows: fp32, bfp8, bfp6" in unknown.output
+    bad = invoke(paired_root, "--level", "95")
+    assert bad.exit_code == 2 and "--level is a confidence level between 0 and 1" in bad.output
+
+
+def test_two_runs_of_one_seed_are_not_paired_and_are_named(paired_root):
+    extra = paired_root / "again"
+    _run(extra, "bfp8", {p: "bfp8" for p in ("q0", "q1", "q2", "q3")}, 1, 30.0, 5.0, 0.06, 0.27)
+    found = table.collect([paired_root], against="fp32")
+    assert any("several completed runs share a seed" in w for w in found.warnings)
+    assert found.difference("bfp8", "fp32", found.columns[0], table.METRIC) is None
+
+
+# -- --moves on a periodic schedule -------------------------------------------------------------
+
+
+def test_periodic_span_finds_the_cycle_between_aperiodic_stretches():
+    lengths, levels = [7, 5, 8, 9, 6], ["b2", "b3", "b4", "b6", "b8"]
+    stretches, update = [("b8", 1, 3)], 3  # a stretch before the cycles start
+    for _ in range(4):
+        for fmt, length in zip(levels, lengths):
+            stretches.append((fmt, update + 1, update + length))
+            update += length
+    stretches.append(("b2", update + 1, update + 100))  # and one after: longer than a period's
+    assert table.periodic_span(stretches) == (1, 21, 5)
+    assert table.periodic_span([("a", 1, 5), ("b", 6, 9), ("a", 10, 20)]) is None
+    segments = [
+        {"points": {"q1": fmt}, "updates": last - first + 1} for fmt, first, last in stretches
+    ]
+    text = table._point_stretches(segments, "q1")
+    assert text == (
+        "q1 b8 1-3, cycles b2 .. b8 (5 levels) every 35 updates, 4 periods (updates 4-143), "
+        "b2 144-243"
+    )
+
+
+def test_moves_prints_one_short_line_per_cyclic_run():
+    result = invoke(CONVERGENCE, "--moves")
+    assert result.exit_code == 0, result.output
+    cyclic = [x for x in result.stdout.splitlines() if "q1.policy=cyclic" in x and "seed" in x]
+    assert len(cyclic) >= 2
+    for line in cyclic:
+        assert len(line) < 200, line
+        assert "cycles bfp2e8b16 .. bfp8e8b16 (5 levels) every 35 updates, 32 periods" in line
