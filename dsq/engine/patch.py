@@ -19,6 +19,7 @@ from torch import nn
 
 from .config import QuantConfig
 from .functions import dsq_linear
+from .masks import dsq_dropout, dsq_relu
 
 
 class DSQLinear(nn.Linear):
@@ -31,6 +32,26 @@ class DSQLinear(nn.Linear):
         return dsq_linear(x, self.weight, self.bias, self.dsq_cfg)
 
 
+class DSQReLU(nn.ReLU):
+    """An ``nn.ReLU`` whose backward pass holds one bit per value (`dsq.engine.masks`): the same
+    values and gradients."""
+
+    def forward(self, x):
+        return dsq_relu(x, self.inplace)
+
+
+class DSQDropout(nn.Dropout):
+    """An ``nn.Dropout`` whose backward pass holds its mask as bits (`dsq.engine.masks`): the
+    same random numbers, values and gradients."""
+
+    def forward(self, x):
+        return dsq_dropout(x, self.p, self.training, self.inplace)
+
+
+# Modules re-classed to save bit masks (exact types: Dropout1d/2d drop whole channels).
+MASK_MODULES = {nn.ReLU: DSQReLU, nn.Dropout: DSQDropout}
+
+
 @dataclasses.dataclass
 class PatchReport:
     """What ``quantize_model`` patched and what it left as it was."""
@@ -38,6 +59,8 @@ class PatchReport:
     linears: list[str] = dataclasses.field(default_factory=list)  # Linear and Conv1D layers
     attention: list[str] = dataclasses.field(default_factory=list)
     excluded: list[str] = dataclasses.field(default_factory=list)
+    #: ReLUs and dropouts whose backward pass holds bit masks (dsq.engine.masks)
+    masks: list[str] = dataclasses.field(default_factory=list)
     left: dict[str, int] = dataclasses.field(default_factory=dict)  # module type -> count
     stash_scope: str = "gemm"
     #: GEMMs that will run unquantized: "name (why)", for layers and attention left as they were
@@ -56,7 +79,8 @@ class PatchReport:
         return (
             f"DSQ patched {len(self.linears)} Linear layers and {self.attention_products} "
             f"attention products in {len(self.attention)} attention modules; excluded "
-            f"{len(self.excluded)} ({', '.join(self.excluded) or 'none'}); stash_scope="
+            f"{len(self.excluded)} ({', '.join(self.excluded) or 'none'}); ReLU and dropout "
+            f"masks held as bits in {len(self.masks)}; stash_scope="
             f"{self.stash_scope}; left unquantized: {left}; GEMMs left unquantized: "
             f"{unquantized}{notes}"
         )
@@ -130,6 +154,10 @@ def patch_model(
             else:
                 make_dsq_linear(module, cfg)
                 report.linears.append(name)
+        elif type(module) in MASK_MODULES:
+            if not _excluded(name, exclude):
+                module.__class__ = MASK_MODULES[type(module)]
+                report.masks.append(name)
         elif not list(module.children()) and any(True for _ in module.parameters(False)):
             kind = type(module).__name__
             report.left[kind] = report.left.get(kind, 0) + 1
@@ -190,15 +218,25 @@ class _PackedSave:
         self.requires_grad = requires_grad
 
 
+# A saved tensor is packed when its rows (the last axis, along which it is packed) hold at least
+# one block of the stash format: layer-norm inputs, softmax outputs, activation inputs. Shorter
+# rows are per-row statistics (a layer norm's mean and reciprocal deviation, one value a row),
+# which a block of one value would round to a power of two; they stay as they are.
+STASH_ALL_MIN_ROW = 16
+
+
 def stash_all_hooks(cfg: QuantConfig):
     """Saved-tensor hooks that pack every floating activation autograd saves in q1 (the stash
-    format), leaving parameters, non-floating tensors and tiny tensors as they are."""
+    format), leaving parameters, non-floating tensors (bit masks, indices), tensors of rows
+    shorter than `STASH_ALL_MIN_ROW` and tiny tensors as they are."""
 
     def pack(t: torch.Tensor):
         if (
             not t.is_floating_point()
             or isinstance(t, nn.Parameter)
             or t.numel() < 64
+            or t.dim() == 0
+            or t.shape[-1] < STASH_ALL_MIN_ROW
             or (t.is_leaf and t.requires_grad)
         ):
             return t

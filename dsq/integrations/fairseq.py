@@ -14,11 +14,12 @@ import contextvars
 import types
 
 import torch
-from fairseq.modules import multihead_attention
+from fairseq.modules import fairseq_dropout, multihead_attention, transformer_layer
 from torch import nn
 
 from dsq.engine.config import QuantConfig
 from dsq.engine.functions import dsq_matmul
+from dsq.engine.masks import dsq_dropout, dsq_relu
 from dsq.engine.patch import PatchReport
 
 from . import register_patcher
@@ -76,4 +77,39 @@ class MultiheadAttentionPatcher:
             multihead_attention.torch = _TorchWithDSQBmm()
 
 
+class DSQFairseqDropout(fairseq_dropout.FairseqDropout):
+    """fairseq's dropout module with its mask held as bits (`dsq.engine.masks`)."""
+
+    def forward(self, x, inplace: bool = False):
+        if self.p > 0 and (self.training or self.apply_during_inference):
+            return dsq_dropout(x, p=self.p, training=True, inplace=inplace)
+        return x
+
+
+_LAYERS = (transformer_layer.TransformerEncoderLayerBase,
+           transformer_layer.TransformerDecoderLayerBase)  # fmt: skip
+
+
+class MaskPatcher:
+    """fairseq's dropout modules and its transformer layers' ReLU (a function the layer holds,
+    ``activation_fn``): their backward passes hold bit masks (`dsq.engine.masks`), with the same
+    values and gradients."""
+
+    def claims(self, module: nn.Module) -> bool:
+        if type(module) is fairseq_dropout.FairseqDropout:
+            return True
+        return isinstance(module, _LAYERS) and module.activation_fn is torch.nn.functional.relu
+
+    def patch(self, name: str, module: nn.Module, cfg: QuantConfig, report: PatchReport) -> None:
+        if isinstance(module, _LAYERS):
+            module.activation_fn = dsq_relu
+        else:
+            module.__class__ = DSQFairseqDropout
+        report.masks.append(name)
+
+    def finish(self, model, cfg, report, excluded) -> None:
+        pass
+
+
 register_patcher("fairseq", MultiheadAttentionPatcher())
+register_patcher("fairseq", MaskPatcher())
