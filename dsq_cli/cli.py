@@ -191,42 +191,61 @@ def _choices(option: str, text: str, allowed) -> tuple[str, ...]:
     return chosen
 
 
+CHECKPOINTING = {"off": False, "on": True}
+
+
+def _variant_options(checkpointing: str) -> tuple[bool, ...]:
+    chosen = _choices("--checkpointing", checkpointing, CHECKPOINTING)
+    return tuple(CHECKPOINTING[c] for c in chosen)
+
+
 @bench_app.command("step")
 @usage_errors
 def bench_step(
     presets: str = typer.Option(
-        "fp32,stash_bfp,dsq",
-        help="Comma-separated quant presets (conf/quant/); the first is the baseline.",
+        "fp32,amp_bf16,bfp8,dsq",
+        help="Comma-separated quant presets (conf/quant/). Every row is reported as a multiple "
+        "of fp32's and amp_bf16's (torch.autocast bf16) where those are among them.",
     ),
     layers: int = typer.Option(3, min=1, help="Encoder and decoder layers."),
     width: int = typer.Option(256, min=64, help="Model width (heads of 64)."),
     tokens: int = typer.Option(2048, min=16, help="Source tokens per batch."),
     src_len: int = typer.Option(32, min=2, help="Sentence length."),
     vocab: int = typer.Option(8000, min=16, help="Vocabulary size (source and target)."),
-    repeats: int = typer.Option(5, min=1, help="Timed steps per preset (median reported)."),
+    repeats: int = typer.Option(5, min=1, help="Timed steps per row (median reported)."),
     scopes: str = typer.Option(
         "gemm,all",
-        help="Comma-separated stash scopes timed for every preset but fp32: gemm (GEMM inputs "
+        help="Comma-separated stash scopes timed for every patched preset: gemm (GEMM inputs "
         "only, the paper's) and all (every saved activation).",
     ),
     gemm_units: str = typer.Option(
         "auto",
-        help="Comma-separated quant.gemm_unit settings timed for every preset but fp32: auto "
+        help="Comma-separated quant.gemm_unit settings timed for every patched preset: auto "
         "(each GEMM on the fastest unit exact for its operands, e.g. bf16) and fp32 (every GEMM "
         "in float32).",
     ),
-    quantize_head: bool = typer.Option(
+    checkpointing: str = typer.Option(
+        "off",
+        help="Comma-separated: off, on (every encoder and decoder layer checkpointed, as "
+        "train.activation_checkpointing=true), for every preset.",
+    ),
+    fp32_head: bool = typer.Option(
         False,
-        "--quantize-head",
-        help="Quantize the output projection too, as dsq train does. Without it the projection "
-        "(width x vocab, the step's largest GEMMs) stays fp32 in every row, so the rows compare "
-        "what each preset does to the layers.",
+        "--fp32-head",
+        help="Leave the output projection (width x vocab, the step's largest GEMMs) fp32 in every "
+        "row. By default it is quantized as each preset says, as dsq train runs it.",
+    ),
+    loss_chunk: int = typer.Option(
+        1024,
+        min=0,
+        help="Tokens per chunk of the output layer and its loss (0: the whole batch at once); "
+        "dsq train's train.loss_chunk_tokens.",
     ),
     device: str = typer.Option("cpu", help="cpu or cuda."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ):
-    """Time a training step of a small fairseq transformer per quant preset, stash scope and
-    GEMM unit setting, side by side."""
+    """Time a training step of a small fairseq transformer per quant preset, stash scope, GEMM
+    unit setting and checkpointing, side by side."""
     from dsq.engine.config import STASH_SCOPES
     from dsq.engine.units import SETTINGS
     from dsq_cli.bench import step
@@ -234,10 +253,11 @@ def bench_step(
     names = _preset_names(presets)
     scope_list = _choices("--scopes", scopes, STASH_SCOPES)
     unit_list = _choices("--gemm-units", gemm_units, SETTINGS)
+    ckpt = _variant_options(checkpointing)
     _check_device(device)
     result = step.run(
         names, layers, width, tokens, src_len, repeats, vocab, device=device, scopes=scope_list,
-        gemm_units=unit_list, quantize_head=quantize_head,
+        gemm_units=unit_list, checkpointing=ckpt, fp32_head=fp32_head, loss_chunk=loss_chunk,
     )  # fmt: skip
     _print_bench(result, as_json, step.format_table)
 
@@ -264,28 +284,43 @@ def bench_memory(
         ..., help="Memory for one training step: 2GiB, 512MiB, 1.5GB (KiB/MiB/GiB: 1024)."
     ),
     presets: str = typer.Option(
-        "fp32,stash_bfp,dsq",
-        help="Comma-separated quant presets (conf/quant/); the first is the baseline.",
+        "fp32,amp_bf16,dsq",
+        help="Comma-separated quant presets (conf/quant/). Every row is reported as a multiple "
+        "of fp32's and amp_bf16's (torch.autocast bf16) where those are among them.",
     ),
     layers: int = typer.Option(3, min=1, help="Encoder and decoder layers."),
     width: int = typer.Option(256, min=64, help="Model width (heads of 64)."),
     src_len: int = typer.Option(32, min=2, help="Sentence length."),
     vocab: int = typer.Option(8000, min=16, help="Vocabulary size (source and target)."),
-    scope: str = typer.Option("gemm", help="Stash scope of every preset but fp32: gemm or all."),
+    scopes: str = typer.Option(
+        "gemm,all", help="Comma-separated stash scopes of every patched preset: gemm, all."
+    ),
+    checkpointing: str = typer.Option(
+        "off", help="Comma-separated: off, on (every layer checkpointed), for every preset."
+    ),
+    fp32_head: bool = typer.Option(
+        False, "--fp32-head", help="Leave the output projection fp32 in every row."
+    ),
+    loss_chunk: int = typer.Option(
+        1024, min=0, help="Tokens per chunk of the output layer and its loss (0: whole)."
+    ),
     device: str = typer.Option("cpu", help="cpu or cuda."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ):
     """The largest batch (whole sentences) whose training step's peak memory fits the budget,
-    per quant preset, side by side."""
+    per quant preset, stash scope and checkpointing, side by side."""
     from dsq.engine.config import STASH_SCOPES
     from dsq_cli.bench import memory
 
     size = memory.parse_size(budget)
     names = _preset_names(presets)
-    if scope not in STASH_SCOPES:
-        raise ValueError(f"--scope: unknown scope {scope!r}; choose from {list(STASH_SCOPES)}")
+    scope_list = _choices("--scopes", scopes, STASH_SCOPES)
+    ckpt = _variant_options(checkpointing)
     _check_device(device)
-    result = memory.run(names, size, layers, width, src_len, vocab, device=device, scope=scope)
+    result = memory.run(
+        names, size, layers, width, src_len, vocab, device=device, scopes=scope_list,
+        checkpointing=ckpt, fp32_head=fp32_head, loss_chunk=loss_chunk,
+    )  # fmt: skip
     _print_bench(result, as_json, memory.format_table)
 
 

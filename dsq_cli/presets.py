@@ -22,12 +22,14 @@ TABLE1_ORDER = (
     "dsq",
 )
 # Presets of conf/quant/ that are not rows of the paper's Table 1, shown after them: a variant the
-# ablations of docs/results.md found worth naming, bf16, the baseline readers now compare with,
+# ablations of docs/results.md found worth naming, bf16 and amp_bf16 (torch.autocast), the
+# baselines readers now compare with,
 # bfp6 (the CPU-scale frontier) with DSQ's rising stash, the convergence study's design, and the
 # static-stash controls that study compares each rising stash with.
 BEYOND_TABLE1 = (
     "dsq_bfp3",
     "bf16",
+    "amp_bf16",
     "bfp6_rising_stash",
     "bfp6_stash_bfp3",
     "bfp6_stash_bfp4",

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dsq_cli.bench.memory import largest_fitting, parse_size
-from dsq_cli.bench.step import Batch, Setup, allocated_during, replay_peak
+from dsq_cli.bench.step import Batch, Setup, Variant, allocated_during, replay_peak
 
 CPU = torch.device("cpu")
 MIB = 2**20
@@ -59,14 +59,22 @@ class TinyTranslator(torch.nn.Module):
         self.embed = torch.nn.Embedding(vocab, width)
         self.out = torch.nn.Linear(width, vocab)
 
-    def forward(self, src, lengths, prev):
-        return self.out(torch.relu(self.embed(prev))), None
+        self.decoder = self  # fairseq's shape: model.decoder.output_layer, .output_projection
+        self.output_projection = self.out
+
+    def output_layer(self, features):
+        return self.out(features)
+
+    def forward(self, src, lengths, prev, features_only=False):
+        features = torch.relu(self.embed(prev))
+        return (features if features_only else self.out(features)), None
 
 
 def test_step_memory_counts_the_state_once_and_the_step_above_it():
     torch.manual_seed(0)
     model = TinyTranslator()
-    setup = Setup("fp32", {}, model, torch.optim.Adam(model.parameters()))
+    whole = Variant(loss_chunk=0)  # the logits of the whole batch at once
+    setup = Setup("fp32", {}, model, torch.optim.Adam(model.parameters()), whole)
     batch = Batch.random(sentences=8, src_len=16, vocab=100, dev=CPU)
     setup.step(batch)  # Adam's state exists from here on
     memory = setup.memory(batch)

@@ -107,7 +107,8 @@ def test_bench_quant_json_on_a_small_tensor():
 @pytest.mark.parametrize("preset", sorted((REPO / "conf" / "quant").glob("*.yaml")))
 def test_quant_presets_name_valid_formats(preset):
     cfg = yaml.safe_load(preset.read_text())
-    assert set(cfg) == {"q0", "q1", "q2", "q3", "stash_scope", "rounding"}
+    assert set(cfg) - {"engine"} == {"q0", "q1", "q2", "q3", "stash_scope", "rounding"}
+    assert cfg.get("engine", "dsq") in ("dsq", "autocast")
     assert cfg["stash_scope"] in ("gemm", "all")
     assert cfg["rounding"] == {p: "nearest" for p in ("q0", "q1", "q2", "q3")}  # the paper's
     for point in ("q0", "q1", "q2", "q3"):
@@ -156,12 +157,13 @@ def test_bench_step_json_on_a_tiny_transformer():
             "8",
             "--repeats",
             "1",
+            "--fp32-head",  # the rows differ in their layers only
             "--json",
         ],
     )
     assert result.exit_code == 0, result.output
     data = json.loads(result.output[result.output.index("{") :])
-    assert data["head"] == "fp32"  # the output projection fp32 in every row unless asked
+    assert data["head"] == "fp32"
     rows = {(r["preset"], r["scope"]): r for r in data["rows"]}
     # fp32 has no stash to scope; every other preset is timed with both scopes
     assert set(rows) == {("fp32", "gemm"), ("stash_bfp", "gemm"), ("stash_bfp", "all")}
@@ -193,7 +195,8 @@ def test_bench_step_unknown_scope_is_one_line_exit_2():
     [
         (["--budget", "2XB"], "--budget: expected a size like 2GiB, 512MiB or 1.5GB, got '2XB'"),
         (["--budget", "1GiB", "--presets", "fp32,dsq9"], "unknown quant preset 'dsq9'"),
-        (["--budget", "1GiB", "--scope", "some"], "--scope: unknown scope 'some'"),
+        (["--budget", "1GiB", "--scopes", "some"], "--scopes: unknown value(s) ['some']"),
+        (["--budget", "1GiB", "--checkpointing", "yes"], "--checkpointing: unknown value(s)"),
     ],
 )
 def test_bench_memory_bad_input_is_one_line_exit_2(args, needle):
@@ -207,19 +210,21 @@ def test_bench_memory_bad_input_is_one_line_exit_2(args, needle):
 def test_bench_memory_finds_the_largest_batch_that_fits():
     pytest.importorskip("fairseq")
     shape = ["--layers", "1", "--width", "64", "--src-len", "8", "--vocab", "1000"]
-    args = ["--budget", "24MiB", "--presets", "fp32,stash_bfp", "--scope", "all", *shape]
+    args = ["--budget", "24MiB", "--presets", "fp32,stash_bfp", "--scopes", "all", *shape]
     result = runner.invoke(app, ["bench", "memory", *args, "--json"])
     assert result.exit_code == 0, result.output
     data = json.loads(result.output[result.output.index("{") :])
-    assert data["budget_mb"] == 24 and data["scope"] == "all"
+    assert data["budget_mb"] == 24 and data["loss_chunk"] == 1024
     fp32, bfp = data["rows"]
+    assert (fp32["row"], bfp["row"]) == ("fp32", "stash_bfp all")
     for row in (fp32, bfp):
         assert row["tokens"] % 8 == 0 and row["tokens"] > 0
         assert row["peak_mb"] <= 24  # it fits, and one sentence more does not
         probes = {p["tokens"]: p["peak_mb"] for p in row["probes"]}
         assert probes[row["tokens"]] == row["peak_mb"] and probes[row["tokens"] + 8] > 24
-    assert fp32["x_first"] == 1 and bfp["tokens"] > fp32["tokens"]
-    assert bfp["x_first"] == pytest.approx(bfp["tokens"] / fp32["tokens"])
+    assert fp32["x_fp32"] == 1 and bfp["tokens"] > fp32["tokens"]
+    assert bfp["x_fp32"] == pytest.approx(bfp["tokens"] / fp32["tokens"])
+    assert bfp["x_amp_bf16"] is None  # amp_bf16 was not measured
 
 
 @pytest.mark.slow
@@ -230,4 +235,6 @@ def test_bench_step_prints_its_table():
     assert result.exit_code == 0, result.output
     assert "fp32" in result.output and "dsq" in result.output
     assert "torch" in result.output  # the machine line above the table
-    assert "(output projection fp32 in every row)" in result.output
+    assert "(output projection quantized as each preset says, as dsq train runs it;" in (
+        result.output
+    )

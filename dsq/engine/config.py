@@ -28,9 +28,14 @@ POINT_HELP = {
 }
 STASH_SCOPES = ("gemm", "all")
 POINTS = ("q0", "q1", "q2", "q3")  # the four quantization points (docs/dsq.md); defined once, here
+# How a config trains a model (docs/dsq.md, "Autocast: the baseline users run"): ``dsq``, the
+# model patched with DSQ's layers; ``autocast``, the model as it is under ``torch.autocast`` in
+# the points' 16-bit float, the mixed precision users run instead of dsq.
+ENGINES = ("dsq", "autocast")
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # the keys of a quant config (a conf/quant preset, result.json's quant): the points, the stash
-# scope, the rounding of each point and where its GEMMs run
-QUANT_KEYS = (*POINTS, "stash_scope", "rounding", "gemm_unit")
+# scope, the rounding of each point, where its GEMMs run and the engine that trains
+QUANT_KEYS = (*POINTS, "stash_scope", "rounding", "gemm_unit", "engine")
 
 
 def _as_schedule(point: str, value) -> Schedule:
@@ -85,7 +90,10 @@ class QuantConfig:
         rounding: Mapping[str, str] | None = None,
         seed: int = 0,
         gemm_unit: str = "auto",
+        engine: str = "dsq",
     ):
+        if engine not in ENGINES:
+            raise ValueError(f"quant.engine={engine!r} is not an engine; choose one of {ENGINES}")
         if stash_scope not in STASH_SCOPES:
             raise ValueError(f"stash_scope must be one of {STASH_SCOPES}, got {stash_scope!r}")
         if gemm_unit not in GEMM_UNIT_SETTINGS:
@@ -99,6 +107,33 @@ class QuantConfig:
         self.rounding = _as_rounding(rounding)
         self.seed = int(seed)
         self._generators: dict[str, torch.Generator] = {}
+        self.engine = engine
+        if engine == "autocast":
+            self._check_autocast()
+
+    def _check_autocast(self) -> None:
+        """``engine=autocast`` runs the model unpatched under ``torch.autocast``: one 16-bit
+        float at every point, nothing scheduled, no stash of its own, nearest rounding."""
+        specs = {s.current for s in self.schedules.values()}
+        moving = [p for p, s in self.schedules.items() if s.moves]
+        if len(specs) != 1 or next(iter(specs)) not in AUTOCAST_DTYPES or moving:
+            raise ValueError(
+                "quant.engine=autocast runs the unpatched model under torch.autocast: every point "
+                f"must be one of {sorted(AUTOCAST_DTYPES)}, the same and static, got "
+                f"{self.current()}"
+            )
+        if self.stash_scope != "gemm" or set(self.rounding.values()) != {"nearest"}:
+            raise ValueError(
+                "quant.engine=autocast keeps autograd's own saved tensors and rounds to nearest: "
+                "stash_scope must be gemm and every rounding nearest"
+            )
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        """The dtype ``engine=autocast`` trains in; None for the dsq engine."""
+        if self.engine != "autocast":
+            return None
+        return AUTOCAST_DTYPES[self.schedules["q0"].current]
 
     @classmethod
     def from_dict(cls, config: Mapping, seed: int = 0) -> QuantConfig:
@@ -108,7 +143,7 @@ class QuantConfig:
         if unknown:
             raise ValueError(
                 f"unknown quantization point(s) {sorted(unknown)}; the points are {POINTS} "
-                "(plus stash_scope, rounding and gemm_unit)"
+                "(plus stash_scope, rounding, gemm_unit and engine)"
             )
         return cls(**{k: v for k, v in config.items() if k != "name"}, seed=seed)
 
@@ -194,4 +229,8 @@ class QuantConfig:
         stochastic = [p for p, mode in self.rounding.items() if mode == "stochastic"]
         rounding = f", stochastic rounding at {stochastic}" if stochastic else ""
         unit = f", gemm_unit={self.gemm_unit!r}" if self.gemm_unit != "auto" else ""
-        return f"QuantConfig({self.current()}, stash_scope={self.stash_scope!r}{rounding}{unit})"
+        engine = f", engine={self.engine!r}" if self.engine != "dsq" else ""
+        return (
+            f"QuantConfig({self.current()}, stash_scope={self.stash_scope!r}{rounding}{unit}"
+            f"{engine})"
+        )

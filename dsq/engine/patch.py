@@ -227,8 +227,8 @@ STASH_ALL_MIN_ROW = 16
 
 def stash_all_hooks(cfg: QuantConfig):
     """Saved-tensor hooks that pack every floating activation autograd saves in q1 (the stash
-    format), leaving parameters, non-floating tensors (bit masks, indices), tensors of rows
-    shorter than `STASH_ALL_MIN_ROW` and tiny tensors as they are."""
+    format), leaving parameters and their views, non-floating tensors (bit masks, indices),
+    tensors of rows shorter than `STASH_ALL_MIN_ROW` and tiny tensors as they are."""
 
     def pack(t: torch.Tensor):
         if (
@@ -237,7 +237,7 @@ def stash_all_hooks(cfg: QuantConfig):
             or t.numel() < 64
             or t.dim() == 0
             or t.shape[-1] < STASH_ALL_MIN_ROW
-            or (t.is_leaf and t.requires_grad)
+            or _a_parameter(t)
         ):
             return t
         fmt = cfg.format("q1")
@@ -252,6 +252,13 @@ def stash_all_hooks(cfg: QuantConfig):
         return saved
 
     return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
+def _a_parameter(t: torch.Tensor) -> bool:
+    """A parameter or a view of one (an unpatched Linear saves ``weight.t()``): alive anyway, so
+    a packed copy would only add to what the step holds."""
+    base = t._base if t._base is not None else t
+    return base.is_leaf and base.requires_grad
 
 
 _STASH_CONTEXTS: dict[int, list[contextlib.AbstractContextManager]] = {}

@@ -29,8 +29,21 @@ from collections.abc import Callable
 
 import torch
 
+from dsq.engine.chunked_output import DEFAULT_CHUNK_TOKENS
+
 from .quant import machine_description
-from .step import MIB, Batch, Setup, StepMemory
+from .step import (
+    HEAD_WORDS,
+    MIB,
+    Batch,
+    Setup,
+    StepMemory,
+    baseline_ratios,
+    loss_words,
+    ratio_text,
+    row_label,
+    variants_of,
+)
 
 log = logging.getLogger(__name__)
 
@@ -143,55 +156,28 @@ def run(
     src_len: int,
     vocab: int = 8000,
     device: str = "cpu",
-    scope: str = "gemm",
+    scopes: tuple[str, ...] = ("gemm",),
+    checkpointing: tuple[bool, ...] = (False,),
+    fp32_head: bool = False,
+    loss_chunk: int = DEFAULT_CHUNK_TOKENS,
 ) -> dict:
     dev = torch.device(device)
     rows = []
     for name in presets:
-        start = time.perf_counter()
-        own_scope = scope if name != "fp32" else "gemm"  # fp32 has no stash to scope
-        setup = Setup.build(name, own_scope, layers, width, vocab, dev)
-        setup.step(Batch.random(SMALL[0], src_len, vocab, dev))  # compile; Adam's state
-        measured: dict[int, StepMemory | None] = {}
-
-        def peak_of(sentences: int, setup=setup, measured=measured, name=name) -> float:
-            batch = Batch.random(sentences, src_len, vocab, dev)
-            memory = measured[sentences] = probe(setup, batch, warm_up=dev.type == "cuda")
-            total = math.inf if memory is None else memory.total
-            log.info("%s: %d tokens, peak %.1f MiB", name, batch.tokens, total / MIB)
-            return total
-
-        search = largest_fitting(peak_of, budget)
-        memory = measured.get(search.sentences)
-        rows.append(
-            {
-                "preset": name,
-                "scope": own_scope,
-                "points": setup.points,
-                "sentences": search.sentences,
-                "tokens": search.sentences * src_len,
-                **(memory.as_dict() if memory else NOTHING_FITS),
-                "probes": [
-                    {"tokens": n * src_len, "peak_mb": p / MIB if p < math.inf else None}
-                    for n, p in search.peaks.items()
-                ],
-                "seconds": time.perf_counter() - start,
-            }
-        )
-        del setup, measured, peak_of
-        gc.collect()
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
-    base = rows[0]["tokens"]
-    for row in rows:
-        row["x_first"] = row["tokens"] / base if base else None
+        for variant in variants_of(name, scopes, ("auto",), checkpointing, fp32_head, loss_chunk):
+            rows.append(_search(name, variant, budget, layers, width, src_len, vocab, dev))
+            gc.collect()  # the row's model, optimizer and probes, before the next row's
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+    baseline_ratios(rows, "tokens")
     return {
         "budget_mb": budget / MIB,
         "layers": layers,
         "width": width,
         "src_len": src_len,
         "vocab": vocab,
-        "scope": scope,
+        "head": "fp32" if fp32_head else "quantized",
+        "loss_chunk": loss_chunk,
         "threads": torch.get_num_threads(),
         "machine": machine_description(dev),
         "torch": torch.__version__,
@@ -199,31 +185,68 @@ def run(
     }
 
 
+def _search(name, variant, budget, layers, width, src_len, vocab, dev) -> dict:
+    """One row: the largest batch of ``name`` trained as ``variant`` that fits ``budget``."""
+    start = time.perf_counter()
+    setup = Setup.build(name, variant, layers, width, vocab, dev)
+    setup.step(Batch.random(SMALL[0], src_len, vocab, dev))  # compile; Adam's state
+    measured: dict[int, StepMemory | None] = {}
+
+    def peak_of(sentences: int) -> float:
+        batch = Batch.random(sentences, src_len, vocab, dev)
+        memory = measured[sentences] = probe(setup, batch, warm_up=dev.type == "cuda")
+        total = math.inf if memory is None else memory.total
+        log.info("%s: %d tokens, peak %.1f MiB", name, batch.tokens, total / MIB)
+        return total
+
+    search = largest_fitting(peak_of, budget)
+    memory = measured.get(search.sentences)
+    row = {
+        "preset": name,
+        "row": row_label(name, variant),
+        "scope": variant.scope,
+        "checkpointing": variant.checkpointing,
+        "fp32_head": variant.fp32_head,
+        "points": setup.points,
+        "sentences": search.sentences,
+        "tokens": search.sentences * src_len,
+        **(memory.as_dict() if memory else NOTHING_FITS),
+        "probes": [
+            {"tokens": n * src_len, "peak_mb": p / MIB if p < math.inf else None}
+            for n, p in search.peaks.items()
+        ],
+        "seconds": time.perf_counter() - start,
+    }
+    return row
+
+
 def format_table(result: dict) -> str:
-    baseline = "x " + result["rows"][0]["preset"]
     lines = [
         f"dsq bench memory: the largest batch whose training step fits {result['budget_mb']:.0f} "
         f"MiB; fairseq transformer, {result['layers']}+{result['layers']} layers, width "
-        f"{result['width']}, sentences of {result['src_len']} tokens, vocab {result['vocab']}, "
-        f"stash scope {result['scope']}, {result['machine']}, torch {result['torch']}",
+        f"{result['width']}, sentences of {result['src_len']} tokens, vocab {result['vocab']} "
+        f"(output projection {HEAD_WORDS[result['head']]}; {loss_words(result['loss_chunk'])}), "
+        f"{result['machine']}, torch {result['torch']}",
         "",
-        f"{'preset':<12} {'q0 / q1 / q2 / q3':<40} {'tokens':>8} {'peak MiB':>9} "
-        f"{'state MiB':>10} {baseline:>9} {'probes':>6} {'s':>6}",
-        "-" * 106,
+        f"{'row':<22} {'q0 / q1 / q2 / q3':<40} {'tokens':>8} {'x fp32':>7} {'x amp':>7} "
+        f"{'peak MiB':>9} {'state MiB':>10} {'probes':>6} {'s':>6}",
+        "-" * 121,
     ]
     for r in result["rows"]:
         pts = " / ".join(str(r["points"][p]) for p in ("q0", "q1", "q2", "q3"))
         peak = "-" if r["peak_mb"] is None else f"{r['peak_mb']:.1f}"
         state = "-" if r["state_mb"] is None else f"{r['state_mb']:.1f}"
-        ratio = "-" if r["x_first"] is None else f"{r['x_first']:.2f}"
         lines.append(
-            f"{r['preset']:<12} {pts:<40} {r['tokens']:>8} {peak:>9} {state:>10} {ratio:>9} "
-            f"{len(r['probes']):>6} {r['seconds']:>6.0f}"
+            f"{r['row']:<22} {pts:<40} {r['tokens']:>8} {ratio_text(r['x_fp32']):>7} "
+            f"{ratio_text(r['x_amp_bf16']):>7} {peak:>9} {state:>10} {len(r['probes']):>6} "
+            f"{r['seconds']:>6.0f}"
         )
     lines.append(
-        "tokens: source tokens per batch (whole sentences) of the largest batch that fits; peak "
-        "MiB: its training step's peak, measured: state MiB (parameters and Adam state) + the "
-        "most the step held at once above it (allocator); probes: batches measured, one step "
-        "each; s: seconds for the preset."
+        "row: the preset, then what sets the row apart (all: stash_scope=all; ckpt: every layer "
+        "checkpointed; fp32-head: the output projection left fp32). tokens: source tokens per "
+        "batch (whole sentences) of the largest batch that fits; x fp32, x amp: those tokens "
+        "over fp32's and amp_bf16's (torch.autocast bf16); peak MiB: its training step's peak, "
+        "measured: state MiB (parameters and Adam state) + the most the step held at once above "
+        "it (allocator); probes: batches measured, one step each; s: seconds for the row."
     )
     return "\n".join(lines)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import os
 import statistics
 import sys
@@ -31,6 +32,8 @@ from typing import Any
 import torch
 
 from dsq.engine import QuantConfig, units
+from dsq.engine.checkpointing import checkpoint_layers
+from dsq.engine.chunked_output import DEFAULT_CHUNK_TOKENS, chunked_output_loss
 from dsq.integrations import quantize_model
 from dsq_cli.cpu_allocator import keep_freed_memory
 from dsq_cli.presets import at_first_level, load_quant_preset
@@ -99,41 +102,77 @@ class Batch:
 HEAD = "decoder.output_projection"
 
 
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """How a row trains, beside its preset: the stash scope, where the quantized GEMMs run, the
+    output projection quantized (as `dsq train` runs it) or fp32, whole layers checkpointed, and
+    the output layer's loss in chunks of ``loss_chunk`` tokens (0: whole)."""
+
+    scope: str = "gemm"
+    gemm_unit: str = "auto"
+    fp32_head: bool = False
+    checkpointing: bool = False
+    loss_chunk: int = DEFAULT_CHUNK_TOKENS
+
+
 @dataclasses.dataclass
 class Setup:
-    """One preset's model (quantized by the engine unless fp32) and its Adam optimizer. The
-    output projection (`HEAD`) stays fp32 unless ``quantize_head``: `dsq train` quantizes it, but
-    left fp32 in every row it is the same work for all, so the rows compare what the presets do
-    to the layers. ``points`` are the preset's formats at their first level, with the stash
+    """One row's model and its Adam optimizer. A preset of the dsq engine patches the model
+    (`quantize_model`; the output projection `HEAD` too unless ``fp32_head``); fp32 and a preset
+    of the autocast engine (amp_bf16) train the model as it is, the latter under
+    ``torch.autocast``. ``points`` are the preset's formats at their first level, with the stash
     scope and where the GEMMs run (``gemm_unit``)."""
 
     preset: str
     points: dict[str, Any]
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
+    variant: Variant
+    autocast: torch.dtype | None = None
 
     @classmethod
     def build(
-        cls, preset: str, scope: str, layers: int, width: int, vocab: int, dev: torch.device,
-        gemm_unit: str = "auto", quantize_head: bool = False,
-    ) -> Setup:  # fmt: skip
-        points = at_first_level(load_quant_preset(preset)) | {"stash_scope": scope}
-        points["gemm_unit"] = gemm_unit
+        cls, preset: str, variant: Variant, layers: int, width: int, vocab: int, dev: torch.device
+    ) -> Setup:
+        points = at_first_level(load_quant_preset(preset)) | {"stash_scope": variant.scope}
+        points["gemm_unit"] = variant.gemm_unit
+        cfg = QuantConfig.from_dict(points)
         model = build_model(layers, width, vocab).to(dev)
-        if preset != "fp32":
-            exclude = [] if quantize_head else [HEAD]
-            quantize_model(model, QuantConfig.from_dict(points), exclude=exclude)
+        patched = preset != "fp32" and cfg.engine == "dsq"
+        if patched:
+            quantize_model(model, cfg, exclude=[HEAD] if variant.fp32_head else [])
+        if variant.checkpointing:
+            checkpoint_layers([*model.encoder.layers, *model.decoder.layers],
+                              cfg if patched else None)  # fmt: skip
         model.train()
-        return cls(preset, points, model, torch.optim.Adam(model.parameters(), lr=1e-4))
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+        return cls(preset, points, model, optimizer, variant, cfg.autocast_dtype)
+
+    def loss(self, batch: Batch) -> torch.Tensor:
+        """The mean cross-entropy of ``batch``: the output layer and its loss in chunks of
+        ``variant.loss_chunk`` tokens (`chunked_output_loss`), or whole."""
+        model = self.model
+        features, _ = model(batch.src, batch.lengths, batch.prev, features_only=True)
+        features = features.reshape(-1, features.shape[-1])
+        target = batch.target.reshape(-1)
+        summed = functools.partial(torch.nn.functional.cross_entropy, reduction="sum")
+        if self.variant.loss_chunk:
+            head = model.decoder.output_projection
+            (loss,) = chunked_output_loss(
+                features, model.decoder.output_layer, summed, target, list(head.parameters()),
+                self.variant.loss_chunk,
+            )  # fmt: skip
+        else:
+            loss = summed(model.decoder.output_layer(features), target)
+        return loss / target.numel()
 
     def step(self, batch: Batch) -> None:
         """One training step as a trainer takes it: free the gradients (``zero_grad``), forward,
-        cross-entropy loss, backward, Adam update."""
+        cross-entropy loss, backward, Adam update; under ``torch.autocast`` for amp_bf16."""
         self.optimizer.zero_grad(set_to_none=True)
-        logits, _ = self.model(batch.src, batch.lengths, batch.prev)
-        loss = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), batch.target.reshape(-1)
-        )
+        dev = batch.src.device
+        with torch.autocast(dev.type, self.autocast or torch.float32, self.autocast is not None):
+            loss = self.loss(batch)
         loss.backward()
         self.optimizer.step()
 
@@ -157,6 +196,47 @@ class Setup:
         state = self.state_bytes()
         peak = allocated_during(lambda: self.step(batch), batch.src.device).peak
         return StepMemory(state, peak)
+
+
+def row_label(preset: str, variant: Variant) -> str:
+    """``dsq all ckpt``: the preset and what sets its row apart (a stash scope other than gemm,
+    GEMMs in float32, a float32 head, checkpointing, the loss unchunked)."""
+    parts = [preset]
+    if variant.scope != "gemm":
+        parts.append(variant.scope)
+    if variant.gemm_unit != "auto":
+        parts.append(f"unit={variant.gemm_unit}")
+    if variant.fp32_head:
+        parts.append("fp32-head")
+    if variant.checkpointing:
+        parts.append("ckpt")
+    if not variant.loss_chunk:
+        parts.append("whole-loss")
+    return " ".join(parts)
+
+
+def variants_of(preset: str, scopes, units, checkpointing, fp32_head: bool, loss_chunk: int):
+    """The rows of one preset: every scope, unit and checkpointing setting asked for, except that
+    a preset the engine does not patch (fp32, amp_bf16) has no stash to scope and no quantized
+    GEMM: one scope and unit."""
+    patched = preset != "fp32" and load_quant_preset(preset).get("engine", "dsq") == "dsq"
+    for scope in scopes if patched else ("gemm",):
+        for unit in units if patched else ("auto",):
+            for ckpt in checkpointing:
+                yield Variant(scope, unit, fp32_head and patched, ckpt, loss_chunk)
+
+
+BASELINES = ("fp32", "amp_bf16")  # every row is reported as a multiple of these where measured
+
+
+def baseline_ratios(rows: list[dict], key: str) -> None:
+    """Add ``x_fp32`` and ``x_amp_bf16`` to each row: its ``key`` over that of the baseline's
+    plain row (no checkpointing), where that row was measured (else None)."""
+    for name in BASELINES:
+        base = next((r for r in rows if r["preset"] == name and not r["checkpointing"]), None)
+        for row in rows:
+            value = base and base[key] and row[key] is not None
+            row[f"x_{name}"] = row[key] / base[key] if value else None
 
 
 # -- memory, as the allocator saw it ----------------------------------------------------------
@@ -274,20 +354,18 @@ def run(
     device: str = "cpu",
     scopes: tuple[str, ...] = ("gemm",),
     gemm_units: tuple[str, ...] = ("auto",),
-    quantize_head: bool = False,
+    checkpointing: tuple[bool, ...] = (False,),
+    fp32_head: bool = False,
+    loss_chunk: int = DEFAULT_CHUNK_TOKENS,
 ) -> dict:
     dev = torch.device(device)
     if dev.type == "cpu":
         keep_freed_memory()  # as `dsq train` runs on CPU: steps reuse their pages
     batch = Batch.random(max(1, tokens // src_len), src_len, vocab, dev)
-    setups: dict[tuple[str, str, str], Setup] = {}
+    setups: dict[tuple[str, Variant], Setup] = {}
     for name in presets:
-        for scope in scopes if name != "fp32" else ("gemm",):  # fp32 has no stash to scope
-            for unit in gemm_units if name != "fp32" else ("fp32",):  # nor quantized GEMMs
-                key = (name, scope, unit)
-                setups[key] = Setup.build(
-                    name, scope, layers, width, vocab, dev, unit, quantize_head
-                )
+        for variant in variants_of(name, scopes, gemm_units, checkpointing, fp32_head, loss_chunk):
+            setups[(name, variant)] = Setup.build(name, variant, layers, width, vocab, dev)
 
     warmup = {}
     for key, setup in setups.items():  # warm up: compile every shape once
@@ -307,35 +385,41 @@ def run(
             times[key].append(time.perf_counter() - start)
     rows = []
     base = statistics.median(next(iter(times.values())))
-    for (name, scope, unit), setup in setups.items():
+    for (name, variant), setup in setups.items():
         before = units.tally()
         memory = setup.memory(batch)  # one step: the units its quantized GEMMs ran on
         ran = units.merge_tallies(units.tally(), units.negated(before))
-        forward = allocated_during(
-            lambda m=setup.model: m(batch.src, batch.lengths, batch.prev)[0], dev
-        )
+        with torch.autocast(dev.type, setup.autocast or torch.float32, setup.autocast is not None):
+            forward = allocated_during(
+                lambda m=setup.model: m(batch.src, batch.lengths, batch.prev)[0], dev
+            )
         held = forward.held - forward.out.numel() * forward.out.element_size()
-        median = statistics.median(times[(name, scope, unit)])
+        median = statistics.median(times[(name, variant)])
         rows.append(
             {
                 "preset": name,
-                "scope": scope,
-                "gemm_unit": unit,
+                "row": row_label(name, variant),
+                "scope": variant.scope,
+                "gemm_unit": variant.gemm_unit,
+                "checkpointing": variant.checkpointing,
+                "fp32_head": variant.fp32_head,
                 "units": {kind: sorted(counts) for kind, counts in ran.items()},
                 "points": setup.points,
-                "first_step_s": warmup[(name, scope, unit)],
+                "first_step_s": warmup[(name, variant)],
                 "step_ms": median * 1e3,
                 "x_first": median / base,
                 "activation_mb": held / MIB,
                 **memory.as_dict(),
             }
         )
+    baseline_ratios(rows, "step_ms")
     return {
         "layers": layers,
         "width": width,
         "tokens": batch.tokens,
         "vocab": vocab,
-        "head": "quantized" if quantize_head else "fp32",
+        "head": "fp32" if fp32_head else "quantized",
+        "loss_chunk": loss_chunk,
         "threads": torch.get_num_threads(),
         "machine": machine_description(dev),
         "torch": torch.__version__,
@@ -351,34 +435,48 @@ def units_cell(used: dict[str, list[str]]) -> str:
     return f"{' '.join(cells[:3])} | {' '.join(cells[3:])}"
 
 
-_HEAD_WORDS = {"fp32": "fp32 in every row", "quantized": "quantized, as dsq train does"}
+HEAD_WORDS = {
+    "fp32": "fp32 in every row",
+    "quantized": "quantized as each preset says, as dsq train runs it",
+}
+
+
+def ratio_text(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def loss_words(loss_chunk: int) -> str:
+    if not loss_chunk:
+        return "the loss over the whole batch"
+    return f"the output layer and loss in chunks of {loss_chunk} tokens"
 
 
 def format_table(result: dict) -> str:
-    baseline = "x " + result["rows"][0]["preset"]
     lines = [
         f"dsq bench step: fairseq transformer, {result['layers']}+{result['layers']} layers, "
         f"width {result['width']}, {result['tokens']} tokens per batch, vocab {result['vocab']} "
-        f"(output projection {_HEAD_WORDS[result['head']]}), {result['machine']}, torch "
-        f"{result['torch']}, median of "
-        f"{result['repeats']}",
+        f"(output projection {HEAD_WORDS[result['head']]}; {loss_words(result['loss_chunk'])}), "
+        f"{result['machine']}, torch {result['torch']}, median of {result['repeats']}",
         "",
-        f"{'preset':<12} {'scope':<6} {'q0 / q1 / q2 / q3':<40} {'GEMM units':<34} "
-        f"{'1st step s':>10} {'step ms':>9} {baseline:>9} {'act. MiB':>9} {'state MiB':>10} "
+        f"{'row':<22} {'q0 / q1 / q2 / q3':<40} {'GEMM units':<34} {'1st step s':>10} "
+        f"{'step ms':>9} {'x fp32':>7} {'x amp':>7} {'act. MiB':>9} {'state MiB':>10} "
         f"{'step pk MiB':>11} {'peak MiB':>9}",
-        "-" * 169,
+        "-" * 188,
     ]
     for r in result["rows"]:
         pts = " / ".join(str(r["points"][p]) for p in ("q0", "q1", "q2", "q3"))
         lines.append(
-            f"{r['preset']:<12} {r['scope']:<6} {pts:<40} {units_cell(r['units']):<34} "
-            f"{r['first_step_s']:>10.1f} {r['step_ms']:>9.1f} {r['x_first']:>9.2f} "
-            f"{r['activation_mb']:>9.1f} {r['state_mb']:>10.1f} {r['step_peak_mb']:>11.1f} "
-            f"{r['peak_mb']:>9.1f}"
+            f"{r['row']:<22} {pts:<40} {units_cell(r['units']):<34} "
+            f"{r['first_step_s']:>10.1f} {r['step_ms']:>9.1f} {ratio_text(r['x_fp32']):>7} "
+            f"{ratio_text(r['x_amp_bf16']):>7} {r['activation_mb']:>9.1f} "
+            f"{r['state_mb']:>10.1f} {r['step_peak_mb']:>11.1f} {r['peak_mb']:>9.1f}"
         )
     lines.append(
-        "GEMM units: where the quantized GEMMs ran (quant.gemm_unit; docs/dsq.md), linear "
-        "forward/dx/dw | attention products forward/da/db, '-' for none (fp32: not quantized). "
+        "row: the preset, then what sets the row apart (all: stash_scope=all; ckpt: every layer "
+        "checkpointed; fp32-head: the output projection left fp32). GEMM units: where the "
+        "quantized GEMMs ran (quant.gemm_unit; docs/dsq.md), linear forward/dx/dw | attention "
+        "products forward/da/db, '-' for none (fp32, amp_bf16: not patched). x fp32, x amp: the "
+        "step's time over fp32's and amp_bf16's (torch.autocast bf16), measured in the same run. "
         "1st step s: the first step, compile warm-up included (kernels shared with an earlier row "
         "are compiled there); act. MiB: bytes held after the forward pass (allocator), less the "
         "output; state MiB: parameters and Adam state, live before a step (its zero_grad frees "
