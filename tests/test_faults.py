@@ -1,0 +1,157 @@
+"""Runs survive faults (docs/training.md, "Faults and exit codes"): a NaN loss in training and
+in validation ends a run as diverged at its update, the records up to the last good checkpoint
+kept.
+
+Runs here go through `dsq train`'s own path (`entry`, `rank_run`, the run directory's files)
+with the scripted trainer of helpers/scripted.py, or GLUE's trainer with a stand-in encoder: a
+whole run takes about a second."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers.runs import read_jsonl
+from helpers.scripted import scripted_config, use_scripted_family
+from typer.testing import CliRunner
+
+from dsq_cli.cli import app
+from dsq_cli.config import compose
+from dsq_cli.data.glue import GlueData
+from dsq_cli.data.glue.reader import GlueExample
+from dsq_cli.data.glue.tasks import get_glue_task
+from dsq_cli.models.encoders import Encoder
+from dsq_cli.run_result import RunResult
+from dsq_cli.train import glue, load_resume, train
+from dsq_cli.train.glue import GlueTrainer
+from dsq_cli.train.rank_run import run_rank
+from dsq_cli.train.recorder import load_checkpoint
+
+RUNNER = CliRunner()
+# The scripted runs' validation losses (every 2 updates): each validation improves, so
+# checkpoint_best.pt is the latest validation's.
+FALLING = [5.0 - 0.25 * k for k in range(12)]
+INTERRUPTED_AT = 7  # a SIGTERM during update 7: checkpoint_last.pt at 7, checkpoint_best.pt at 6
+
+
+@pytest.fixture
+def family(monkeypatch):
+    return use_scripted_family(monkeypatch, FALLING)
+
+
+def dsq_train(*args):
+    return RUNNER.invoke(app, ["train", *args])
+
+
+def interrupted_run(family, run_dir):
+    """A scripted run stopped by SIGTERM during update 7 (exit 143)."""
+    family.interrupt_at = INTERRUPTED_AT
+    outcome = train(scripted_config(run_dir))
+    family.interrupt_at = None
+    assert outcome.status == "interrupted" and outcome.exit_code == 143
+    return run_dir
+
+
+def records(run_dir, name="metrics.jsonl"):
+    """A JSON-lines file of the run without its wall-clock times (which differ run to run)."""
+    return [{k: v for k, v in r.items() if k != "wall_seconds"} for r in read_jsonl(run_dir / name)]
+
+
+def straight_records(family, run_dir):
+    """metrics.jsonl of the same run trained without a stop."""
+    assert train(scripted_config(run_dir)).status == "completed"
+    return records(run_dir)
+
+
+def resume(run_dir, *overrides):
+    cfg, run_dir, state = load_resume(str(run_dir), [f"resume={run_dir}", *overrides])
+    return train(cfg, resume=(run_dir, state))
+
+
+# -- NaN: in validation, in GLUE training ----------------------------------------------------------
+
+
+def test_a_nan_validation_loss_ends_the_run_diverged_at_its_update(tmp_path, monkeypatch):
+    use_scripted_family(monkeypatch, [5.0, 4.0, float("nan")] + FALLING)
+    run_dir = tmp_path / "run"
+    outcome = train(scripted_config(run_dir))
+    assert (outcome.status, outcome.exit_code) == ("diverged", 3)
+    result = RunResult.read(run_dir)
+    assert result.status == "diverged" and result.error == "validation loss is nan at update 6"
+    assert result.updates == 6 and result.value is None
+    assert load_checkpoint(run_dir / "checkpoints" / "checkpoint_last.pt")["num_updates"] == 4
+    valid = [r["update"] for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "valid"]
+    assert valid == [2, 4]  # the NaN validation is not booked
+
+
+class TinyClassifier(torch.nn.Module):
+    """Stands in for a GLUE encoder with its head: the mean of the token embeddings, one
+    Linear."""
+
+    def __init__(self, num_classes):
+        super().__init__()
+        self.embed = torch.nn.Embedding(32, 8)
+        self.head = torch.nn.Linear(8, num_classes)
+
+    def forward(self, tokens, features_only=True, classification_head_name=None):
+        return self.head(self.embed(tokens).mean(1)), None
+
+
+class WordLengths:
+    """Stands in for a tokenizer: a word's id is its length."""
+
+    pad_index = 0
+
+    def encode(self, text_a, text_b, max_length):
+        words = f"{text_a} {text_b or ''}".split()
+        return [1 + len(word) % 30 for word in words][:max_length]
+
+
+def sst2_examples(n):
+    return [GlueExample(f"{'good ' * (i % 3 + 1)}film" if i % 2 else "bad", None, i % 2)
+            for i in range(n)]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "poisoned, error, updates, checkpoint",
+    [
+        ("train_step", "training loss is nan at update 3", 2, 2),
+        ("dev_scores", "validation loss is nan at update 4", 4, 2),
+    ],
+)
+def test_nan_in_glue_ends_the_run_diverged_at_its_update(
+    tmp_path, monkeypatch, poisoned, error, updates, checkpoint
+):
+    """A GLUE run (its own trainer, a stand-in encoder) whose weights turn NaN before its third
+    update, or before its second validation (update 4): diverged (exit 3), the error naming the
+    loss and the update, the checkpoint of update 2 and the records before the NaN kept."""
+    monkeypatch.setattr(glue, "build_encoder", lambda model_cfg, num_classes: Encoder(
+        TinyClassifier(num_classes), WordLengths(), "a stand-in"))  # fmt: skip
+    original = getattr(GlueTrainer, poisoned)
+    calls = {"n": 0}
+
+    def poisoning(self, *args):
+        calls["n"] += 1
+        if calls["n"] == (3 if poisoned == "train_step" else 2):
+            with torch.no_grad():
+                self.model.head.weight.fill_(float("nan"))
+        return original(self, *args)
+
+    monkeypatch.setattr(GlueTrainer, poisoned, poisoning)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    cfg = compose(["task=sst2", "model=roberta_tiny", "logger=none", "quant=fp32",
+                   "train.max_updates=6", "train.batch_size=4", "train.validate_every=2",
+                   "train.warmup_updates=1", "train.log_every=1",
+                   f"run.dir={run_dir}"])  # fmt: skip
+    data = GlueData(get_glue_task("sst2"), sst2_examples(16), sst2_examples(8), "in memory")
+    monkeypatch.setattr("dsq_cli.runs.versions", lambda: {"python": "3"})
+    outcome = run_rank(cfg, run_dir, device="cpu", data=data, resumed=False)
+    assert (outcome.status, outcome.exit_code) == ("diverged", 3)
+    result = RunResult.read(run_dir)
+    assert result.status == "diverged" and result.error == error
+    assert result.updates == updates and result.value is None
+    state = load_checkpoint(run_dir / "checkpoints" / "checkpoint_last.pt")
+    assert state["num_updates"] == checkpoint
+    assert all(torch.isfinite(t).all() for t in state["model"].values() if t.is_floating_point())
+    trained = [r["update"] for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"]
+    assert trained == list(range(1, updates + 1))
