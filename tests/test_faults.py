@@ -1,6 +1,6 @@
 """Runs survive faults (docs/training.md, "Faults and exit codes"): a NaN loss in training and
 in validation ends a run as diverged at its update, the records up to the last good checkpoint
-kept.
+kept; a resume brings back a precision ladder that moved before the checkpoint.
 
 Runs here go through `dsq train`'s own path (`entry`, `rank_run`, the run directory's files)
 with the scripted trainer of helpers/scripted.py, or GLUE's trainer with a stand-in encoder: a
@@ -155,3 +155,44 @@ def test_nan_in_glue_ends_the_run_diverged_at_its_update(
     assert all(torch.isfinite(t).all() for t in state["model"].values() if t.is_floating_point())
     trained = [r["update"] for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"]
     assert trained == list(range(1, updates + 1))
+
+
+# -- a resume that restores a moving schedule ------------------------------------------------------
+
+# q1 climbs a plateau ladder with patience 2: the validations at 2, 4, 6 do not improve on the
+# first, so it moves to bfp4 after update 6 (best 5.0, bad 0); 8 does not improve (bad 1). The
+# SIGTERM comes at update 9. A resume must continue at bfp4 with best 5.0 and bad 1: then the
+# validation at 10 is the second without improvement and moves q1 to bfp8. A level, best or bad
+# not restored would leave q1 at bfp2 or bfp4 after update 10.
+LADDER = "quant.q1={levels: [bfp2, bfp4, bfp8], patience: 2}"
+STALLING = [5.0, 5.0, 5.0, 5.5, 5.2, 5.0]
+
+
+def test_a_resume_restores_a_moving_schedule(tmp_path, monkeypatch):
+    family = use_scripted_family(monkeypatch, STALLING)
+    straight_dir, run_dir = tmp_path / "straight", tmp_path / "run"
+    assert train(scripted_config(straight_dir, LADDER)).status == "completed"
+    moves = [(c["update"], c["to"]) for c in read_jsonl(straight_dir / "schedule.jsonl")]
+    assert moves == [(6, "bfp4e8b16"), (10, "bfp8e8b16")]
+
+    family.interrupt_at = 9
+    assert train(scripted_config(run_dir, LADDER)).status == "interrupted"
+    family.interrupt_at = None
+    state = load_checkpoint(run_dir / "checkpoints" / "checkpoint_last.pt")
+    assert state["num_updates"] == 9
+    assert state["dsq_schedule"]["q1"]["level"] == 1  # bfp4
+    q1 = state["dsq_schedule"]["q1"]
+    assert (q1["policy"], q1["best"], q1["bad"]) == ("plateau", 5.0, 1)
+
+    assert resume(run_dir).status == "completed"
+    in_force = {r["update"]: r["bits"]["q1"] for r in read_jsonl(run_dir / "metrics.jsonl")
+                if r["kind"] == "train"}  # fmt: skip
+    assert in_force[10] == "bfp4e8b16" and in_force[11] == "bfp8e8b16"
+    assert records(run_dir) == records(straight_dir)
+    assert records(run_dir, "schedule.jsonl") == records(straight_dir, "schedule.jsonl")
+    a, b = RunResult.read(straight_dir), RunResult.read(run_dir)
+    assert a.precision_segments == b.precision_segments and a.bits_final == b.bits_final
+    assert b.resumed is True
+    final = [load_checkpoint(d / "checkpoints" / "checkpoint_last.pt")["dsq_schedule"]
+             for d in (straight_dir, run_dir)]  # fmt: skip
+    assert final[0] == final[1]
