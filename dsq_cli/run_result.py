@@ -121,8 +121,11 @@ class RunResult:
         evaluation = {k: v for k, v in record.items() if k not in names}
         return cls(**known, evaluation=evaluation)
 
-    def write(self, run_dir: Path) -> None:
-        runs.write_json(Path(run_dir) / FILENAME, self.to_dict())
+    def write(self, run_dir: Path, *, in_place: bool = False) -> None:
+        """Write result.json atomically; ``in_place``: over the old file (`runs.overwrite_json`,
+        for a disk too full for an atomic write)."""
+        write = runs.overwrite_json if in_place else runs.write_json
+        write(Path(run_dir) / FILENAME, self.to_dict())
 
     @classmethod
     def read(cls, path: Path) -> RunResult:

@@ -183,8 +183,20 @@ def in_use(run_dir: str | os.PathLike) -> bool:
     return locked_elsewhere(Path(run_dir) / LOCK_NAME)
 
 
+def _json_text(obj) -> str:
+    return json.dumps(scrub_secrets(obj), indent=2, sort_keys=True) + "\n"
+
+
 def write_json(path: str | os.PathLike, obj) -> None:
-    write_atomic(path, json.dumps(scrub_secrets(obj), indent=2, sort_keys=True) + "\n")
+    write_atomic(path, _json_text(obj))
+
+
+def overwrite_json(path: str | os.PathLike, obj) -> None:
+    """`write_json` in place, not atomically: the last resort when a full disk has no room for
+    an atomic write's second copy. Truncating the old file first frees its blocks for the new
+    text; a kill during the write can leave it torn, which readers report as unreadable."""
+    with open(path, "w") as f:
+        f.write(_json_text(obj))
 
 
 def append_jsonl(path: str | os.PathLike, obj) -> None:

@@ -1,6 +1,6 @@
-"""Runs survive faults (docs/training.md, "Faults and exit codes"): a NaN loss in training and
-in validation ends a run as diverged at its update, the records up to the last good checkpoint
-kept; a resume brings back a precision ladder that moved before the checkpoint.
+"""Runs survive faults (docs/training.md, "Faults and exit codes"): a disk that fills while
+checkpointing, a NaN loss in training and in validation, a resume that must bring back a moving
+precision ladder. In each case the records up to the last good checkpoint remain.
 
 Runs here go through `dsq train`'s own path (`entry`, `rank_run`, the run directory's files)
 with the scripted trainer of helpers/scripted.py, or GLUE's trainer with a stand-in encoder: a
@@ -8,12 +8,15 @@ whole run takes about a second."""
 
 from __future__ import annotations
 
+import errno
+
 import pytest
 import torch
 from helpers.runs import read_jsonl
 from helpers.scripted import scripted_config, use_scripted_family
 from typer.testing import CliRunner
 
+import dsq.atomic_files
 from dsq_cli.cli import app
 from dsq_cli.config import compose
 from dsq_cli.data.glue import GlueData
@@ -65,6 +68,69 @@ def straight_records(family, run_dir):
 def resume(run_dir, *overrides):
     cfg, run_dir, state = load_resume(str(run_dir), [f"resume={run_dir}", *overrides])
     return train(cfg, resume=(run_dir, state))
+
+
+# -- a save that fails -----------------------------------------------------------------------------
+
+
+def test_a_full_disk_while_checkpointing_leaves_result_json_failed_with_the_reason(
+    tmp_path, family, monkeypatch
+):
+    """From update 4 on no new file can be made (the disk is full): the checkpoint of the
+    validation at 4 fails, and so does result.json's atomic write; result.json says failed,
+    naming the file and the full disk, and the checkpoint of update 2 and every record stay."""
+    create = dsq.atomic_files._create_temporary
+
+    def disk_full_from_update_4(path):
+        if family.trainers and family.trainers[-1].updates >= 4:
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return create(path)
+
+    monkeypatch.setattr(dsq.atomic_files, "_create_temporary", disk_full_from_update_4)
+    run_dir = tmp_path / "run"
+    outcome = train(scripted_config(run_dir))
+    assert (outcome.status, outcome.exit_code) == ("failed", 1)
+    result = RunResult.read(run_dir)
+    assert result.status == "failed"
+    assert result.error.startswith(
+        f"CheckpointNotSaved: could not save {run_dir}/checkpoints/checkpoint_best.pt: "
+        "[Errno 28] No space left on device"
+    )
+    assert result.updates == 4 and result.finished_at is not None
+    assert load_checkpoint(run_dir / "checkpoints" / "checkpoint_last.pt")["num_updates"] == 2
+    logged = [(r["kind"], r["update"]) for r in read_jsonl(run_dir / "metrics.jsonl")]
+    assert logged == [("train", 1), ("train", 2), ("valid", 2), ("train", 3), ("train", 4),
+                      ("valid", 4)]  # fmt: skip
+    assert not list(run_dir.rglob("*.tmp"))
+
+
+def test_a_checkpoint_save_that_fails_midway_leaves_the_last_good_one(
+    tmp_path, family, monkeypatch
+):
+    """torch's writer fails halfway through checkpoint_last.pt at update 6: result.json says
+    failed, naming the file; the half-written temporary file is gone, checkpoint 4 stays."""
+    from dsq_cli.train import recorder
+
+    save = torch.save
+
+    def fails_at_update_6(state, path):
+        if state["num_updates"] == 6 and "checkpoint_last" in str(path):
+            path.write_bytes(b"PK\x03\x04 half")
+            raise RuntimeError("[enforce fail at inline_container.cc:778] . PytorchStreamWriter "
+                               "failed writing file data/3: file write failed")  # fmt: skip
+        save(state, path)
+
+    monkeypatch.setattr(recorder.torch, "save", fails_at_update_6)
+    run_dir = tmp_path / "run"
+    outcome = train(scripted_config(run_dir))
+    assert (outcome.status, outcome.exit_code) == ("failed", 1)
+    error = RunResult.read(run_dir).error
+    assert error.startswith(
+        f"CheckpointNotSaved: could not save {run_dir}/checkpoints/checkpoint_last.pt: "
+    )
+    assert "PytorchStreamWriter failed writing file data/3: file write failed" in error
+    assert load_checkpoint(run_dir / "checkpoints" / "checkpoint_last.pt")["num_updates"] == 4
+    assert not list(run_dir.rglob("*.tmp"))
 
 
 # -- NaN: in validation, in GLUE training ----------------------------------------------------------

@@ -135,8 +135,28 @@ def _train_and_evaluate(cfg, data, device, recorder, state, started: RunResult,
             result.status = status
             result.error = f"summarising the run: {type(err).__name__}: {err}"
     result.finished_at = now()
-    recorder.result(result)
+    if not _record_result(recorder, result):
+        status, exit_code = "failed", EXIT_CODES["failed"]
+        result.status = status
+        result.error = f"{result.error + '; ' if result.error else ''}result.json not written"
     return Outcome(status, recorder.dir, result, exit_code, main=rank.is_main)
+
+
+def _record_result(recorder: RunRecorder, result: RunResult) -> bool:
+    """Write the run's final result.json; whether it got written. A full disk has no room for
+    the atomic write's second copy (a failed checkpoint frees its own, but other writers may
+    not): the result is then written over the old file, so that it never stays ``running``."""
+    try:
+        recorder.result(result)
+        return True
+    except OSError:
+        log.exception("writing result.json failed; writing it in place")
+    try:
+        recorder.result(result, in_place=True)
+        return True
+    except OSError:
+        log.exception("writing result.json in place failed too")
+        return False
 
 
 # -- what result.json says about the run ------------------------------------------------------

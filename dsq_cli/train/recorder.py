@@ -24,11 +24,26 @@ from dsq_cli.run_result import RunResult
 CHECKPOINT_FORMAT = "dsq-checkpoint-1"
 
 
+class CheckpointNotSaved(RuntimeError):
+    """Writing a checkpoint failed (a full disk, a file system gone read-only); the checkpoint
+    written before it is untouched."""
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
 def save_checkpoint(path: Path, state: Mapping) -> None:
     """Write a checkpoint atomically. It holds only tensors and plain Python values, so it loads
-    with ``torch.load(weights_only=True)``: resuming needs no unsafe unpickling."""
-    with atomic_path(path) as tmp:
-        torch.save({"format": CHECKPOINT_FORMAT, **state}, tmp)
+    with ``torch.load(weights_only=True)``: resuming needs no unsafe unpickling. A failure is a
+    `CheckpointNotSaved` naming the file (torch reports a full disk as a RuntimeError of its zip
+    writer)."""
+    try:
+        with atomic_path(path) as tmp:
+            torch.save({"format": CHECKPOINT_FORMAT, **state}, tmp)
+    except Exception as err:
+        raise CheckpointNotSaved(f"could not save {path}: {_first_line(err)}") from err
 
 
 def load_checkpoint(path: Path) -> dict:
@@ -83,8 +98,8 @@ class RunRecorder:
         runs.append_jsonl(self.schedule_path, record)
         self.logger.event(record)
 
-    def result(self, result: RunResult) -> None:
-        result.write(self.dir)
+    def result(self, result: RunResult, *, in_place: bool = False) -> None:
+        result.write(self.dir, in_place=in_place)
 
     def truncate_after(self, update: int) -> None:
         """On resume: drop lines logged after the checkpoint (a hard kill can leave some)."""
@@ -113,7 +128,7 @@ class QuietRecorder(RunRecorder):
     def schedule_change(self, record: Mapping) -> None:
         pass
 
-    def result(self, result: RunResult) -> None:
+    def result(self, result: RunResult, *, in_place: bool = False) -> None:
         pass
 
     def truncate_after(self, update: int) -> None:
