@@ -1,6 +1,7 @@
-"""Runs survive faults (docs/training.md, "Faults and exit codes"): a disk that fills while
-checkpointing, a NaN loss in training and in validation, a resume that must bring back a moving
-precision ladder. In each case the records up to the last good checkpoint remain.
+"""Runs survive faults (docs/training.md, "Faults and exit codes"): a torn line in the run's
+JSON-lines files, a disk that fills while checkpointing, a NaN loss in training and in
+validation, a resume that must bring back a moving precision ladder. In each case the records up
+to the last good checkpoint remain.
 
 Runs here go through `dsq train`'s own path (`entry`, `rank_run`, the run directory's files)
 with the scripted trainer of helpers/scripted.py, or GLUE's trainer with a stand-in encoder: a
@@ -9,6 +10,7 @@ whole run takes about a second."""
 from __future__ import annotations
 
 import errno
+import logging
 
 import pytest
 import torch
@@ -68,6 +70,41 @@ def straight_records(family, run_dir):
 def resume(run_dir, *overrides):
     cfg, run_dir, state = load_resume(str(run_dir), [f"resume={run_dir}", *overrides])
     return train(cfg, resume=(run_dir, state))
+
+
+# -- torn lines -----------------------------------------------------------------------------------
+
+
+def test_a_torn_last_line_is_dropped_on_resume_with_a_warning(tmp_path, family, caplog):
+    """A kill mid-write leaves half a line at the end of metrics.jsonl or schedule.jsonl; the
+    resume drops it, says so, and the run ends as one never stopped."""
+    straight = straight_records(family, tmp_path / "straight")
+    run_dir = interrupted_run(family, tmp_path / "run")
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write('{"kind": "train", "loss": 1.0, "upd')
+    with open(run_dir / "schedule.jsonl", "a") as f:
+        f.write('{"from": "bfp2e8b16", "poi')
+    with caplog.at_level(logging.WARNING):
+        outcome = resume(run_dir)
+    assert outcome.status == "completed", outcome.result.error
+    assert records(run_dir) == straight
+    assert records(run_dir, "schedule.jsonl") == []
+    for name in ("metrics.jsonl", "schedule.jsonl"):
+        assert f"{run_dir / name}: dropped its last line, cut short by a kill mid-write" in (
+            caplog.text
+        )
+
+
+def test_a_bad_line_before_the_last_fails_the_resume_naming_it(tmp_path, family):
+    run_dir = interrupted_run(family, tmp_path / "run")
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    lines[2] = lines[2][:10]
+    (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    outcome = resume(run_dir)
+    assert outcome.status == "failed"
+    assert f"{run_dir / 'metrics.jsonl'}:3: not a JSON object, and not the last line" in (
+        outcome.result.error
+    )
 
 
 # -- a save that fails -----------------------------------------------------------------------------

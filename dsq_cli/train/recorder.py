@@ -22,6 +22,7 @@ from dsq_cli import runs
 from dsq_cli.run_result import RunResult
 
 CHECKPOINT_FORMAT = "dsq-checkpoint-1"
+log = logging.getLogger(__name__)
 
 
 class CheckpointNotSaved(RuntimeError):
@@ -102,16 +103,38 @@ class RunRecorder:
         result.write(self.dir, in_place=in_place)
 
     def truncate_after(self, update: int) -> None:
-        """On resume: drop lines logged after the checkpoint (a hard kill can leave some)."""
+        """On resume: drop lines logged after the checkpoint (a hard kill can leave some), and a
+        last line a kill cut short mid-write, with a warning."""
         for path in (self.metrics_path, self.schedule_path):
             if not path.is_file():
                 continue
-            kept = [
-                line
-                for line in path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("update", 0) <= update
-            ]
+            kept = [line for line, record in _records(path) if record.get("update", 0) <= update]
             write_atomic(path, "".join(line + "\n" for line in kept))
+
+
+def _records(path: Path) -> list[tuple[str, dict]]:
+    """The lines of a JSON-lines file (metrics.jsonl, schedule.jsonl) with their records. A last
+    line that is not a JSON object is one a kill cut short: it is left out, with a warning. Any
+    other such line is damage no kill makes: a ValueError naming it."""
+    lines = [(number, line) for number, line in enumerate(path.read_text().splitlines(), 1)
+             if line.strip()]  # fmt: skip
+    records = []
+    for position, (number, line) in enumerate(lines):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            record = None
+        if isinstance(record, dict):
+            records.append((line, record))
+        elif position == len(lines) - 1:
+            log.warning("%s: dropped its last line, cut short by a kill mid-write: %.60s",
+                        path, line)  # fmt: skip
+        else:
+            raise ValueError(
+                f"{path}:{number}: not a JSON object, and not the last line (which a kill can "
+                "cut short); mend or remove that line, then resume again"
+            )
+    return records
 
 
 class QuietRecorder(RunRecorder):
