@@ -23,7 +23,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from dsq.atomic_files import write_atomic
+from dsq.atomic_files import temporaries, write_atomic
 
 # A name that says it holds a secret: one of these words as a whole `_`/`-`/`.`-separated part
 # (WANDB_API_KEY, hf_token, aws_secret_access_key), but not max_tokens or sort_keys.
@@ -74,6 +74,19 @@ def best_checkpoint(run_dir: str | os.PathLike) -> Path:
     """The checkpoint of a run's best validation loss so far (fairseq's name), the model scored
     as ``best`` (docs/training.md, "Which model is scored")."""
     return Path(run_dir) / "checkpoints" / "checkpoint_best.pt"
+
+
+def remove_stale_temporaries(run_dir: str | os.PathLike) -> list[Path]:
+    """Remove the temporary files that atomic writes left in ``run_dir`` and its checkpoints/
+    when their process was killed mid-write (SIGKILL skips the cleanup; a checkpoint's can be as
+    large as the checkpoint). Only for a run this process holds (`hold`): no write of another
+    process can be using them then. Returns what was removed."""
+    removed = []
+    for directory in (Path(run_dir), Path(run_dir) / "checkpoints"):
+        for path in temporaries(directory):
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
 
 
 # -- one process trains a run at a time ------------------------------------------------------

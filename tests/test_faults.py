@@ -1,7 +1,7 @@
 """Runs survive faults (docs/training.md, "Faults and exit codes"): a torn line in the run's
-JSON-lines files, a disk that fills while checkpointing, a NaN loss in training and in
-validation, a resume that must bring back a moving precision ladder. In each case the records up
-to the last good checkpoint remain.
+JSON-lines files, temporary files a kill left, a disk that fills while checkpointing, a NaN loss
+in training and in validation, a resume that must bring back a moving precision ladder. In each
+case the records up to the last good checkpoint remain.
 
 Runs here go through `dsq train`'s own path (`entry`, `rank_run`, the run directory's files)
 with the scripted trainer of helpers/scripted.py, or GLUE's trainer with a stand-in encoder: a
@@ -72,7 +72,7 @@ def resume(run_dir, *overrides):
     return train(cfg, resume=(run_dir, state))
 
 
-# -- torn lines -----------------------------------------------------------------------------------
+# -- torn lines, stale temporary files ------------------------------------------------------------
 
 
 def test_a_torn_last_line_is_dropped_on_resume_with_a_warning(tmp_path, family, caplog):
@@ -105,6 +105,30 @@ def test_a_bad_line_before_the_last_fails_the_resume_naming_it(tmp_path, family)
     assert f"{run_dir / 'metrics.jsonl'}:3: not a JSON object, and not the last line" in (
         outcome.result.error
     )
+
+
+def test_stale_temporary_files_are_removed_when_the_run_starts_again(tmp_path, family, caplog):
+    """A SIGKILL during an atomic write leaves its temporary file (a checkpoint's as large as the
+    checkpoint); the next start of that run removes them, and only them."""
+    run_dir = interrupted_run(family, tmp_path / "run")
+    stale = [
+        run_dir / "checkpoints" / ".checkpoint_last.pt.0badc0de.tmp",
+        run_dir / ".result.json.12345678.tmp",
+        run_dir / ".metrics.jsonl.abcdef01.tmp",
+    ]
+    for path in stale:
+        path.write_bytes(b"half of a file")
+    kept = [run_dir / "notes.tmp", run_dir / "checkpoints" / ".hidden.tmp"]
+    for path in kept:
+        path.write_text("not dsq's")
+    with caplog.at_level(logging.WARNING):
+        outcome = resume(run_dir)
+    assert outcome.status == "completed", outcome.result.error
+    assert not any(path.exists() for path in stale)
+    assert all(path.exists() for path in kept)
+    for path in stale:
+        assert f"removed {path}, left by a write that a kill interrupted" in caplog.text
+    assert load_checkpoint(run_dir / "checkpoints" / "checkpoint_last.pt")["num_updates"] == 12
 
 
 # -- a save that fails -----------------------------------------------------------------------------

@@ -100,9 +100,12 @@ def train(cfg: RunConfig, *, resume: tuple[Path, dict] | None = None) -> Outcome
 
 def _open_run_dir(cfg: RunConfig, resume) -> tuple[Path, dict | None]:
     """The run's directory, held by this process until it exits (`runs.hold`: a second process
-    resuming the same run is refused), with its config.yaml written when the run is new."""
+    resuming the same run is refused), with its config.yaml written when the run is new. A
+    resumed run's directory is rid of the temporary files of writes a kill interrupted."""
     if resume is not None:
         runs.hold(resume[0])
+        for stale in runs.remove_stale_temporaries(resume[0]):
+            log.warning("removed %s, left by a write that a kill interrupted", stale)
         return resume
     run_dir = (
         runs.exact_run_dir(cfg.run.dir)
