@@ -65,15 +65,21 @@ def exact_run_dir(path: str | os.PathLike) -> Path:
     return path
 
 
+def checkpoint_path(run_dir: str | os.PathLike, which: str) -> Path:
+    """A run's checkpoint ``which``: ``last`` or ``best`` (``checkpoints/checkpoint_WHICH.pt``,
+    fairseq's names)."""
+    return Path(run_dir) / "checkpoints" / f"checkpoint_{which}.pt"
+
+
 def last_checkpoint(run_dir: str | os.PathLike) -> Path:
     """Where a run keeps the checkpoint it resumes from."""
-    return Path(run_dir) / "checkpoints" / "checkpoint_last.pt"
+    return checkpoint_path(run_dir, "last")
 
 
 def best_checkpoint(run_dir: str | os.PathLike) -> Path:
     """The checkpoint of a run's best validation loss so far (fairseq's name), the model scored
     as ``best`` (docs/training.md, "Which model is scored")."""
-    return Path(run_dir) / "checkpoints" / "checkpoint_best.pt"
+    return checkpoint_path(run_dir, "best")
 
 
 def remove_stale_temporaries(run_dir: str | os.PathLike) -> list[Path]:

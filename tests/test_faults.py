@@ -1,24 +1,27 @@
-"""Runs survive faults (docs/training.md, "Faults and exit codes"): a torn line in the run's
-JSON-lines files, temporary files a kill left, a disk that fills while checkpointing, a NaN loss
-in training and in validation, a resume that must bring back a moving precision ladder. In each
-case the records up to the last good checkpoint remain.
+"""Runs survive faults (docs/training.md, "Faults and exit codes"): an unreadable checkpoint, a
+torn line in the run's JSON-lines files, temporary files a kill left, a disk that fills while
+checkpointing, a NaN loss in training and in validation, a resume that must bring back a moving
+precision ladder, and resumes of what is not a resumable run. In each case the records up to the
+last good checkpoint remain.
 
-Runs here go through `dsq train`'s own path (`entry`, `rank_run`, the run directory's files)
-with the scripted trainer of helpers/scripted.py, or GLUE's trainer with a stand-in encoder: a
-whole run takes about a second."""
+Runs here go through `dsq train`'s own path (the CLI, `entry`, `rank_run`, the run directory's
+files) with the scripted trainer of helpers/scripted.py, or GLUE's trainer with a stand-in
+encoder: a whole run takes about a second."""
 
 from __future__ import annotations
 
 import errno
 import logging
+import subprocess
 
 import pytest
 import torch
 from helpers.runs import read_jsonl
-from helpers.scripted import scripted_config, use_scripted_family
+from helpers.scripted import SCRIPTED, scripted_config, use_scripted_family
 from typer.testing import CliRunner
 
 import dsq.atomic_files
+from dsq_cli import sweep
 from dsq_cli.cli import app
 from dsq_cli.config import compose
 from dsq_cli.data.glue import GlueData
@@ -68,8 +71,136 @@ def straight_records(family, run_dir):
 
 
 def resume(run_dir, *overrides):
-    cfg, run_dir, state = load_resume(str(run_dir), [f"resume={run_dir}", *overrides])
-    return train(cfg, resume=(run_dir, state))
+    cfg, resumed = load_resume(str(run_dir), [f"resume={run_dir}", *overrides])
+    return train(cfg, resume=resumed)
+
+
+# -- an unreadable checkpoint ---------------------------------------------------------------------
+
+
+def cut_short(path):
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+DAMAGE = {
+    "empty": lambda path: path.write_bytes(b""),
+    "truncated": cut_short,
+    "garbage": lambda path: path.write_bytes(b"\x80\x02not a checkpoint at all\n" * 64),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_an_unreadable_checkpoint_is_one_line_and_resume_from_best_continues(
+    tmp_path, family, damage
+):
+    """exit 2 and one line naming the file and the checkpoint to continue from; result.json says
+    failed (the rest of it, the metrics and checkpoint_best.pt as they were); resume_from=best
+    continues from update 6 and ends as a run never stopped."""
+    straight = straight_records(family, tmp_path / "straight")
+    run_dir = interrupted_run(family, tmp_path / "run")
+    last = run_dir / "checkpoints" / "checkpoint_last.pt"
+    metrics_before = (run_dir / "metrics.jsonl").read_text()
+    DAMAGE[damage](last)
+
+    refused = dsq_train(f"resume={run_dir}")
+    assert refused.exit_code == 2, refused.output
+    assert refused.output.count("\n") == 1
+    assert refused.output.startswith(f"dsq: error: resume={run_dir}: corrupt checkpoint: {last} ")
+    assert (
+        f"{run_dir}/checkpoints/checkpoint_best.pt (update 6) can be read: continue from it with "
+        f"`dsq train resume={run_dir} resume_from=best`"
+    ) in refused.output
+    result = RunResult.read(run_dir)
+    assert result.status == "failed" and result.checkpoint_unreadable
+    assert result.updates == INTERRUPTED_AT  # what the interrupted run recorded stays
+    assert (run_dir / "metrics.jsonl").read_text() == metrics_before
+    assert load_checkpoint(run_dir / "checkpoints" / "checkpoint_best.pt")["num_updates"] == 6
+
+    resumed = dsq_train(f"resume={run_dir}", "resume_from=best")
+    assert resumed.exit_code == 0, resumed.output
+    result = RunResult.read(run_dir)
+    assert result.status == "completed" and result.resumed and result.error is None
+    assert records(run_dir) == straight  # update 7's records were dropped and trained again
+    assert load_checkpoint(last)["num_updates"] == 12
+    # resume_from chose the checkpoint of that resume only: config.yaml keeps last
+    assert "resume_from: last" in (run_dir / "config.yaml").read_text()
+
+
+def test_with_no_readable_checkpoint_left_the_run_is_to_be_started_again(tmp_path, family):
+    run_dir = interrupted_run(family, tmp_path / "run")
+    for name in ("last", "best"):
+        (run_dir / "checkpoints" / f"checkpoint_{name}.pt").write_bytes(b"")
+    refused = dsq_train(f"resume={run_dir}")
+    assert refused.exit_code == 2 and refused.output.count("\n") == 1
+    assert "checkpoint_last.pt is empty; the run has no other checkpoint that can be read: " in (
+        refused.output
+    )
+    refused = dsq_train(f"resume={run_dir}", "resume_from=best")
+    assert refused.exit_code == 2, refused.output
+    assert f"corrupt checkpoint: {run_dir}/checkpoints/checkpoint_best.pt is empty" in (
+        refused.output
+    )
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["resume_from=best"],
+            "resume_from=best chooses the checkpoint of a resume; give it with ",
+        ),
+        (["resume_from=middle"], "resume_from must be last or best, got 'middle'"),
+    ],
+)
+def test_resume_from_outside_a_resume_or_unknown_is_a_usage_error(tmp_path, args, message):
+    root = tmp_path / "runs"
+    result = dsq_train(*args, "logger=none", f"run.root={root}")
+    assert result.exit_code == 2 and result.output.count("\n") == 1
+    assert message in result.output
+    assert not root.exists()
+
+
+def test_a_sweep_reports_a_run_with_an_unreadable_checkpoint_failed_and_tries_it_once(
+    tmp_path, family, monkeypatch
+):
+    """--resume-unfinished tries the run once: `dsq train resume=` finds the checkpoint
+    unreadable and records it; later passes report it failed with that reason and launch
+    nothing, until --force sets it aside and runs the job afresh."""
+    launched = []
+
+    def in_process(command, stdout, stderr, env):  # `python -m dsq_cli.cli train ...`, here
+        launched.append(command[3:])
+        result = RUNNER.invoke(app, command[3:])
+        stdout.write(result.output)
+        return subprocess.CompletedProcess(command, result.exit_code)
+
+    monkeypatch.setattr(sweep.subprocess, "run", in_process)
+    root = tmp_path / "sweep"
+    job = root / "job"  # nothing varies: the one job's name
+    overrides = [*SCRIPTED, f"run.root={root}"]
+
+    family.interrupt_at = INTERRUPTED_AT
+    _, (first,) = sweep.run(overrides)
+    assert first.status == "interrupted" and first.detail == "stopped by SIGTERM"
+    family.interrupt_at = None
+    (job / "checkpoints" / "checkpoint_last.pt").write_bytes(b"")
+
+    for _ in range(2):  # the first pass tries it, the second does not
+        _, (stuck,) = sweep.run(overrides, resume_unfinished=True)
+        assert stuck.status == "failed", stuck
+        assert stuck.detail.startswith(f"corrupt checkpoint: {job}/checkpoints/checkpoint_last.pt")
+        assert "resume_from=best" in stuck.detail
+        assert [c[1:] for c in launched[1:]] == [[f"resume={job}"]]  # once, on the first pass
+        assert f"job  failed      {stuck.log}: corrupt checkpoint: " in sweep.summary([stuck])
+        assert sorted(p.name for p in root.iterdir() if not p.name.startswith(".")) == [
+            "job",
+            "job.log",
+        ]  # left as it is: not set aside
+
+    _, (forced,) = sweep.run(overrides, resume_unfinished=True, force=True)
+    assert forced.status == "completed"
+    assert not launched[-1][-1].startswith("resume=")  # a new run, the old one kept aside
+    assert len(list(root.glob("job.old-*"))) == 1
 
 
 # -- torn lines, stale temporary files ------------------------------------------------------------
@@ -272,7 +403,7 @@ def test_nan_in_glue_ends_the_run_diverged_at_its_update(
                    f"run.dir={run_dir}"])  # fmt: skip
     data = GlueData(get_glue_task("sst2"), sst2_examples(16), sst2_examples(8), "in memory")
     monkeypatch.setattr("dsq_cli.runs.versions", lambda: {"python": "3"})
-    outcome = run_rank(cfg, run_dir, device="cpu", data=data, resumed=False)
+    outcome = run_rank(cfg, run_dir, device="cpu", data=data)
     assert (outcome.status, outcome.exit_code) == ("diverged", 3)
     result = RunResult.read(run_dir)
     assert result.status == "diverged" and result.error == error
@@ -323,3 +454,41 @@ def test_a_resume_restores_a_moving_schedule(tmp_path, monkeypatch):
     final = [load_checkpoint(d / "checkpoints" / "checkpoint_last.pt")["dsq_schedule"]
              for d in (straight_dir, run_dir)]  # fmt: skip
     assert final[0] == final[1]
+
+
+# -- resuming what is not a resumable run ----------------------------------------------------------
+
+
+def test_resuming_a_directory_that_is_not_a_run_is_refused_in_one_line(tmp_path):
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "todo.txt").write_text("x")
+    for target, message in [
+        (notes, f"resume={notes}: no config.yaml there; is it a dsq run directory?"),
+        (tmp_path / "nowhere", f"resume={tmp_path / 'nowhere'}: no such directory"),
+    ]:
+        result = dsq_train(f"resume={target}")
+        assert result.exit_code == 2 and result.output.count("\n") == 1
+        assert message in result.output
+    assert sorted(p.name for p in notes.iterdir()) == ["todo.txt"]  # nothing written there
+
+
+def test_resuming_a_run_without_a_checkpoint_is_refused_in_one_line(tmp_path, family):
+    """A run killed before its first checkpoint: refused, nothing written; one killed between
+    its first checkpoint_best.pt and checkpoint_last.pt: told to resume from best."""
+    run_dir = interrupted_run(family, tmp_path / "run")
+    result_before = (run_dir / "result.json").read_text()
+    best = run_dir / "checkpoints" / "checkpoint_best.pt"
+    best.rename(tmp_path / "best.pt")
+    (run_dir / "checkpoints" / "checkpoint_last.pt").unlink()
+    refused = dsq_train(f"resume={run_dir}")
+    assert refused.exit_code == 2 and refused.output.count("\n") == 1
+    assert (
+        f"resume={run_dir}: no {run_dir}/checkpoints/checkpoint_last.pt (the run stopped before "
+        "it wrote one); the run has no other checkpoint that can be read: start it again instead"
+    ) in refused.output
+    assert (run_dir / "result.json").read_text() == result_before
+    (tmp_path / "best.pt").rename(best)
+    refused = dsq_train(f"resume={run_dir}")
+    assert refused.exit_code == 2
+    assert f"{best} (update 6) can be read: continue from it with " in refused.output

@@ -155,11 +155,11 @@ def test_a_run_from_before_the_keys_resumes_as_it_started(tmp_path):
     (run / "checkpoints").mkdir(parents=True)
     (run / "config.yaml").write_text(yaml.safe_dump(plain))
     save_checkpoint(run / "checkpoints" / "checkpoint_last.pt", {"num_updates": 3})
-    cfg, _, _ = load_resume(str(run), [f"resume={run}"])
+    cfg, _ = load_resume(str(run), [f"resume={run}"])
     assert cfg.train.stop_patience == 0 and cfg.eval.checkpoint == "last"
     stored = yaml.safe_load((run / "config.yaml").read_text())
     assert stored["train"]["stop_patience"] == 0 and stored["eval"]["checkpoint"] == "last"
-    cfg, _, _ = load_resume(str(run), [f"resume={run}", "train.stop_patience=4"])
+    cfg, _ = load_resume(str(run), [f"resume={run}", "train.stop_patience=4"])
     assert cfg.train.stop_patience == 4
 
 

@@ -55,19 +55,20 @@ def run_rank(
     run_dir: Path,
     *,
     device: str,
-    resumed: bool,
+    resume_from: Path | None = None,
     rank: ranks.Rank = ranks.SINGLE,
     data=None,
     state: dict | None = None,
 ) -> Outcome:
-    """Train in this process, as ``rank`` of the data-parallel group."""
+    """Train in this process, as ``rank`` of the data-parallel group: a new run, or one resumed
+    from the checkpoint ``resume_from`` (``state``: its contents, when already loaded)."""
     if device == "cpu":
         keep_freed_memory()  # every update reuses the pages of the last (dsq_cli/cpu_allocator.py)
     if data is None:  # a spawned worker: the parent prepared the data; this reads the cache
         data = family_of(cfg).prepare(cfg)
-    if state is None and resumed:
-        state = load_checkpoint(runs.last_checkpoint(run_dir))
-    started = started_result(cfg, data, device, resumed)
+    if state is None and resume_from is not None:
+        state = load_checkpoint(Path(resume_from))
+    started = started_result(cfg, data, device, resume_from is not None)
     if not rank.is_main:
         with run_log(run_dir / f"train.rank{rank.rank}.log"):
             return _train_and_evaluate(cfg, data, device, QuietRecorder(run_dir), state,
@@ -82,11 +83,11 @@ def run_rank(
     return outcome
 
 
-def run_spawned_rank(rank: ranks.Rank, cfg: RunConfig, run_dir: str, resumed: bool,
+def run_spawned_rank(rank: ranks.Rank, cfg: RunConfig, run_dir: str, resume_from: Path | None,
                      device: str) -> int:  # fmt: skip
     """`launch.spawn`'s target: one spawned worker's run; its exit code."""
     quiet_library_warnings()  # what `dsq train` set in the parent, which a spawned child lacks
-    outcome = run_rank(cfg, Path(run_dir), rank=rank, device=device, resumed=resumed)
+    outcome = run_rank(cfg, Path(run_dir), rank=rank, device=device, resume_from=resume_from)
     return outcome.exit_code
 
 

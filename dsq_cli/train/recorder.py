@@ -25,6 +25,11 @@ CHECKPOINT_FORMAT = "dsq-checkpoint-1"
 log = logging.getLogger(__name__)
 
 
+class UnreadableCheckpoint(ValueError):
+    """A checkpoint file that is there but cannot be loaded: empty, cut short (a copy or a disk
+    that failed; never dsq's own atomic write) or not a dsq checkpoint at all."""
+
+
 class CheckpointNotSaved(RuntimeError):
     """Writing a checkpoint failed (a full disk, a file system gone read-only); the checkpoint
     written before it is untouched."""
@@ -48,12 +53,21 @@ def save_checkpoint(path: Path, state: Mapping) -> None:
 
 
 def load_checkpoint(path: Path) -> dict:
-    """A dsq checkpoint, loaded with torch's safe unpickler (``weights_only=True``)."""
+    """A dsq checkpoint, loaded with torch's safe unpickler (``weights_only=True``);
+    `UnreadableCheckpoint`, naming the file and why, when it cannot be loaded."""
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint at {path}")
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    if path.stat().st_size == 0:
+        raise UnreadableCheckpoint(f"{path} is empty")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # a zip cut short: RuntimeError; other bytes: UnpicklingError
+        raise UnreadableCheckpoint(
+            f"{path} cannot be read, it is cut short or not a checkpoint "
+            f"({type(err).__name__}: {_first_line(err)})"
+        ) from None
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"{path} is not a dsq checkpoint ({CHECKPOINT_FORMAT})")
+        raise UnreadableCheckpoint(f"{path} is not a dsq checkpoint ({CHECKPOINT_FORMAT})")
     return state
 
 
