@@ -62,9 +62,11 @@ def load_checkpoint(path: Path) -> dict:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # a zip cut short: RuntimeError; other bytes: UnpicklingError
+        # torch's first sentence says what failed; the rest is advice this message replaces
+        reason = _first_line(err).split(". ")[0]
         raise UnreadableCheckpoint(
             f"{path} cannot be read, it is cut short or not a checkpoint "
-            f"({type(err).__name__}: {_first_line(err)})"
+            f"({type(err).__name__}: {reason})"
         ) from None
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
         raise UnreadableCheckpoint(f"{path} is not a dsq checkpoint ({CHECKPOINT_FORMAT})")
