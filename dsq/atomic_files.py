@@ -7,6 +7,9 @@ any failure, Ctrl-C included, the temporary file is removed and the destination 
 * ``write_atomic(path, data)``: text (UTF-8) or bytes held in memory.
 * ``atomic_path(path)``: a context manager yielding the temporary path, for writers that open
   the file themselves (``torch.save``, ``Figure.savefig``).
+* ``temporaries(directory)``: the temporary files such writes left in a directory. A writer
+  killed mid-write (SIGKILL, a lost machine) never runs its cleanup; whoever owns the directory
+  removes them when no write can be using them.
 
 The temporary file gets the permissions a plain ``open(path, "w")`` would give (0o666 less the
 umask), so the result looks like any other file the user writes.
@@ -18,15 +21,20 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import secrets
 from collections.abc import Iterator
 from pathlib import Path
+
+# A temporary file's name: ``.NAME.XXXXXXXX.tmp`` beside NAME, eight random hex digits.
+_RANDOM_BYTES = 4
+_TEMPORARY_NAME = re.compile(rf"\..+\.[0-9a-f]{{{2 * _RANDOM_BYTES}}}\.tmp")
 
 
 def _create_temporary(path: Path) -> Path:
     """A new empty file next to ``path``, hidden (leading dot) and named after it."""
     while True:
-        tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(_RANDOM_BYTES)}.tmp")
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         except FileExistsError:
@@ -63,3 +71,15 @@ def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
     payload = data.encode("utf-8") if isinstance(data, str) else data
     with atomic_path(path) as tmp:
         tmp.write_bytes(payload)
+
+
+def temporaries(directory: str | os.PathLike) -> list[Path]:
+    """The temporary files of atomic writes in ``directory`` (not below it), sorted: each is
+    either being written now or left by a writer that was killed. Only the directory's owner
+    knows which, so removing them is the caller's decision."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    return sorted(
+        p for p in directory.iterdir() if _TEMPORARY_NAME.fullmatch(p.name) and p.is_file()
+    )

@@ -327,6 +327,9 @@ def bench_memory(
 OVERRIDES_HELP = (
     "Hydra overrides: group choices (task=multi30k model=transformer_tiny quant=dsq logger=none) "
     "and keys (train.max_updates=100 quant.q1=bfp3 data.raw_dir=DIR seed=2 resume=RUN_DIR). "
+    "resume=RUN_DIR continues a stopped run from its checkpoint_last.pt, or with "
+    "resume_from=best from its checkpoint_best.pt (the best validation's; what it logged after "
+    "is dropped and trained again). "
     "A scheduled point's ladder moves by its precision policy: plateau (default, DSQ's: "
     "patience, min_delta), cyclic (CPT: periods), shape (Wolfe & Kyrillidis: shape, direction, "
     "periods, exponent, flip_vertically) or pfq (FracTrain: threshold, decay, keep, "
@@ -366,8 +369,8 @@ def train_cmd(
     qnli, mnli, qqp, stsb), model (transformer_small, transformer_tiny, transformer_iwslt;
     GLUE encoders: minilm, roberta_base, roberta_tiny), quant (the Table 1 presets),
     logger (wandb, none).
-    Exit codes: 0 completed, 2 bad config or data, 3 diverged, 130/143 interrupted
-    (continue with resume=RUN_DIR), 1 failed.
+    Exit codes: 0 completed, 2 bad config or data or a refused resume, 3 diverged, 130/143
+    interrupted (continue with resume=RUN_DIR), 1 failed.
     """
     from dsq_cli.config import compose, to_yaml
     from dsq_cli.train import family_of, load_resume, quiet_library_warnings, train
@@ -376,8 +379,7 @@ def train_cmd(
     overrides = list(overrides or [])
     resume_dir = next((o.split("=", 1)[1] for o in overrides if o.startswith("resume=")), None)
     if resume_dir and resume_dir != "null":
-        cfg, run_dir, state = load_resume(resume_dir, overrides)
-        resume = (run_dir, state)
+        cfg, resume = load_resume(resume_dir, overrides)
     else:
         cfg, resume = compose(overrides), None
     if show_cfg:
@@ -654,7 +656,8 @@ def sweep_cmd(
         "--resume-unfinished",
         help="Continue each job whose run stopped unfinished (interrupted, or left 'running' by "
         "a killed process) from its checkpoint instead of running it again. Only when no other "
-        "process still runs it.",
+        "process still runs it. A run whose checkpoint a resume found unreadable is reported "
+        "failed and left for you (dsq train resume=RUN_DIR resume_from=best, or --force).",
     ),
 ):
     """Run a grid of dsq train jobs under one root, then print the dsq table of that root.

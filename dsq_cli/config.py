@@ -31,6 +31,7 @@ from dsq_cli.presets import CONF_DIR, PRESET_KEYS, load_quant_preset
 from dsq_cli.run_config import (
     EVAL_CHECKPOINTS,
     FAMILY_NAMES,
+    RESUME_FROM,
     RunConfig,
     expects,
 )
@@ -287,6 +288,12 @@ def _resolve(cfg: DictConfig) -> None:
         raise ConfigError(f"config does not resolve: {str(err).splitlines()[0]}") from None
 
 
+def check_resume_from(value: str) -> None:
+    """``resume_from`` names a checkpoint a run keeps (`RESUME_FROM`)."""
+    if value not in RESUME_FROM:
+        raise ConfigError(f"resume_from must be {' or '.join(RESUME_FROM)}, got {value!r}")
+
+
 def _check(cfg: DictConfig) -> None:
     """What the schema's types cannot say: choices, ranges, budgets, a model that suits the task,
     a task family that names a registered task, the quant config. Resolves ``cfg`` in place."""
@@ -318,6 +325,12 @@ def _check(cfg: DictConfig) -> None:
     if cfg.eval.checkpoint not in EVAL_CHECKPOINTS:
         raise ConfigError(
             f"eval.checkpoint must be {' or '.join(EVAL_CHECKPOINTS)}, got {cfg.eval.checkpoint!r}"
+        )
+    check_resume_from(cfg.resume_from)
+    if cfg.resume_from != "last" and cfg.resume is None:
+        raise ConfigError(
+            f"resume_from={cfg.resume_from} chooses the checkpoint of a resume; give it with "
+            "resume=RUN_DIR, or drop it to start a new run"
         )
     if train.max_epochs == 0 and train.max_updates == 0:
         raise ConfigError("set a budget: train.max_epochs or train.max_updates must be positive")

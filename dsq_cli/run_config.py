@@ -147,6 +147,8 @@ class RunConfig:
 
     seed: int = MISSING  # fairseq's seed: initialisation, batch order, dropout
     resume: str | None = MISSING  # a run directory to continue (its config.yaml and checkpoint)
+    # With resume: the checkpoint to continue from, last or best; config.yaml keeps last.
+    resume_from: str = _expects("last or best")
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     run: RunDirConfig = field(default_factory=RunDirConfig)
@@ -163,6 +165,9 @@ class RunConfig:
 
 
 EVAL_CHECKPOINTS = ("best", "last")  # eval.checkpoint: which model `value` scores
+# resume_from: the checkpoint a resume continues from, newest first (the order a refused resume
+# offers them in)
+RESUME_FROM = ("last", "best")
 
 
 _PHRASES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}

@@ -39,6 +39,10 @@ REQUIRED = ("status", "task", "quant", "metric", "value", "valid_loss", "updates
 TRAINED = ("epochs", "budget", "best_valid_loss", "bits_final", "precision_segments", "patch",
            "memory", "gemm_units")  # fmt: skip
 MIB = 2**20
+# How ``error`` begins for a run whose checkpoint_last.pt cannot be read (empty, cut short, not
+# a checkpoint): recorded by the resume that found it, so that `dsq sweep --resume-unfinished`
+# reports the run failed instead of trying it again on every pass (docs/training.md, "Faults").
+CORRUPT_CHECKPOINT = "corrupt checkpoint"
 
 
 def metric_decimals(metric: str) -> int:
@@ -121,8 +125,11 @@ class RunResult:
         evaluation = {k: v for k, v in record.items() if k not in names}
         return cls(**known, evaluation=evaluation)
 
-    def write(self, run_dir: Path) -> None:
-        runs.write_json(Path(run_dir) / FILENAME, self.to_dict())
+    def write(self, run_dir: Path, *, in_place: bool = False) -> None:
+        """Write result.json atomically; ``in_place``: over the old file (`runs.overwrite_json`,
+        for a disk too full for an atomic write)."""
+        write = runs.overwrite_json if in_place else runs.write_json
+        write(Path(run_dir) / FILENAME, self.to_dict())
 
     @classmethod
     def read(cls, path: Path) -> RunResult:
@@ -187,6 +194,11 @@ class RunResult:
     @property
     def completed(self) -> bool:
         return self.status == "completed"
+
+    @property
+    def checkpoint_unreadable(self) -> bool:
+        """Whether the run failed because its checkpoint_last.pt cannot be read."""
+        return self.status == "failed" and (self.error or "").startswith(CORRUPT_CHECKPOINT)
 
     @property
     def preset(self) -> str:

@@ -23,7 +23,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from dsq.atomic_files import write_atomic
+from dsq.atomic_files import temporaries, write_atomic
 
 # A name that says it holds a secret: one of these words as a whole `_`/`-`/`.`-separated part
 # (WANDB_API_KEY, hf_token, aws_secret_access_key), but not max_tokens or sort_keys.
@@ -65,15 +65,34 @@ def exact_run_dir(path: str | os.PathLike) -> Path:
     return path
 
 
+def checkpoint_path(run_dir: str | os.PathLike, which: str) -> Path:
+    """A run's checkpoint ``which``: ``last`` or ``best`` (``checkpoints/checkpoint_WHICH.pt``,
+    fairseq's names)."""
+    return Path(run_dir) / "checkpoints" / f"checkpoint_{which}.pt"
+
+
 def last_checkpoint(run_dir: str | os.PathLike) -> Path:
     """Where a run keeps the checkpoint it resumes from."""
-    return Path(run_dir) / "checkpoints" / "checkpoint_last.pt"
+    return checkpoint_path(run_dir, "last")
 
 
 def best_checkpoint(run_dir: str | os.PathLike) -> Path:
     """The checkpoint of a run's best validation loss so far (fairseq's name), the model scored
     as ``best`` (docs/training.md, "Which model is scored")."""
-    return Path(run_dir) / "checkpoints" / "checkpoint_best.pt"
+    return checkpoint_path(run_dir, "best")
+
+
+def remove_stale_temporaries(run_dir: str | os.PathLike) -> list[Path]:
+    """Remove the temporary files that atomic writes left in ``run_dir`` and its checkpoints/
+    when their process was killed mid-write (SIGKILL skips the cleanup; a checkpoint's can be as
+    large as the checkpoint). Only for a run this process holds (`hold`): no write of another
+    process can be using them then. Returns what was removed."""
+    removed = []
+    for directory in (Path(run_dir), Path(run_dir) / "checkpoints"):
+        for path in temporaries(directory):
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
 
 
 # -- one process trains a run at a time ------------------------------------------------------
@@ -183,8 +202,20 @@ def in_use(run_dir: str | os.PathLike) -> bool:
     return locked_elsewhere(Path(run_dir) / LOCK_NAME)
 
 
+def _json_text(obj) -> str:
+    return json.dumps(scrub_secrets(obj), indent=2, sort_keys=True) + "\n"
+
+
 def write_json(path: str | os.PathLike, obj) -> None:
-    write_atomic(path, json.dumps(scrub_secrets(obj), indent=2, sort_keys=True) + "\n")
+    write_atomic(path, _json_text(obj))
+
+
+def overwrite_json(path: str | os.PathLike, obj) -> None:
+    """`write_json` in place, not atomically: the last resort when a full disk has no room for
+    an atomic write's second copy. Truncating the old file first frees its blocks for the new
+    text; a kill during the write can leave it torn, which readers report as unreadable."""
+    with open(path, "w") as f:
+        f.write(_json_text(obj))
 
 
 def append_jsonl(path: str | os.PathLike, obj) -> None:

@@ -270,7 +270,20 @@ def _launch(job: Job, dsq: Sequence[str], threads: int | None) -> None:
     status = RunResult.status_of(job.run_dir)
     job.status = status if status else "failed"
     if proc.returncode != 0:
-        job.detail = f"exit {proc.returncode}"
+        result = _result_of(job.run_dir)
+        job.detail = (result and _first_line(result.error)) or f"exit {proc.returncode}"
+
+
+def _result_of(run_dir: Path) -> RunResult | None:
+    """A run's result.json (None: none, or unreadable)."""
+    try:
+        return RunResult.read(run_dir)
+    except ValueError:
+        return None
+
+
+def _first_line(text: str | None) -> str | None:
+    return text.strip().splitlines()[0] if text and text.strip() else None
 
 
 def _set_aside(run_dir: Path) -> None:
@@ -285,13 +298,24 @@ def resumable(run_dir: Path, status: str | None) -> bool:
     return status in ("interrupted", "running") and runs.last_checkpoint(run_dir).is_file()
 
 
+def unresumable(run_dir: Path, status: str | None) -> str | None:
+    """Why a run cannot be continued as it stands: the error its resume recorded when it found
+    checkpoint_last.pt unreadable (`RunResult.checkpoint_unreadable`); None for any other run.
+    A sweep that continues unfinished runs reports it failed rather than trying it on every
+    pass: continuing it needs a person's choice (``resume_from=best``, or ``--force`` to run it
+    afresh)."""
+    result = _result_of(run_dir) if status == "failed" else None
+    return _first_line(result.error) if result and result.checkpoint_unreadable else None
+
+
 def run(
     overrides: Sequence[str], *, force: bool = False, resume_unfinished: bool = False
 ) -> tuple[Path, list[Job]]:
     """Run the sweep's jobs, skipping those that completed earlier (unless ``force``). A job
     whose run stopped unfinished is set aside and run again, or, with ``resume_unfinished``,
-    continued from its checkpoint (`resumable`). A job whose run another live process trains
-    (`runs.in_use`) is left to it: ``busy``."""
+    continued from its checkpoint (`resumable`); one whose checkpoint a resume found unreadable
+    is then reported ``failed`` with that reason, left as it is (`unresumable`). A job whose run
+    another live process trains (`runs.in_use`) is left to it: ``busy``."""
     root, launcher, options, jobs = plan(overrides)
     root.mkdir(parents=True, exist_ok=True)
     todo = []
@@ -303,6 +327,10 @@ def run(
             continue
         if status == "completed" and not force:
             job.status, job.detail = "skipped", "completed earlier"
+            continue
+        stuck = unresumable(job.run_dir, status) if resume_unfinished and not force else None
+        if stuck:
+            job.status, job.detail = "failed", stuck
             continue
         if resume_unfinished and not force and resumable(job.run_dir, status):
             job.resume = True
@@ -346,9 +374,9 @@ def summary(jobs: Sequence[Job]) -> str:
     width = max(len(j.name) for j in jobs)
     lines = [f"{'job'.ljust(width)}  status      log / note"]
     for job in jobs:
-        note = str(job.log) if job.status not in NOT_FAILED else job.detail
-        if job.status == "invalid":
-            note = f"{job.log}: {job.detail}"
+        note = job.detail
+        if job.status not in NOT_FAILED:  # the log, and what went wrong where it is known
+            note = f"{job.log}: {job.detail}" if job.detail else str(job.log)
         lines.append(f"{job.name.ljust(width)}  {job.status:<10}  {note}")
     failed = [j for j in jobs if j.status not in NOT_FAILED]
     ran = sum(j.status == "completed" for j in jobs)

@@ -250,8 +250,9 @@ def test_a_run_from_before_task_family_resumes_once_told_its_family(tmp_path):
     save_checkpoint(run / "checkpoints" / "checkpoint_last.pt", {"num_updates": 3})
     with pytest.raises(ConfigError, match="predates task.family; .*add task.family=translation"):
         load_resume(str(run), [f"resume={run}"])
-    cfg, path, state = load_resume(str(run), [f"resume={run}", "task.family=translation"])
-    assert cfg.task.family == "translation" and path == run and state["num_updates"] == 3
+    cfg, resume = load_resume(str(run), [f"resume={run}", "task.family=translation"])
+    assert cfg.task.family == "translation" and resume.run_dir == run
+    assert resume.state["num_updates"] == 3
     assert yaml.safe_load((run / "config.yaml").read_text())["task"]["family"] == "translation"
     with pytest.raises(ConfigError, match="task.family cannot change"):  # now it is stored
         load_resume(str(run), ["task.family=glue"])
@@ -276,6 +277,6 @@ def test_a_run_from_before_one_family_vocabulary_resumes_with_its_model_family_r
     (run / "checkpoints").mkdir(parents=True)
     (run / "config.yaml").write_text(yaml.safe_dump(plain))
     save_checkpoint(run / "checkpoints" / "checkpoint_last.pt", {"num_updates": 3})
-    cfg, _, _ = load_resume(str(run), [f"resume={run}"])
+    cfg, _ = load_resume(str(run), [f"resume={run}"])
     assert cfg.model.family == new == cfg.task.family
     assert yaml.safe_load((run / "config.yaml").read_text())["model"]["family"] == new

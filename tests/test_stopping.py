@@ -5,26 +5,20 @@ validation losses read from a list, so that every stop is known in advance."""
 from __future__ import annotations
 
 import json
-import signal
 
 import pytest
-import torch
 import yaml
 from helpers.runs import only_run, read_jsonl, small
-from omegaconf import OmegaConf
+from helpers.scripted import FP32, Scripted
 from typer.testing import CliRunner
 
-from dsq.engine import QuantConfig
 from dsq_cli.cli import app
 from dsq_cli.config import compose, to_plain
 from dsq_cli.run_result import RunResult
-from dsq_cli.train import loop, ranks
-from dsq_cli.train.loop import Trainer
+from dsq_cli.train import loop
 from dsq_cli.train.rank_run import trained_result
-from dsq_cli.train.recorder import RunRecorder, load_checkpoint
-from dsq_cli.train.stop import Interrupted, StopRequest
-
-FP32 = {"q0": "fp32", "q1": "fp32", "q2": "fp32", "q3": "fp32", "stash_scope": "gemm"}
+from dsq_cli.train.recorder import load_checkpoint
+from dsq_cli.train.stop import Interrupted
 
 # Validations every 2 updates. The best is 3.0 at update 6, equalled (no improvement) at 10,
 # beaten by 2.9 at 12, equalled at 16: with patience 3 the run stops at update 18, the third
@@ -34,83 +28,8 @@ IMPROVED_AT = [2, 4, 6, 12]
 STOP_REASON = "validation loss has not improved for 3 validations (best 2.900 at update 12)"
 
 
-class _NoLogger:
-    def log(self, record):
-        pass
-
-    def event(self, record):
-        pass
-
-
-class Scripted(Trainer):
-    """The loop's bookkeeping around a model that records the update it was trained to (the
-    buffer ``at``); its k-th validation loss is ``losses[k]``."""
-
-    saves_best_checkpoint = True
-
-    def __init__(self, run_dir, losses=LOSSES, *, max_updates=40, stop_patience=3,
-                 interrupt_at=None):  # fmt: skip
-        train = OmegaConf.create(
-            {"max_updates": max_updates, "max_epochs": 0, "warmup_updates": 1,
-             "validate_every": 2, "stop_patience": stop_patience, "log_every": 1}
-        )  # fmt: skip
-        recorder = RunRecorder(run_dir, _NoLogger())
-        super().__init__(train, QuantConfig.from_dict(FP32), recorder, "cpu", ranks.SINGLE)
-        self.model = torch.nn.Sequential(torch.nn.Linear(16, 16))
-        self.model.register_buffer("at", torch.tensor(0))
-        self.patch(self.model)
-        self.losses, self.interrupt_at = losses, interrupt_at
-        self._updates = 0
-        self.validated: list[int] = []  # the updates this process validated at
-        self.stop = StopRequest()
-        self.plan(1000)
-
-    @classmethod
-    def from_run_config(cls, *args):
-        raise NotImplementedError
-
-    @property
-    def updates(self) -> int:
-        return self._updates
-
-    @property
-    def epoch(self) -> int:
-        return 1
-
-    def batches(self):
-        while self.budget_left():
-            yield None, False
-
-    def train_step(self, batch):
-        self.model(torch.ones(4, 16)).sum().backward()
-        self._updates += 1
-        self.model.at.fill_(self._updates)
-        if self._updates == self.interrupt_at:
-            self.stop.signum = signal.SIGTERM  # as the handler sets it: stop after this update
-        return 1.0, {}
-
-    def validation_loss(self):
-        self.validated.append(self.updates)
-        return self.losses[self.progress["validations"]], {}
-
-    def lr(self):
-        return 1e-3
-
-    def own_state(self):
-        return {}
-
-    def load_own_state(self, state):
-        self._updates = state["num_updates"]
-
-    def trained_model(self):
-        return self.model
-
-    def evaluate(self, stop):
-        return {"value": 0.0}
-
-    def run(self, resume_state=None):
-        self.train(self.stop, resume_state)
-        return self
+def scripted(run_dir, losses=LOSSES, **options) -> Scripted:
+    return Scripted.standalone(run_dir, losses, **options)
 
 
 @pytest.fixture
@@ -128,7 +47,7 @@ def saved(monkeypatch):
 
 
 def test_patience_stops_at_the_third_validation_without_improvement(tmp_path, saved):
-    trainer = Scripted(tmp_path).run()
+    trainer = scripted(tmp_path).run()
     assert trainer.updates == 18
     assert trainer.progress["stopped_early"] == {"update": 18, "reason": STOP_REASON}
     # no second validation at the end: the stop came at a validation
@@ -144,7 +63,7 @@ def test_patience_stops_at_the_third_validation_without_improvement(tmp_path, sa
 
 
 def test_result_json_budget_records_the_cap_and_the_stop(tmp_path):
-    trainer = Scripted(tmp_path).run()
+    trainer = scripted(tmp_path).run()
     started = RunResult("completed", "demo", {"preset": "fp32", **FP32}, "bleu", value=1.0)
     result = trained_result(started, trainer)
     assert result.budget == {
@@ -160,12 +79,12 @@ def test_result_json_budget_records_the_cap_and_the_stop(tmp_path):
 
 
 def test_a_stall_at_the_cap_is_not_an_early_stop(tmp_path):
-    trainer = Scripted(tmp_path, max_updates=18).run()
+    trainer = scripted(tmp_path, max_updates=18).run()
     assert trainer.updates == 18 and trainer.progress["stopped_early"] is None
 
 
 def test_patience_0_trains_to_the_cap(tmp_path):
-    trainer = Scripted(tmp_path, stop_patience=0).run()
+    trainer = scripted(tmp_path, stop_patience=0).run()
     assert trainer.updates == 40 and trainer.progress["stopped_early"] is None
     assert trainer.validated == list(range(2, 41, 2))
     # 0.5 first at update 26; equal losses later are no improvement
@@ -177,12 +96,12 @@ def test_a_resume_mid_patience_stops_where_an_uninterrupted_run_does(tmp_path, i
     """SIGTERM at update 15 (one validation without improvement counted), 16 (two) and 18 (the
     stopping validation itself): the resumed run stops at update 18 with the same reason, and
     validates each update once over both processes."""
-    first = Scripted(tmp_path, interrupt_at=interrupt_at)
+    first = scripted(tmp_path, interrupt_at=interrupt_at)
     with pytest.raises(Interrupted):
         first.run()
     state = load_checkpoint(tmp_path / "checkpoints" / "checkpoint_last.pt")
     assert state["num_updates"] == interrupt_at
-    resumed = Scripted(tmp_path).run(state)
+    resumed = scripted(tmp_path).run(state)
     assert resumed.updates == 18
     assert resumed.progress["stopped_early"] == {"update": 18, "reason": STOP_REASON}
     assert first.validated + resumed.validated == list(range(2, 19, 2))
@@ -193,7 +112,7 @@ def test_a_resume_mid_patience_stops_where_an_uninterrupted_run_does(tmp_path, i
 
 def test_the_budget_line_names_the_cap(tmp_path, caplog):
     with caplog.at_level("INFO"):
-        Scripted(tmp_path).run()
+        scripted(tmp_path).run()
     text = caplog.text
     assert "stops early after 3 validations without improvement (40 updates is the cap)" in text
     assert f"stopped early at update 18: {STOP_REASON}; cap 40" in text
@@ -236,11 +155,11 @@ def test_a_run_from_before_the_keys_resumes_as_it_started(tmp_path):
     (run / "checkpoints").mkdir(parents=True)
     (run / "config.yaml").write_text(yaml.safe_dump(plain))
     save_checkpoint(run / "checkpoints" / "checkpoint_last.pt", {"num_updates": 3})
-    cfg, _, _ = load_resume(str(run), [f"resume={run}"])
+    cfg, _ = load_resume(str(run), [f"resume={run}"])
     assert cfg.train.stop_patience == 0 and cfg.eval.checkpoint == "last"
     stored = yaml.safe_load((run / "config.yaml").read_text())
     assert stored["train"]["stop_patience"] == 0 and stored["eval"]["checkpoint"] == "last"
-    cfg, _, _ = load_resume(str(run), [f"resume={run}", "train.stop_patience=4"])
+    cfg, _ = load_resume(str(run), [f"resume={run}", "train.stop_patience=4"])
     assert cfg.train.stop_patience == 4
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
@@ -18,14 +19,14 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from dsq.atomic_files import write_atomic
 from dsq.formats.backends import requested_backend_refusal
 from dsq_cli import runs
-from dsq_cli.config import GROUPS, ConfigError, to_plain, typed
-from dsq_cli.run_config import RunConfig
-from dsq_cli.run_result import RunResult
+from dsq_cli.config import GROUPS, ConfigError, check_resume_from, to_plain, typed
+from dsq_cli.run_config import RESUME_FROM, RunConfig
+from dsq_cli.run_result import CORRUPT_CHECKPOINT, RunResult
 
 from . import launch, ranks
 from .families import family_of
 from .rank_run import Outcome, run_rank, run_spawned_rank, started_result
-from .recorder import load_checkpoint
+from .recorder import UnreadableCheckpoint, load_checkpoint
 from .stop import EXIT_CODES
 
 log = logging.getLogger(__name__)
@@ -67,7 +68,17 @@ def prepare_data(cfg: RunConfig):
     return family_of(cfg).prepare(cfg)
 
 
-def train(cfg: RunConfig, *, resume: tuple[Path, dict] | None = None) -> Outcome:
+@dataclass
+class Resume:
+    """A stopped run to continue (`load_resume`): its directory, the checkpoint it continues
+    from and that checkpoint's contents."""
+
+    run_dir: Path
+    checkpoint: Path
+    state: dict
+
+
+def train(cfg: RunConfig, *, resume: Resume | None = None) -> Outcome:
     """Run ``cfg`` to the end; returns the outcome (never raises for a training failure).
 
     With ``train.distributed_world_size=N`` this process spawns N workers (one per device) and
@@ -86,24 +97,28 @@ def train(cfg: RunConfig, *, resume: tuple[Path, dict] | None = None) -> Outcome
     check_devices(world_size, device)
     data = family.prepare(cfg)  # DataError (bad or missing data) before any run directory exists
     run_dir, state = _open_run_dir(cfg, resume)
-    resumed = resume is not None
+    resume_from = None if resume is None else resume.checkpoint
     try:
         if world_size > 1:
-            started = started_result(cfg, data, device, resumed)  # if rank 0 writes none
+            started = started_result(cfg, data, device, resume is not None)  # if rank 0 writes none
             codes = launch.spawn(world_size, device, run_spawned_rank,
-                                 (cfg, str(run_dir), resumed, device))  # fmt: skip
+                                 (cfg, str(run_dir), resume_from, device))  # fmt: skip
             return spawned_outcome(run_dir, codes, started)
-        return run_rank(cfg, run_dir, device=device, resumed=resumed, data=data, state=state)
+        return run_rank(cfg, run_dir, device=device, resume_from=resume_from, data=data,
+                        state=state)  # fmt: skip
     finally:
         runs.release(run_dir)
 
 
-def _open_run_dir(cfg: RunConfig, resume) -> tuple[Path, dict | None]:
+def _open_run_dir(cfg: RunConfig, resume: Resume | None) -> tuple[Path, dict | None]:
     """The run's directory, held by this process until it exits (`runs.hold`: a second process
-    resuming the same run is refused), with its config.yaml written when the run is new."""
+    resuming the same run is refused), with its config.yaml written when the run is new. A
+    resumed run's directory is rid of the temporary files of writes a kill interrupted."""
     if resume is not None:
-        runs.hold(resume[0])
-        return resume
+        runs.hold(resume.run_dir)
+        for stale in runs.remove_stale_temporaries(resume.run_dir):
+            log.warning("removed %s, left by a write that a kill interrupted", stale)
+        return resume.run_dir, resume.state
     run_dir = (
         runs.exact_run_dir(cfg.run.dir)
         if cfg.run.dir
@@ -119,7 +134,8 @@ def config_yaml(cfg: DictConfig) -> str:
     return yaml.safe_dump(runs.scrub_secrets(to_plain(cfg)), sort_keys=False)
 
 
-def _train_launched(cfg: RunConfig, resume, rank: ranks.Rank, device: str) -> Outcome:
+def _train_launched(cfg: RunConfig, resume: Resume | None, rank: ranks.Rank,
+                    device: str) -> Outcome:  # fmt: skip
     """One process of a torchrun / srun launch: rank 0 prepares the data and makes the run
     directory, then tells the others where it is (or what was wrong)."""
     configured = cfg.train.distributed_world_size
@@ -131,11 +147,11 @@ def _train_launched(cfg: RunConfig, resume, rank: ranks.Rank, device: str) -> Ou
     cfg.train.distributed_world_size = rank.world_size
     ranks.init_process_group(rank, device, "env://")
     try:
-        data = state = run_dir = error = None
+        data = run_dir = error = None
         if rank.is_main:
             try:
                 data = prepare_data(cfg)
-                run_dir, state = _open_run_dir(cfg, resume)
+                run_dir, _ = _open_run_dir(cfg, resume)
             except ValueError as err:  # ConfigError, DataError: one line for every rank
                 error = err
         told = ranks.broadcast_from_main(
@@ -146,7 +162,8 @@ def _train_launched(cfg: RunConfig, resume, rank: ranks.Rank, device: str) -> Ou
         if told[0] == "error":
             raise ConfigError(told[1])
         return run_rank(cfg, Path(told[1]), rank=rank, device=device,
-                        resumed=resume is not None, data=data, state=state)  # fmt: skip
+                        resume_from=None if resume is None else resume.checkpoint, data=data,
+                        state=None if resume is None else resume.state)  # fmt: skip
     finally:
         if run_dir is not None:
             runs.release(run_dir)
@@ -184,32 +201,40 @@ FIXED_ON_RESUME = ("seed", "task", "model", "data", "run", "choices")
 # Keys a run directory written by an older dsq lacks; resume may add them.
 ADDABLE_ON_RESUME = ("task.family",)
 # Keys a run directory written by an older dsq lacks, with the values that keep such a run as it
-# started: no early stop, and the final model is the one scored.
-PREDATED_KEYS = {"train.stop_patience": 0, "eval.checkpoint": "last"}
+# started: no early stop, and the final model is the one scored; resume_from is never stored
+# other than ``last`` (it chooses the checkpoint of one resume).
+PREDATED_KEYS = {"train.stop_patience": 0, "eval.checkpoint": "last", "resume_from": "last"}
+# Keys that say how this process starts, not what the run is: they never reach config.yaml.
+PER_RESUME_KEYS = ("resume", "resume_from")
 # model.family in a run directory written before it shared task.family's names: absent meant a
 # translation model, ``encoder`` a GLUE encoder. Resume renames it; the model is the same.
 RENAMED_MODEL_FAMILIES = {UNSET: "translation", "encoder": "glue"}
 
 
-def load_resume(run_dir: str, overrides: list[str]) -> tuple[RunConfig, Path, dict]:
-    """The stored config of ``run_dir`` with ``overrides`` merged on top, and its checkpoint."""
+def load_resume(run_dir: str, overrides: list[str]) -> tuple[RunConfig, Resume]:
+    """The stored config of ``run_dir`` with ``overrides`` merged on top, and the checkpoint it
+    continues from: checkpoint_last.pt, or the one ``resume_from=`` names (`_resumed_state`)."""
     path = Path(run_dir)
     config_path = path / "config.yaml"
+    if not path.is_dir():
+        raise ConfigError(f"resume={run_dir}: no such directory; give a run directory")
     if not config_path.is_file():
         raise ConfigError(f"resume={run_dir}: no config.yaml there; is it a dsq run directory?")
     if RunResult.status_of(path) == "completed":
         raise ConfigError(f"resume={run_dir}: that run already completed; start a new run")
     launched = ranks.from_environment()  # under torchrun only rank 0 holds the run
-    if (launched is None or launched.is_main) and runs.in_use(path):
+    main = launched is None or launched.is_main
+    if main and runs.in_use(path):
         raise ConfigError(
             f"resume={run_dir}: another process is training that run now (it holds "
             f"{runs.LOCK_NAME} there); wait for it to end, or stop it first"
         )
-    checkpoint = runs.last_checkpoint(path)
+    which = _resume_from(overrides)
+    checkpoint = runs.checkpoint_path(path, which)
     if not checkpoint.is_file():
+        why = " (the run stopped before it wrote one)" if which == "last" else ""
         raise ConfigError(
-            f"resume={run_dir}: no checkpoints/checkpoint_last.pt (the run stopped before its "
-            "first checkpoint); start it again instead"
+            f"resume={run_dir}: no {checkpoint}{why}{_other_checkpoint(run_dir, which)}"
         )
     stored = OmegaConf.load(config_path)
     predated = [k for k in PREDATED_KEYS if OmegaConf.select(stored, k, default=UNSET) is UNSET]
@@ -219,7 +244,9 @@ def load_resume(run_dir: str, overrides: list[str]) -> tuple[RunConfig, Path, di
     renamed = isinstance(old_family, str) and old_family in RENAMED_MODEL_FAMILIES
     if renamed:
         OmegaConf.update(stored, "model.family", RENAMED_MODEL_FAMILIES[old_family])
-    extra = _resume_overrides(stored, [o for o in overrides if not o.startswith("resume=")])
+    extra = _resume_overrides(
+        stored, [o for o in overrides if o.partition("=")[0].lstrip("+") not in PER_RESUME_KEYS]
+    )
     try:  # unknown keys are refused by the schema (`typed`), with the keys that exist
         merged = OmegaConf.merge(stored, OmegaConf.from_dotlist(extra))
     except Exception as err:
@@ -230,10 +257,64 @@ def load_resume(run_dir: str, overrides: list[str]) -> tuple[RunConfig, Path, di
             "needs: add task.family=translation (or task.family=glue for a GLUE task)"
         )
     cfg = typed(merged)
+    state = _resumed_state(run_dir, which, record_failure=main)
     # config.yaml stays the fully resolved config the run actually uses
     if extra or predated or renamed:
         write_atomic(config_path, config_yaml(cfg))
-    return cfg, path, load_checkpoint(checkpoint)
+    return cfg, Resume(path, checkpoint, state)
+
+
+def _resume_from(overrides: list[str]) -> str:
+    """The checkpoint this resume continues from: ``resume_from=`` (the last one given), else
+    ``last``."""
+    given = [value for key, _, value in (o.partition("=") for o in overrides)
+             if key.lstrip("+") == "resume_from"]  # fmt: skip
+    which = given[-1] if given else "last"
+    check_resume_from(which)
+    return which
+
+
+def _resumed_state(run_dir: str, which: str, *, record_failure: bool) -> dict:
+    """The contents of the run's checkpoint ``which``. One that cannot be read (empty, cut short,
+    not a checkpoint) is a ConfigError naming it and offering the run's other checkpoint where
+    that one loads. An unreadable checkpoint_last.pt also marks the run ``failed``
+    (`CORRUPT_CHECKPOINT`; by rank 0 only, with ``record_failure``): it cannot continue as it
+    stands, and `dsq sweep --resume-unfinished` must not try it again and again. The rest of
+    result.json, the metrics and the other checkpoint stay as they were."""
+    try:
+        return load_checkpoint(runs.checkpoint_path(run_dir, which))
+    except UnreadableCheckpoint as err:
+        problem = f"{CORRUPT_CHECKPOINT}: {err}{_other_checkpoint(run_dir, which)}"
+    if which == "last" and record_failure:
+        _record_failure(Path(run_dir), problem)
+    raise ConfigError(f"resume={run_dir}: {problem}")
+
+
+def _other_checkpoint(run_dir: str, which: str) -> str:
+    """What a resume refused for checkpoint ``which`` can do instead: continue from the run's
+    next checkpoint that loads (last, then best: newest first), or start again."""
+    for other in RESUME_FROM:
+        path = runs.checkpoint_path(run_dir, other)
+        if other == which or not path.is_file():
+            continue
+        try:
+            update = load_checkpoint(path)["num_updates"]
+        except UnreadableCheckpoint:
+            continue
+        return (f"; {path} (update {update}) can be read: continue from it with "
+                f"`dsq train resume={run_dir} resume_from={other}`")  # fmt: skip
+    return "; the run has no other checkpoint that can be read: start it again instead"
+
+
+def _record_failure(run_dir: Path, error: str) -> None:
+    """Mark the run of ``run_dir`` failed with ``error`` in its result.json, the rest of it
+    kept (nothing to mark when it has none that can be read)."""
+    try:
+        result = RunResult.read(run_dir)
+    except ValueError:
+        return
+    result.status, result.error = "failed", error
+    result.write(run_dir)
 
 
 def _resume_overrides(cfg: DictConfig, overrides: list[str]) -> list[str]:

@@ -34,7 +34,7 @@ from . import ranks
 from .glue_metrics import compute_metrics
 from .loop import Trainer
 from .recorder import RunRecorder
-from .stop import Diverged, StopRequest
+from .stop import StopRequest, check_finite
 
 log = logging.getLogger(__name__)
 
@@ -187,8 +187,7 @@ class GlueTrainer(Trainer):
         tokens, labels = self._collate(self.train_set, batch)
         loss = self._loss(self._forward(tokens), labels)
         loss_value = float(loss.detach())
-        if not math.isfinite(loss_value):
-            raise Diverged(f"loss is {loss_value} at update {self.updates + 1}")
+        check_finite("training loss", loss_value, self.updates + 1)  # before the step uses it
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if self.train_cfg.clip_norm > 0:

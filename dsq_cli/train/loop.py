@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
-import math
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
@@ -46,7 +45,7 @@ from . import ranks
 from .budget import Budget
 from .progress_line import ProgressLine
 from .recorder import RunRecorder, rng_state, save_checkpoint, set_rng_state
-from .stop import Diverged, Interrupted, StopRequest
+from .stop import Interrupted, StopRequest, check_finite
 
 log = logging.getLogger(__name__)
 
@@ -256,8 +255,7 @@ class Trainer(ABC):
         the next update), the metrics line, one schedule.jsonl line per precision change, and
         the early stop when ``train.stop_patience`` validations in a row did not improve."""
         valid_loss, record = self.validation_loss()
-        if not math.isfinite(valid_loss):
-            raise Diverged(f"validation loss is {valid_loss} at update {self.updates}")
+        check_finite("validation loss", valid_loss, self.updates)
         best = self.progress["best_valid_loss"]
         if best is None or valid_loss < best:  # improved: strictly below the best so far
             self.progress["best_valid_loss"] = valid_loss

@@ -55,19 +55,20 @@ def run_rank(
     run_dir: Path,
     *,
     device: str,
-    resumed: bool,
+    resume_from: Path | None = None,
     rank: ranks.Rank = ranks.SINGLE,
     data=None,
     state: dict | None = None,
 ) -> Outcome:
-    """Train in this process, as ``rank`` of the data-parallel group."""
+    """Train in this process, as ``rank`` of the data-parallel group: a new run, or one resumed
+    from the checkpoint ``resume_from`` (``state``: its contents, when already loaded)."""
     if device == "cpu":
         keep_freed_memory()  # every update reuses the pages of the last (dsq_cli/cpu_allocator.py)
     if data is None:  # a spawned worker: the parent prepared the data; this reads the cache
         data = family_of(cfg).prepare(cfg)
-    if state is None and resumed:
-        state = load_checkpoint(runs.last_checkpoint(run_dir))
-    started = started_result(cfg, data, device, resumed)
+    if state is None and resume_from is not None:
+        state = load_checkpoint(Path(resume_from))
+    started = started_result(cfg, data, device, resume_from is not None)
     if not rank.is_main:
         with run_log(run_dir / f"train.rank{rank.rank}.log"):
             return _train_and_evaluate(cfg, data, device, QuietRecorder(run_dir), state,
@@ -82,11 +83,11 @@ def run_rank(
     return outcome
 
 
-def run_spawned_rank(rank: ranks.Rank, cfg: RunConfig, run_dir: str, resumed: bool,
+def run_spawned_rank(rank: ranks.Rank, cfg: RunConfig, run_dir: str, resume_from: Path | None,
                      device: str) -> int:  # fmt: skip
     """`launch.spawn`'s target: one spawned worker's run; its exit code."""
     quiet_library_warnings()  # what `dsq train` set in the parent, which a spawned child lacks
-    outcome = run_rank(cfg, Path(run_dir), rank=rank, device=device, resumed=resumed)
+    outcome = run_rank(cfg, Path(run_dir), rank=rank, device=device, resume_from=resume_from)
     return outcome.exit_code
 
 
@@ -135,8 +136,28 @@ def _train_and_evaluate(cfg, data, device, recorder, state, started: RunResult,
             result.status = status
             result.error = f"summarising the run: {type(err).__name__}: {err}"
     result.finished_at = now()
-    recorder.result(result)
+    if not _record_result(recorder, result):
+        status, exit_code = "failed", EXIT_CODES["failed"]
+        result.status = status
+        result.error = f"{result.error + '; ' if result.error else ''}result.json not written"
     return Outcome(status, recorder.dir, result, exit_code, main=rank.is_main)
+
+
+def _record_result(recorder: RunRecorder, result: RunResult) -> bool:
+    """Write the run's final result.json; whether it got written. A full disk has no room for
+    the atomic write's second copy (a failed checkpoint frees its own, but other writers may
+    not): the result is then written over the old file, so that it never stays ``running``."""
+    try:
+        recorder.result(result)
+        return True
+    except OSError:
+        log.exception("writing result.json failed; writing it in place")
+    try:
+        recorder.result(result, in_place=True)
+        return True
+    except OSError:
+        log.exception("writing result.json in place failed too")
+        return False
 
 
 # -- what result.json says about the run ------------------------------------------------------

@@ -8,6 +8,7 @@ run's status and exit code (docs/training.md).
 from __future__ import annotations
 
 import logging
+import math
 import signal
 
 log = logging.getLogger(__name__)
@@ -17,6 +18,13 @@ EXIT_CODES = {"completed": 0, "failed": 1, "diverged": 3, "interrupted": 130}
 
 class Diverged(RuntimeError):
     """A NaN or Inf loss: training stops, the last good checkpoint stays."""
+
+
+def check_finite(what: str, value: float | None, update: int) -> None:
+    """`Diverged` when ``value`` (``what``: the training or validation loss of ``update``) is NaN,
+    Inf or missing: every family ends such a run alike, its message naming the loss and update."""
+    if value is None or not math.isfinite(value):
+        raise Diverged(f"{what} is {value} at update {update}")
 
 
 class Interrupted(RuntimeError):

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 from pathlib import Path
 
 import torch
@@ -26,7 +25,7 @@ from . import ranks
 from .fairseq_compat import namespace_to_config, nan_detector_disabled
 from .loop import Trainer
 from .recorder import RunRecorder, load_checkpoint
-from .stop import Diverged, StopRequest
+from .stop import Diverged, StopRequest, check_finite
 
 log = logging.getLogger(__name__)
 
@@ -236,8 +235,7 @@ class TranslationTrainer(Trainer):
             self._drop_fairseq_crash_file()
             raise Diverged(f"non-finite gradients at update {self.updates + 1}: {err}") from None
         loss = None if logging_output is None else logging_output.get("loss")
-        if loss is None or not math.isfinite(loss):
-            raise Diverged(f"loss is {loss} at update {self.updates}")
+        check_finite("training loss", loss, self.updates)  # fairseq has counted the update
         return float(loss), {"nll_loss": _float(logging_output.get("nll_loss"))}
 
     def _drop_fairseq_crash_file(self) -> None:
