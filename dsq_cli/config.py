@@ -311,13 +311,18 @@ def _check(cfg: DictConfig) -> None:
         raise ConfigError(f"quant: {err}") from None
     train = cfg.train
     for key in ("max_epochs", "max_updates", "max_tokens", "update_freq", "log_every",
-                "batch_size", "distributed_world_size"):  # fmt: skip
+                "batch_size", "distributed_world_size", "loss_chunk_tokens"):  # fmt: skip
         if train[key] < 0:
             raise ConfigError(f"train.{key} must be a non-negative integer, got {train[key]!r}")
     for key in ("warmup_updates", "validate_every"):
         value = train[key]
         if value != "auto" and (isinstance(value, str) or value < 0):
             raise ConfigError(f"train.{key} must be a non-negative integer or auto, got {value!r}")
+    if train.activation_checkpointing and "stochastic" in quant.rounding.values():
+        raise ConfigError(
+            "train.activation_checkpointing=true runs each layer's forward twice, and stochastic "
+            "rounding would draw other noise the second time: round to nearest, or turn it off"
+        )
     if train.stop_patience < 0:
         raise ConfigError(
             f"train.stop_patience must be a non-negative integer, got {train.stop_patience!r}"

@@ -73,6 +73,12 @@ class TrainConfig:
     # many validations in a row, before the cap of max_updates / max_epochs; 0: train to the cap.
     stop_patience: int = _expects("a non-negative integer")
     distributed_world_size: int = _expects("a non-negative integer")  # data-parallel processes
+    # Run every encoder and decoder layer's forward again in the backward pass instead of
+    # keeping its activations (torch.utils.checkpoint, non-reentrant).
+    activation_checkpointing: bool = _expects("true or false")
+    # Translation: the output layer and its loss in chunks of N tokens, never the whole batch's
+    # logits at once (the same loss up to float32 summation order); 0: the whole batch.
+    loss_chunk_tokens: int = _expects("a non-negative integer")
 
 
 @dataclass

@@ -95,3 +95,19 @@ def note(kind: str, batch: int, n: int, k: int, m: int, cfg, stash_bytes: int, p
     record = GemmRecord(kind, batch, n, k, m, formats, stash_bytes, units)
     for recorder in _ACTIVE:
         recorder.gemms.append(record)
+
+
+def observe_linears(model, cfg) -> list:
+    """Forward hooks on every ``nn.Linear`` of a model the engine did not patch (the autocast
+    engine): each call is noted as a linear GEMM record in ``cfg``'s formats, its stash the input
+    as those formats hold it, so that such a run is priced on the GEMMs it ran. Returns the hooks'
+    handles."""
+    from torch import nn
+
+    def hook(module, args, output):
+        x = args[0]
+        n, k = x.numel() // x.shape[-1], x.shape[-1]
+        stash = int(n * k * cfg.format("q1").bits_per_value / 8)
+        note("linear", 1, n, k, module.out_features, cfg, stash)
+
+    return [m.register_forward_hook(hook) for m in model.modules() if isinstance(m, nn.Linear)]

@@ -15,6 +15,7 @@ import importlib
 
 from torch import nn
 
+from dsq.engine.accounting import observe_linears
 from dsq.engine.config import QuantConfig
 from dsq.engine.patch import Patcher, patch_model
 
@@ -52,3 +53,17 @@ def quantize_model(
     ``strict=True``: a GEMM that would run unquantized (an unknown layer holding a matrix, an
     attention implementation dsq cannot route) is an error instead of a line of the report."""
     return patch_model(model, cfg, patchers_for(model), exclude, strict)
+
+
+def observe_model(model: nn.Module, cfg: QuantConfig) -> list:
+    """Hooks that note the GEMMs of a model the engine does not patch (``cfg.engine`` autocast)
+    as `dsq.engine.accounting` records in ``cfg``'s formats: every ``nn.Linear``, and the
+    attention products of modules a framework's patcher can observe (its ``observe``). The run is
+    then priced on the GEMMs it ran, as a patched one is. Returns the hooks' handles."""
+    handles = observe_linears(model, cfg)
+    observers = [p for p in patchers_for(model) if hasattr(p, "observe")]
+    for module in model.modules():
+        patcher = next((p for p in observers if p.claims(module)), None)
+        if patcher is not None:
+            handles += patcher.observe(module, cfg)
+    return handles

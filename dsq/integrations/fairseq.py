@@ -17,6 +17,7 @@ import torch
 from fairseq.modules import fairseq_dropout, multihead_attention, transformer_layer
 from torch import nn
 
+from dsq.engine.accounting import note
 from dsq.engine.config import QuantConfig
 from dsq.engine.functions import dsq_matmul
 from dsq.engine.masks import dsq_dropout, dsq_relu
@@ -75,6 +76,43 @@ class MultiheadAttentionPatcher:
     def finish(self, model, cfg, report, excluded) -> None:
         if report.attention and not isinstance(multihead_attention.torch, _TorchWithDSQBmm):
             multihead_attention.torch = _TorchWithDSQBmm()
+
+    def observe(self, module: nn.Module, cfg: QuantConfig):
+        """For a model the engine did not patch (the autocast engine): note the module's GEMMs
+        as records in ``cfg``'s formats. Its two attention products, ``Q K^T`` and ``P V`` per
+        head, always; its four projections only when its fast path ran them inside
+        ``F.multi_head_attention_forward`` (on the slow path they are Linear calls, which
+        `observe_linears` notes). Query ``[T, B, C]``, key ``[S, B, C]``, heads of ``C / H``."""
+        projections = [module.q_proj, module.k_proj, module.v_proj, module.out_proj]
+        calls = [0]
+
+        def count(projection, args, output):
+            calls[0] += 1
+
+        def before(module, args):
+            calls[0] = 0
+
+        def after(module, args, kwargs, output):
+            query = args[0] if args else kwargs["query"]
+            key = args[1] if len(args) > 1 else kwargs.get("key")
+            key = query if key is None else key
+            tgt_len, batch, width = query.shape
+            src_len, heads, head_dim = key.shape[0], module.num_heads, module.head_dim
+            bytes_per_value = cfg.format("q1").bits_per_value / 8
+            if not calls[0]:  # the fast path: projections inside one fused call
+                for tokens, projection in zip((tgt_len, src_len, src_len, tgt_len), projections):
+                    rows = tokens * batch
+                    stash = int(rows * width * bytes_per_value)
+                    note("linear", 1, rows, width, projection.out_features, cfg, stash)
+            stash = int(batch * heads * (tgt_len + src_len) * head_dim * bytes_per_value)
+            note("matmul", batch * heads, tgt_len, head_dim, src_len, cfg, stash)
+            note("matmul", batch * heads, tgt_len, src_len, head_dim, cfg, stash)
+
+        return [
+            *(p.register_forward_hook(count) for p in projections),
+            module.register_forward_pre_hook(before),
+            module.register_forward_hook(after, with_kwargs=True),
+        ]
 
 
 class DSQFairseqDropout(fairseq_dropout.FairseqDropout):

@@ -203,7 +203,8 @@ ADDABLE_ON_RESUME = ("task.family",)
 # Keys a run directory written by an older dsq lacks, with the values that keep such a run as it
 # started: no early stop, and the final model is the one scored; resume_from is never stored
 # other than ``last`` (it chooses the checkpoint of one resume).
-PREDATED_KEYS = {"train.stop_patience": 0, "eval.checkpoint": "last", "resume_from": "last"}
+PREDATED_KEYS = {"train.stop_patience": 0, "eval.checkpoint": "last", "resume_from": "last",
+                 "train.activation_checkpointing": False, "train.loss_chunk_tokens": 0}  # fmt: skip
 # Keys that say how this process starts, not what the run is: they never reach config.yaml.
 PER_RESUME_KEYS = ("resume", "resume_from")
 # model.family in a run directory written before it shared task.family's names: absent meant a

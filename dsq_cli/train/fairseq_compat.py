@@ -6,6 +6,7 @@
 * fairseq's NanDetector fails under torch 2.6+: `nan_detector_disabled` swaps in a neutral one
   while training.
 * fairseq 0.12 warns at every update about torch APIs it uses: `quiet_library_warnings`.
+* `transformer_layers`: the layers of a fairseq model, for activation checkpointing.
 
 Loading fairseq's own checkpoint format lives with the models (dsq_cli.models.fairseq_checkpoint).
 """
@@ -83,3 +84,13 @@ def quiet_library_warnings() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"fairseq\.")
     warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"torch\.jit")
     warnings.filterwarnings("ignore", message=r".*'pin_memory' argument is set as true.*")
+
+
+def transformer_layers(model) -> list:
+    """Every fairseq transformer layer of ``model`` (encoder and decoder layers, RoBERTa's
+    included), in module order."""
+    from fairseq.modules import transformer_layer
+
+    kinds = (transformer_layer.TransformerEncoderLayerBase,
+             transformer_layer.TransformerDecoderLayerBase)  # fmt: skip
+    return [m for m in model.modules() if isinstance(m, kinds)]

@@ -38,11 +38,13 @@ from typing import Any
 import torch
 
 from dsq.engine import PatchReport, PrecisionHistory, QuantConfig, units
-from dsq.integrations import quantize_model
+from dsq.engine.checkpointing import checkpoint_layers
+from dsq.integrations import observe_model, quantize_model
 from dsq_cli.run_config import RunConfig, TrainConfig
 
 from . import ranks
 from .budget import Budget
+from .fairseq_compat import transformer_layers
 from .progress_line import ProgressLine
 from .recorder import RunRecorder, rng_state, save_checkpoint, set_rng_state
 from .stop import Interrupted, StopRequest, check_finite
@@ -145,10 +147,44 @@ class Trainer(ABC):
     def patch(self, model: torch.nn.Module, exclude: list[str] | tuple = ()) -> None:
         """Make every Linear and attention product of ``model`` a DSQ layer driven by this run's
         `QuantConfig` (modules matching a glob of ``exclude`` stay as they are); `patch_report` says
-        what was patched."""
-        quantize_model(model, self.quant, exclude=exclude)
-        self.patch_report = model.dsq_report
+        what was patched. Under the autocast engine (amp_bf16) the model stays as it is, and
+        hooks note its GEMMs for the cost model (`observe_model`)."""
+        if self.quant.engine == "autocast":
+            observe_model(model, self.quant)
+            self.patch_report = PatchReport(
+                notes=[
+                    f"not patched: the model trains under torch.autocast "
+                    f"({self.quant.autocast_dtype}), quant.engine=autocast"
+                ]  # fmt: skip
+            )
+        else:
+            quantize_model(model, self.quant, exclude=exclude)
+            self.patch_report = model.dsq_report
+        if self.train_cfg.activation_checkpointing:
+            layers = self.checkpointed_layers(model)
+            patched = self.quant if self.quant.engine == "dsq" else None
+            count = checkpoint_layers(layers, patched)
+            self.patch_report.notes.append(f"{count} layers checkpointed")
         log.info(self.patch_report.summary())
+
+    def checkpointed_layers(self, model: torch.nn.Module) -> list[torch.nn.Module]:
+        """The layers ``train.activation_checkpointing`` runs again in the backward pass: every
+        fairseq transformer layer, encoder and decoder (both families' models are fairseq's)."""
+        layers = transformer_layers(model)
+        if not layers:
+            raise ValueError(
+                f"train.activation_checkpointing=true: {type(model).__name__} holds no fairseq "
+                "transformer layer to checkpoint"
+            )
+        return layers
+
+    def precision_context(self) -> contextlib.AbstractContextManager:
+        """``torch.autocast`` in the config's 16-bit float under the autocast engine (amp_bf16),
+        around training and validation; nothing under the dsq engine."""
+        dtype = self.quant.autocast_dtype
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(torch.device(self.device).type, dtype=dtype)
 
     # -- the loop -------------------------------------------------------------------------------
     def plan(self, updates_per_epoch: int) -> Budget:
@@ -178,7 +214,7 @@ class Trainer(ABC):
         self.quant.start(self.budget.total_updates, self.updates)
         window: list[float] = []
         try:
-            with self.training_context():
+            with self.training_context(), self.precision_context():
                 for batch, end_of_epoch in self.batches():
                     loss, extra = self._recorded_step(batch)
                     self._count_update()

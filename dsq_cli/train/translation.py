@@ -60,6 +60,10 @@ def fairseq_config(
     from fairseq import options
     from omegaconf import open_dict
 
+    criterion = "label_smoothed_cross_entropy"
+    if train.loss_chunk_tokens:
+        from .criterion import NAME as criterion  # registers it with fairseq
+
     argv = [
         str(data.path),
         "--task", "translation",
@@ -67,7 +71,7 @@ def fairseq_config(
         "--target-lang", data.tgt,
         "--dataset-impl", "mmap",
         *_model_args(model),
-        "--criterion", "label_smoothed_cross_entropy",
+        "--criterion", criterion,
         "--label-smoothing", str(train.label_smoothing),
         "--optimizer", "adam",
         "--adam-betas", f"({train.adam_betas[0]}, {train.adam_betas[1]})",
@@ -139,6 +143,7 @@ class TranslationTrainer(Trainer):
         self.task = tasks.setup_task(self.fs_cfg.task)
         self.model = self.task.build_model(self.fs_cfg.model)
         self.criterion = self.task.build_criterion(self.fs_cfg.criterion)
+        self.criterion.chunk_tokens = train.loss_chunk_tokens
         self.patch(self.model)
         for split in ("valid", self.eval_cfg.split):
             self.task.load_dataset(split, combine=False, epoch=1)

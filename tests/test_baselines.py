@@ -1,0 +1,171 @@
+"""What users run instead of dsq, as dsq runs it: the autocast engine (the amp_bf16 preset:
+the unpatched model under torch.autocast, its GEMMs noted for the cost model), activation
+checkpointing, and translation's loss with the output layer in chunks; as `dsq train` takes
+them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dsq.engine import QuantConfig
+from dsq.engine.accounting import record_gemms
+from dsq_cli.presets import load_quant_preset
+
+CPU = torch.device("cpu")
+
+
+def test_the_autocast_engine_takes_one_static_16_bit_float():
+    amp = QuantConfig.from_dict(load_quant_preset("amp_bf16"))
+    assert amp.engine == "autocast" and amp.autocast_dtype == torch.bfloat16
+    assert QuantConfig().autocast_dtype is None
+    with pytest.raises(ValueError, match="every point must be one of"):
+        QuantConfig(q0="bf16", q1="bfp2", q2="bf16", q3="bf16", engine="autocast")
+    with pytest.raises(ValueError, match="the same and static"):
+        QuantConfig(*["bf16"] * 3, {"levels": ["bf16", "fp32"]}, engine="autocast")
+    with pytest.raises(ValueError, match="stash_scope must be gemm"):
+        QuantConfig(*["bf16"] * 4, stash_scope="all", engine="autocast")
+    with pytest.raises(ValueError, match="is not an engine"):
+        QuantConfig(engine="amp")
+
+
+def test_an_unpatched_model_is_noted_with_the_gemms_a_patched_one_runs():
+    """fairseq's attention runs its fast path unpatched (the projections inside one fused call):
+    the observer notes the same GEMMs, shape for shape, as the engine records when patched."""
+    pytest.importorskip("fairseq")
+    from dsq.integrations import observe_model, quantize_model
+    from dsq_cli.bench.step import Batch, build_model
+
+    def shapes(records):
+        return sorted((g.kind, g.batch, g.n, g.k, g.m) for g in records)
+
+    batch = Batch.random(4, 8, 500, CPU)
+    amp = QuantConfig.from_dict(load_quant_preset("amp_bf16"))
+    unpatched = build_model(2, 64, 500).train()
+    handles = observe_model(unpatched, amp)
+    with record_gemms() as observed, torch.autocast("cpu", torch.bfloat16):
+        unpatched(batch.src, batch.lengths, batch.prev)
+    patched = quantize_model(build_model(2, 64, 500), QuantConfig(*["bf16"] * 4))
+    with record_gemms() as recorded:
+        patched(batch.src, batch.lengths, batch.prev)
+    assert shapes(observed.gemms) == shapes(recorded.gemms)
+    assert len(observed.gemms) == 2 * (6 + 10) + 1 + 2 * 2 * 3  # linears, head, products
+    for handle in handles:
+        handle.remove()
+    with record_gemms() as after:
+        unpatched(batch.src, batch.lengths, batch.prev)
+    assert after.gemms == []
+
+
+def test_the_chunked_criterion_gives_fairseqs_loss_and_gradients():
+    """Label-smoothed cross-entropy with padding, through fairseq's criterion and through the
+    chunked one, on one model and batch: the same loss, NLL and gradients up to summation
+    order."""
+    pytest.importorskip("fairseq")
+    from fairseq.criterions.label_smoothed_cross_entropy import (
+        LabelSmoothedCrossEntropyCriterion,
+    )
+
+    from dsq_cli.bench.step import build_model
+    from dsq_cli.train.criterion import ChunkedLabelSmoothedCrossEntropy
+
+    torch.manual_seed(0)
+    model = build_model(1, 64, 300).eval()  # no dropout: the two passes see one model
+    task = type("Task", (), {"target_dictionary": model.decoder.dictionary})()
+    tokens = torch.randint(4, 300, (3, 7))
+    target = tokens.clone()
+    target[0, 5:] = model.decoder.dictionary.pad()  # padding: left out of the loss
+    sample = {
+        "net_input": {"src_tokens": tokens, "src_lengths": torch.full((3,), 7),
+                      "prev_output_tokens": tokens},
+        "target": target,
+        "ntokens": int(target.ne(model.decoder.dictionary.pad()).sum()),
+    }  # fmt: skip
+
+    def run(criterion):
+        model.zero_grad()
+        with torch.enable_grad():
+            model.training = True  # the chunked path is the training path; dropout stays off
+            loss, size, logged = criterion(model, sample)
+            model.training = False
+        loss.backward()
+        return loss.detach(), logged["nll_loss"], [p.grad.clone() for p in model.parameters()]
+
+    plain = LabelSmoothedCrossEntropyCriterion(task, False, 0.1)
+    chunked = ChunkedLabelSmoothedCrossEntropy(task, False, 0.1)
+    chunked.chunk_tokens = 4  # 21 tokens: chunks of 4, the last of 1
+    loss, nll, grads = run(plain)
+    chunked_loss, chunked_nll, chunked_grads = run(chunked)
+    assert torch.allclose(chunked_loss, loss, rtol=1e-6) and torch.allclose(chunked_nll, nll)
+    scale = max(g.abs().max() for g in grads)
+    assert all((a - b).abs().max() <= 1e-5 * scale for a, b in zip(chunked_grads, grads))
+
+
+def test_checkpointing_refuses_stochastic_rounding():
+    from dsq.engine.checkpointing import checkpoint_layers
+
+    layer = torch.nn.Linear(4, 4)
+    with pytest.raises(ValueError, match="stochastic rounding at \\['q1'\\]"):
+        checkpoint_layers([layer], QuantConfig(q1="bfp4", rounding={"q1": "stochastic"}))
+    assert checkpoint_layers([layer], QuantConfig(q1="bfp4")) == 1
+    x = torch.randn(3, 4, requires_grad=True)
+    layer(x).sum().backward()  # runs through torch.utils.checkpoint
+    assert x.grad is not None
+
+
+@pytest.mark.parametrize(
+    "override, says",
+    [
+        ("train.loss_chunk_tokens=-1", "train.loss_chunk_tokens must be a non-negative integer"),
+        ("train.activation_checkpointing=maybe", "train.activation_checkpointing"),
+    ],
+)
+def test_bad_memory_keys_are_one_line_errors(override, says):
+    from dsq_cli.config import ConfigError, compose
+
+    with pytest.raises(ConfigError, match=says):
+        compose(["task=demo", override])
+    with pytest.raises(ConfigError, match="stochastic rounding would draw other noise"):
+        compose(["task=demo", "train.activation_checkpointing=true",
+                 "quant.rounding.q1=stochastic"])  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["quant=amp_bf16"],
+        ["quant=dsq", "train.activation_checkpointing=true", "train.loss_chunk_tokens=64"],
+    ],
+    ids=["amp_bf16", "dsq-checkpointed-chunked"],
+)
+def test_dsq_train_runs_the_baselines_to_a_result(tmp_path, overrides):
+    pytest.importorskip("fairseq")
+    from typer.testing import CliRunner
+
+    from dsq_cli.cli import app
+
+    run_dir = tmp_path / "run"
+    result = CliRunner().invoke(
+        app,
+        [
+            "train",
+            "task=demo",
+            *overrides,
+            "train.max_updates=8",
+            "logger=none",
+            f"run.dir={run_dir}",
+        ],  # fmt: skip
+    )
+    assert result.exit_code == 0, result.output
+    record = json.loads((run_dir / "result.json").read_text())
+    assert record["status"] == "completed"
+    if overrides == ["quant=amp_bf16"]:
+        assert record["quant"]["engine"] == "autocast"
+        # priced as 16-bit GEMM inputs with a 16-bit stash, the bf16 preset's cost
+        assert (record["cost"]["arith_ratio"], record["cost"]["dram_ratio"]) == (0.25, 0.5)
+        assert "not patched" in record["patch"]["summary"]
+    else:
+        assert "layers checkpointed" in record["patch"]["summary"]
