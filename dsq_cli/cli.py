@@ -241,6 +241,12 @@ def bench_step(
         help="Tokens per chunk of the output layer and its loss (0: the whole batch at once); "
         "dsq train's train.loss_chunk_tokens.",
     ),
+    breakdown: bool = typer.Option(
+        False,
+        "--breakdown",
+        help="Also profile one step per row: ms in GEMMs (per dtype, with their rate against the "
+        "unit's peak), quantizers, casts, other operators, the optimizer and Python.",
+    ),
     device: str = typer.Option("cpu", help="cpu or cuda."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ):
@@ -258,6 +264,7 @@ def bench_step(
     result = step.run(
         names, layers, width, tokens, src_len, repeats, vocab, device=device, scopes=scope_list,
         gemm_units=unit_list, checkpointing=ckpt, fp32_head=fp32_head, loss_chunk=loss_chunk,
+        breakdown=breakdown,
     )  # fmt: skip
     _print_bench(result, as_json, step.format_table)
 

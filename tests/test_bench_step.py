@@ -156,3 +156,26 @@ def test_rows_and_their_ratios_to_both_baselines():
     alone = [{"preset": "dsq", "checkpointing": False, "step_ms": 96.0}]
     baseline_ratios(alone, "step_ms")
     assert alone[0]["x_fp32"] is None and alone[0]["x_amp_bf16"] is None
+
+
+def test_the_breakdown_sorts_operators_and_counts_gemm_work():
+    from types import SimpleNamespace
+
+    from dsq_cli.bench.breakdown import category, gemm_flops
+
+    def event(name, shapes=(), dtypes=()):
+        return SimpleNamespace(name=name, input_shapes=list(shapes), input_dtypes=list(dtypes))
+
+    mm = event("aten::mm", [[8, 4], [4, 2]], ["c10::BFloat16", "c10::BFloat16"])
+    assert category(mm, False) == ("gemm bf16", 2 * 8 * 4 * 2)
+    addmm = event("aten::addmm", [[2], [8, 4], [4, 2]], ["float", "float", "float"])
+    assert category(addmm, False) == ("gemm fp32", 2 * 8 * 4 * 2)
+    assert gemm_flops([[3, 8, 4], [3, 4, 2]], (0, 1)) == 3 * 2 * 8 * 4 * 2
+    assert category(event("dsq::gemm_bf16", [[8, 4], [4, 2]]), False)[0] == "gemm bf16"
+    assert category(event("dsq::bfp_quantize_and_pack"), False)[0] == "quantizers"
+    assert category(event("dsq::to_bf16"), False)[0] == "casts"
+    assert category(event("aten::_scaled_dot_product_flash_attention_for_cpu"), False)[0] == (
+        "attention (fused)"
+    )
+    assert category(mm, True) == ("optimizer", 0.0)  # inside Optimizer.step
+    assert category(event("aten::native_layer_norm"), False)[0] == "other"

@@ -38,6 +38,7 @@ from dsq.integrations import quantize_model
 from dsq_cli.cpu_allocator import keep_freed_memory
 from dsq_cli.presets import at_first_level, load_quant_preset
 
+from .breakdown import format_breakdown, profile_step, unit_peaks
 from .quant import machine_description  # one description of the machine for both benches
 
 MIB = 2**20
@@ -357,6 +358,7 @@ def run(
     checkpointing: tuple[bool, ...] = (False,),
     fp32_head: bool = False,
     loss_chunk: int = DEFAULT_CHUNK_TOKENS,
+    breakdown: bool = False,
 ) -> dict:
     dev = torch.device(device)
     if dev.type == "cpu":
@@ -413,7 +415,13 @@ def run(
             }
         )
     baseline_ratios(rows, "step_ms")
+    extra = {}
+    if breakdown:
+        for row, setup in zip(rows, setups.values()):
+            row["breakdown"] = profile_step(setup.step, batch)
+        extra["unit_peaks"] = unit_peaks(dev)
     return {
+        **extra,
         "layers": layers,
         "width": width,
         "tokens": batch.tokens,
@@ -483,4 +491,6 @@ def format_table(result: dict) -> str:
         "the gradients); step pk MiB: the most one step (forward, backward, Adam) held at once "
         "above that (allocator); peak MiB: state + step peak."
     )
+    if "unit_peaks" in result:
+        lines.append(format_breakdown(result))
     return "\n".join(lines)
