@@ -12,7 +12,7 @@ kernels), plus a module of kernels per backend that runs it faster (docs/formats
 format family").
 """
 
-from . import floats, bfp, fixed  # noqa: F401, I001  (registers the formats, in parse order)
+from . import floats, bfp, fixed, mx, nvfp4  # noqa: F401, I001  (registers the formats, in parse order)
 from .backends import BACKENDS, default_backend, select_backend
 from .base import Format, PackedTensor, grammar, parse_format, register, registered_formats
 
