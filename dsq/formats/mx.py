@@ -218,7 +218,7 @@ def unpack(elements, scales, element: str, block: int, shape, axis: int, dtype):
 
 for _op, _fn in {"quantize": quantize, "pack": pack, "unpack": unpack}.items():
     register_kernel("reference", "mx", _op, _fn)
-declare_family("mx")
+declare_family("mx", {"c": "dsq.formats.mx_c"})
 
 
 # ----------------------------------------------------------------------------- the format

@@ -112,7 +112,7 @@ def unpack(elements, scales, tensor_scale_, shape, axis: int, dtype):
 
 for _op, _fn in {"quantize": quantize, "pack": pack, "unpack": unpack}.items():
     register_kernel("reference", "nvfp4", _op, _fn)
-declare_family("nvfp4")
+declare_family("nvfp4", {"c": "dsq.formats.mx_c"})
 
 
 @register
