@@ -133,3 +133,42 @@ def test_an_edited_source_builds_apart(tmp_path):
     assert before != after
     assert before == cpu.build_key(mx_cpu.SOURCES, flags)
     assert before != cpu.build_key(cpu.SOURCES, flags)  # and apart from the BFP kernels'
+
+
+PAIRS = [
+    ("mxfp8_e4m3", "mxfp4_e2m1"),
+    ("mxfp8_e4m3", "mxfp6_e3m2"),
+    ("mxfp8_e4m3", "mxfp8_e4m3"),
+    ("nvfp4", "nvfp4"),
+    ("nvfp4", "mxfp6_e3m2"),
+    ("mxint8b16", "nvfp4"),
+]
+
+
+@pytest.mark.parametrize("pair", PAIRS)
+@pytest.mark.parametrize("shape", [(40, 64), (3, 37, 50), (2, 70, 33)])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_the_fused_pair_equals_the_two_calls(pair, shape, layout, monkeypatch):
+    """fmt.quantize_and_pack(x, last, stash, before) on the c backend runs its one kernel (a
+    partial last block of rows and of columns, an operand seen through a transpose) and equals
+    fmt.quantize and stash.pack on the reference, payload byte for byte."""
+    from dsq.formats import backends
+
+    fmt, stash = (parse_format(s) for s in pair)
+    x = every_binade(3)[: math.prod(shape) // 96 + 1].reshape(-1)[: math.prod(shape)]
+    x = x.reshape(shape)
+    if layout == "transposed":
+        x = x.transpose(-1, -2).contiguous().transpose(-1, -2)
+    calls = []
+    original = backends.kernel(fmt.family, "quantize_and_pack", "c")
+    spy = lambda *args: calls.append(1) or original(*args)  # noqa: E731
+    monkeypatch.setitem(backends._KERNELS, ("c", fmt.family, "quantize_and_pack"), spy)
+    last, before = x.dim() - 1, x.dim() - 2
+    values, packed = fmt.quantize_and_pack(x, last, stash, before, backend="c")
+    assert calls == [1]
+    assert_bitwise_equal(values, fmt.quantize(x, last, backend="reference"))
+    expected = stash.pack(x, before, backend="reference")
+    assert packed.payload.keys() == expected.payload.keys()
+    for name, stream in expected.payload.items():
+        assert torch.equal(packed.payload[name], stream), name
+    assert_bitwise_equal(packed.unpack(), stash.quantize(x, before, backend="reference"))

@@ -216,7 +216,60 @@ def unpack(elements, scales, element: str, block: int, shape, axis: int, dtype):
     return restore(values, tuple(shape), axis, dtype)
 
 
-for _op, _fn in {"quantize": quantize, "pack": pack, "unpack": unpack}.items():
+# ----------------------------------------------------------------------------- the fused pair
+# A GEMM input and its stash (Format.quantize_and_pack) when both formats are block-scaled (MX or
+# NVFP4): a backend may compute both from one read of x; the kernels take the two formats.
+PAIR_FAMILIES = ("mx", "nvfp4")
+
+
+def fusable_quantize_and_pack(x, fmt, axis, stash, stash_axis) -> bool:
+    """The reference fuses nothing: the pair runs as its two calls."""
+    return False
+
+
+def quantize_and_pack(x, fmt, axis, stash, stash_axis):
+    """The pair's definition: (fmt.quantize(x, axis), stash.pack(x, stash_axis)'s payload), which
+    every fused kernel equals bit for bit."""
+    packed = stash.pack(x, stash_axis, backend="reference")
+    return fmt.quantize(x, axis, backend="reference"), packed.payload
+
+
+def pair_layout(x, axis, stash_axis) -> bool:
+    """What the fused kernels need: the GEMM input's blocks along the last axis and the stash's
+    along the one before (the engine's q0 and q1 of a linear or attention operand)."""
+    return x.dim() >= 2 and x.numel() > 0 and axis == x.dim() - 1 and stash_axis == x.dim() - 2
+
+
+class BlockScaledPairs:
+    """``quantize_and_pack`` through the family's fused kernel where the stash is block-scaled
+    too and both round to nearest; the two calls otherwise (``Format.quantize_and_pack``)."""
+
+    def quantize_and_pack(
+        self, x, axis, stash, stash_axis, *, rounding="nearest", stash_rounding="nearest",
+        generator=None, stash_generator=None, backend=None,
+    ):  # fmt: skip
+        if stash.family in PAIR_FAMILIES and rounding == stash_rounding == "nearest":
+            args = (x, self, check_input(x, axis, rounding, None), stash)
+            args = (*args, check_input(x, stash_axis, rounding, None))
+            if kernel_for(x, backend, self.family, "fusable_quantize_and_pack")(*args):
+                with torch.no_grad():
+                    values, payload = kernel_for(x, backend, self.family, "quantize_and_pack")(
+                        *args
+                    )
+                return values, PackedTensor(stash, tuple(x.shape), x.dtype, args[-1], payload)
+        return super().quantize_and_pack(
+            x, axis, stash, stash_axis, rounding=rounding, stash_rounding=stash_rounding,
+            generator=generator, stash_generator=stash_generator, backend=backend,
+        )  # fmt: skip
+
+
+for _op, _fn in {
+    "quantize": quantize,
+    "pack": pack,
+    "unpack": unpack,
+    "fusable_quantize_and_pack": fusable_quantize_and_pack,
+    "quantize_and_pack": quantize_and_pack,
+}.items():
     register_kernel("reference", "mx", _op, _fn)
 declare_family("mx", {"c": "dsq.formats.mx_c"})
 
@@ -231,7 +284,7 @@ def _nearest_only(spec: str, rounding: str) -> None:
 
 
 @register
-class MX(Format):
+class MX(BlockScaledPairs, Format):
     """``mx<element>[b<B>]``: an OCP MX format, blocks of B (default 32) sharing an E8M0 scale.
 
     ``bits_per_value = w + 8 / B``, w the element's width; the module docstring states the

@@ -17,7 +17,7 @@ import torch
 
 from dsq.kernels import mx_cpu
 
-from . import mx
+from . import mx, nvfp4
 from . import reference as ref
 from .backends import register_kernel
 
@@ -96,10 +96,43 @@ def nvfp4_unpack(elements, scales, tensor_scale, shape, axis, dtype):
     return _restore(values, moved, tuple(shape), axis, dtype)
 
 
+def _side(fmt) -> tuple[tuple, float]:
+    """mx_cpu.c's Side of a format: (nvfp4, block, bits, m, emin, emax, INT8?), largest normal."""
+    if fmt.family == "nvfp4":
+        return (1, nvfp4.BLOCK, 4, 1, 0, 2, 0), 6.0
+    e = fmt.element
+    return (0, fmt.block, e.bits, e.man_bits, e.emin, e.emax, int(e.integer)), e.max_normal
+
+
+def fusable_quantize_and_pack(x, fmt, axis, stash, stash_axis) -> bool:
+    """Every pair of the engine's layout (`mx.pair_layout`)."""
+    return mx.pair_layout(x, axis, stash_axis)
+
+
+def quantize_and_pack(x, fmt, axis, stash, stash_axis):
+    """(fmt.quantize(x, last axis), the payload of stash.pack(x, the axis before)), bit for bit,
+    reading x once (``dsq::mx_quantize_and_pack``)."""
+    x32 = x.detach().to(torch.float32)
+    n, k = x32.shape[-2:]
+    matrices = x32.reshape(-1, n, k)
+    s = mx_cpu.nvfp4_scale(matrices) if "nvfp4" in (fmt.family, stash.family) else None
+    scale = 1.0 if s is None else float(s)
+    (q, q_max), (p, p_max) = _side(fmt), _side(stash)
+    values, stream, scales = mx_cpu.mx_quantize_and_pack(matrices, q, q_max, scale, p, p_max, scale)
+    payload = {"elements": stream, "scales": scales}
+    if stash.family == "nvfp4":
+        payload["tensor_scale"] = s
+    return values.reshape(x.shape).to(x.dtype), payload
+
+
 if mx_cpu.build_failure() is None:
+    _pair = {
+        "fusable_quantize_and_pack": fusable_quantize_and_pack,
+        "quantize_and_pack": quantize_and_pack,
+    }
     for _family, _ops in {
-        "mx": {"quantize": mx_quantize, "pack": mx_pack, "unpack": mx_unpack},
-        "nvfp4": {"quantize": nvfp4_quantize, "pack": nvfp4_pack, "unpack": nvfp4_unpack},
+        "mx": {"quantize": mx_quantize, "pack": mx_pack, "unpack": mx_unpack, **_pair},
+        "nvfp4": {"quantize": nvfp4_quantize, "pack": nvfp4_pack, "unpack": nvfp4_unpack, **_pair},
     }.items():
         for _op, _fn in _ops.items():
             register_kernel("c", _family, _op, _fn)

@@ -32,6 +32,7 @@ import torch
 from . import reference as ref
 from .backends import declare_family, kernel_for, register_kernel
 from .base import Format, PackedTensor, check_input, register
+from . import mx
 from .mx import ELEMENTS, block_index, element_codes, element_round, element_table, restore
 
 BLOCK = 16
@@ -110,13 +111,19 @@ def unpack(elements, scales, tensor_scale_, shape, axis: int, dtype):
     return restore(values, tuple(shape), axis, dtype)
 
 
-for _op, _fn in {"quantize": quantize, "pack": pack, "unpack": unpack}.items():
+for _op, _fn in {
+    "quantize": quantize,
+    "pack": pack,
+    "unpack": unpack,
+    "fusable_quantize_and_pack": mx.fusable_quantize_and_pack,
+    "quantize_and_pack": mx.quantize_and_pack,
+}.items():
     register_kernel("reference", "nvfp4", _op, _fn)
 declare_family("nvfp4", {"c": "dsq.formats.mx_c"})
 
 
 @register
-class NVFP4(Format):
+class NVFP4(mx.BlockScaledPairs, Format):
     """``nvfp4``: E2M1 elements, an E4M3 scale per 16 and a float32 scale per tensor (NVIDIA's
     NVFP4 as torchao computes it); ``bits_per_value = 4.5``, the tensor's scale aside."""
 

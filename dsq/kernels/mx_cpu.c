@@ -76,6 +76,7 @@ typedef struct {
     float max_normal; /* the largest finite value */
     int integer;      /* INT8: two's complement codes, zero is +0.0 */
     int bits;         /* the code's width */
+    float zero;       /* added to E(v): +0.0f turns -0.0 into +0.0 (INT8), -0.0f changes nothing */
 } Element;
 
 /* E(v): the element value nearest to v, ties to even, saturated, sign kept (INT8: +0.0). */
@@ -86,24 +87,26 @@ static inline float element_round(float v, const Element *e) {
     const float magic = mx_float(((uint32_t)(k + 150) << 23) | 0x400000u); /* 1.5 * 2^(k+23) */
     float r = (a + magic) - magic;
     r = r < e->max_normal ? r : e->max_normal;
-    r = __builtin_copysignf(r, v);
-    return e->integer ? r + 0.0f : r;
+    return __builtin_copysignf(r, v) + e->zero;
 }
 
-/* The code of an element value q (finite, on the element's grid). */
-static inline uint8_t element_code(float q, const Element *e) {
-    if (e->integer) return (uint8_t)(int32_t)(q * 64.0f);
+/* The code of an element value q (finite, on the element's grid). Branch-free (both codes are
+ * computed and one is chosen), so that loops of it vectorize: a branch on normal against
+ * subnormal elements mispredicts on every other value of ordinary data. `below` is
+ * 2^(man_bits - emin), the count of smallest steps in one unit. */
+static inline uint8_t element_code(float q, const Element *e, float below) {
     const uint32_t sign = (mx_bits(q) >> 31) << (e->bits - 1);
     const float a = __builtin_fabsf(q);
     const uint32_t u = mx_bits(a);
-    uint32_t code;
-    if ((int)(u >> 23) - 127 >= e->emin) {
-        const uint32_t field = (u >> 23) - 127 - (uint32_t)e->emin + 1;
-        code = (field << e->man_bits) | ((u >> (23 - e->man_bits)) & ((1u << e->man_bits) - 1));
-    } else { /* below the smallest normal: the number of smallest steps */
-        code = (uint32_t)(a * mx_pow2(e->man_bits - e->emin));
-    }
-    return (uint8_t)(sign | code);
+    const uint32_t field = (u >> 23) - 127u - (uint32_t)e->emin + 1u;
+    const uint32_t normal =
+        (field << e->man_bits) | ((u >> (23 - e->man_bits)) & ((1u << e->man_bits) - 1));
+    /* below the smallest normal: the number of smallest steps (capped so that the conversion
+     * is defined; the result is dropped for a normal element) */
+    const float steps = a * below;
+    const uint32_t subnormal = (uint32_t)(int32_t)(steps < 255.0f ? steps : 255.0f);
+    const uint32_t keep = 0u - (uint32_t)((u >> 23) >= (uint32_t)(e->emin + 127));
+    return (uint8_t)(sign | (normal & keep) | (subnormal & ~keep));
 }
 
 static inline uint32_t mx_abs_max(const float *x, int64_t count) {
@@ -134,10 +137,17 @@ static inline void mx_block(const float *restrict x, float *restrict out, uint8_
     }
     const int s = mx_scale(amax, e->emax);
     const float down = mx_pow2(-s), up = mx_pow2(s);
+    const Element local = *e; /* a copy the stores cannot alias, so that the loops vectorize */
     if (out)
-        for (int64_t i = 0; i < count; i++) out[i] = element_round(x[i] * down, e) * up;
-    if (codes)
-        for (int64_t i = 0; i < count; i++) codes[i] = element_code(element_round(x[i] * down, e), e);
+        for (int64_t i = 0; i < count; i++) out[i] = element_round(x[i] * down, &local) * up;
+    if (codes && local.integer) {
+        for (int64_t i = 0; i < count; i++)
+            codes[i] = (uint8_t)(int32_t)(element_round(x[i] * down, &local) * 64.0f);
+    } else if (codes) {
+        const float below = mx_pow2(local.man_bits - local.emin);
+        for (int64_t i = 0; i < count; i++)
+            codes[i] = element_code(element_round(x[i] * down, &local), &local, below);
+    }
     if (scale) *scale = (uint8_t)(s + 127);
 }
 
@@ -166,7 +176,7 @@ static void mx_rows(const float *x, float *out, uint8_t *codes, uint8_t *scales,
 
 static Element element_of(int bits, int man_bits, int emin, int emax, float max_normal,
                           int integer) {
-    Element e = {man_bits, emin, emax, max_normal, integer, bits};
+    Element e = {man_bits, emin, emax, max_normal, integer, bits, integer ? 0.0f : -0.0f};
     return e;
 }
 
@@ -192,12 +202,14 @@ void dsq_mx_pack_stream(const uint8_t *codes, uint8_t *stream, int64_t count, in
     }
     const int per = bits == 4 ? 2 : 4, bytes = bits == 4 ? 1 : 3;
     const int64_t groups = count / per;
+    if (bits == 4) {
+#pragma omp parallel for simd schedule(static) num_threads(mx_team) if (count >= MX_PARALLEL_MIN)
+        for (int64_t g = 0; g < groups; g++)
+            stream[g] = (uint8_t)(codes[2 * g] | (codes[2 * g + 1] << 4));
+    } else {
 #pragma omp parallel for schedule(static) num_threads(mx_team) if (count >= MX_PARALLEL_MIN)
-    for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *c = codes + g * per;
-        if (bits == 4) {
-            stream[g] = (uint8_t)(c[0] | (c[1] << 4));
-        } else {
+        for (int64_t g = 0; g < groups; g++) {
+            const uint8_t *c = codes + 4 * g;
             const uint32_t w = c[0] | (c[1] << 6) | ((uint32_t)c[2] << 12) | ((uint32_t)c[3] << 18);
             stream[3 * g] = (uint8_t)w;
             stream[3 * g + 1] = (uint8_t)(w >> 8);
@@ -253,8 +265,8 @@ void dsq_mx_decode(const uint8_t *stream, const uint8_t *scales, const float *ta
 }
 
 /* ---------------------------------------------------------------------------- NVFP4 */
-static const Element NV_E2M1 = {1, 0, 2, 6.0f, 0, 4};
-static const Element NV_E4M3 = {3, -6, 8, 448.0f, 0, 8};
+static const Element NV_E2M1 = {1, 0, 2, 6.0f, 0, 4, -0.0f};
+static const Element NV_E4M3 = {3, -6, 8, 448.0f, 0, 8, -0.0f};
 
 /* s: max(fl(A / 2688), 2^-121), A the largest finite |x| of the tensor [count]. */
 float dsq_nvfp4_tensor_scale(const float *x, int64_t count) {
@@ -296,8 +308,8 @@ static inline void nvfp4_block(const float *restrict x, float *restrict out,
         for (int64_t i = 0; i < count; i++) out[i] = element_round(x[i] * r, &NV_E2M1) * d;
     if (codes)
         for (int64_t i = 0; i < count; i++)
-            codes[i] = element_code(element_round(x[i] * r, &NV_E2M1), &NV_E2M1);
-    if (scale) *scale = element_code(c, &NV_E4M3);
+            codes[i] = element_code(element_round(x[i] * r, &NV_E2M1), &NV_E2M1, 2.0f);
+    if (scale) *scale = element_code(c, &NV_E4M3, 512.0f);
 }
 
 #define NV_TASK 512 /* blocks per task of `nvfp4_whole_blocks` */
@@ -320,7 +332,7 @@ static void nvfp4_task(const float *restrict x, float *restrict out, uint8_t *re
         const float c = element_round(t, &NV_E4M3);
         r[b] = inverse / c;
         d[b] = bad[b] ? __builtin_nanf("") : s * c;
-        if (scales) scales[b] = bad[b] ? 0x7F : element_code(c, &NV_E4M3);
+        if (scales) scales[b] = bad[b] ? 0x7F : element_code(c, &NV_E4M3, 512.0f);
     }
     for (int64_t b = 0; b < count; b++) {
         const float *xb = x + b * 16;
@@ -331,7 +343,7 @@ static void nvfp4_task(const float *restrict x, float *restrict out, uint8_t *re
             uint8_t *c = codes + b * 16;
             const uint8_t keep = bad[b] ? 0 : 0xFF;
             for (int i = 0; i < 16; i++)
-                c[i] = element_code(element_round(xb[i] * r[b], &NV_E2M1), &NV_E2M1) & keep;
+                c[i] = element_code(element_round(xb[i] * r[b], &NV_E2M1), &NV_E2M1, 2.0f) & keep;
         }
     }
 }
@@ -391,4 +403,69 @@ void dsq_nvfp4_decode(const uint8_t *stream, const uint8_t *scales, const float 
             for (int64_t i = 0; i < count; i++) o[i] = e2m1[stream_code(stream, at + i, 4)] * d;
         }
     }
+}
+
+/* ---------------------------------------------------------------------------- the q0 + stash pair */
+/* One side of the pair: an MX format (its element and block) or NVFP4 (block 16, tensor scale s). */
+typedef struct {
+    int nvfp4;
+    Element e;
+    int64_t block;
+    float s, inverse;
+} Side;
+
+static inline void side_block(const Side *side, const float *x, float *out, uint8_t *codes,
+                              uint8_t *scale, int64_t count) {
+    if (side->nvfp4)
+        nvfp4_block(x, out, codes, scale, count, side->s, side->inverse);
+    else
+        mx_block(x, out, codes, scale, count, &side->e);
+}
+
+/* For x [L, N, K] (K contiguous, rows N apart by stride_n, matrices by stride_l): the values of
+ * side q along K into values [L, N, K], and the stash codes of side p along N into codes
+ * [L, K, N] with one scale code per block into scales [L, K, ceil(N / p.block)]. One task is one
+ * block of p.block rows of one matrix: its rows are quantized along K (which brings them into
+ * cache), then each column's block is read from the cached rows and encoded, so x is read from
+ * memory once and never transposed. */
+static void pair_tiles(const float *x, float *values, uint8_t *codes, uint8_t *scales, int64_t L,
+                       int64_t N, int64_t K, int64_t stride_l, int64_t stride_n, const Side *q,
+                       const Side *p) {
+    const int64_t per_matrix = (N + p->block - 1) / p->block, tasks = L * per_matrix;
+#pragma omp parallel num_threads(mx_team) if (L * N * K >= MX_PARALLEL_MIN)
+    {
+        float *column = (float *)malloc(sizeof(float) * (size_t)p->block);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tasks; t++) {
+            const int64_t l = t / per_matrix, blk = t % per_matrix, n0 = blk * p->block;
+            const int64_t rows = N - n0 < p->block ? N - n0 : p->block;
+            const float *tile = x + l * stride_l + n0 * stride_n;
+            for (int64_t i = 0; i < rows; i++) {
+                const float *row = tile + i * stride_n;
+                float *out = values + (l * N + n0 + i) * K;
+                for (int64_t j = 0; j < K; j += q->block)
+                    side_block(q, row + j, out + j, 0, 0, K - j < q->block ? K - j : q->block);
+            }
+            for (int64_t k = 0; k < K; k++) {
+                for (int64_t i = 0; i < rows; i++) column[i] = tile[i * stride_n + k];
+                const int64_t at = (l * K + k) * N + n0;
+                side_block(p, column, 0, codes + at, scales + (l * K + k) * per_matrix + blk, rows);
+            }
+        }
+        free(column);
+    }
+}
+
+void dsq_mx_quantize_and_pack(const float *x, float *values, uint8_t *codes, uint8_t *scales,
+                              int64_t L, int64_t N, int64_t K, int64_t stride_l, int64_t stride_n,
+                              const int64_t *q_desc, float q_max, float q_s, const int64_t *p_desc,
+                              float p_max, float p_s) {
+    /* desc: nvfp4, block, bits, man_bits, emin, emax, integer */
+    Side q = {(int)q_desc[0], element_of((int)q_desc[2], (int)q_desc[3], (int)q_desc[4],
+                                         (int)q_desc[5], q_max, (int)q_desc[6]),
+              q_desc[1], q_s, 1.0f / q_s};
+    Side p = {(int)p_desc[0], element_of((int)p_desc[2], (int)p_desc[3], (int)p_desc[4],
+                                         (int)p_desc[5], p_max, (int)p_desc[6]),
+              p_desc[1], p_s, 1.0f / p_s};
+    pair_tiles(x, values, codes, scales, L, N, K, stride_l, stride_n, &q, &p);
 }

@@ -79,6 +79,16 @@ def _fake_mx_decode(stream, scales, table, rows, n, block, bits):
     return torch.empty((rows, n), dtype=torch.float32)
 
 
+def _fake_mx_quantize_and_pack(x, q, q_max, q_s, p, p_max, p_s):
+    cpu.need("dsq::mx_quantize_and_pack", x, torch.float32, 3)
+    for side in (q, p):
+        _element("mx_quantize_and_pack", side[1], side[2], side[3])
+    lead, n, k = x.shape
+    stream = torch.empty((x.numel() * p[2] + 7) // 8, dtype=torch.uint8)
+    scales = torch.empty(lead * k * (-(-n // p[1])), dtype=torch.uint8)
+    return torch.empty((lead, n, k), dtype=torch.float32), stream, scales
+
+
 def _fake_nvfp4_scale(x):
     cpu.need("dsq::nvfp4_scale", x, torch.float32)
     return torch.empty(1, dtype=torch.float32)
@@ -124,6 +134,14 @@ def mx_pack(rows: torch.Tensor, block: int, element: tuple):
 def mx_decode(stream, scales, table: torch.Tensor, rows: int, n: int, block: int, bits: int):
     """Values [rows, n] float32 of an MX stream; ``table`` [2^bits] float32, each code's value."""
     return _ops().mx_decode.default(stream, scales, table, rows, n, block, bits)
+
+
+def mx_quantize_and_pack(x, q: tuple, q_max: float, q_s: float, p: tuple, p_max: float, p_s):
+    """For x [L, N, K] float32 (K's stride 1): (values of side q along K, [L, N, K]; the stream
+    of side p's codes along N, in the order [L, K, N]; p's scale codes). A side is (nvfp4,
+    block, bits, man_bits, emin, emax, integer) with its largest normal and, for NVFP4, its
+    tensor scale (mx_cpu.c's Side)."""
+    return _ops().mx_quantize_and_pack.default(x, list(q), q_max, q_s, list(p), p_max, p_s)
 
 
 def nvfp4_scale(x: torch.Tensor) -> torch.Tensor:

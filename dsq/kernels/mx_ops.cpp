@@ -179,6 +179,42 @@ Tensor nvfp4_decode(const Tensor &stream, const Tensor &scales, const Tensor &s,
     return out;
 }
 
+/* A side of the pair as the kernels take it: (nvfp4, block, bits, man_bits, emin, emax, integer). */
+void need_side(const char *op, at::IntArrayRef side) {
+    TORCH_CHECK_VALUE(side.size() == 7, "dsq::", op, " needs a side of 7 integers, got ",
+                      side.size());
+    TORCH_CHECK_VALUE(side[0] == 0 || (side[1] == 16 && side[2] == 4), "dsq::", op,
+                      ": an NVFP4 side has blocks of 16 and 4-bit codes");
+    need_element(op, side[1], side[2], side[3]);
+}
+
+/* For x [L, N, K] (K's stride 1, the others any): (the values of side q along K, [L, N, K]; the
+ * stream of side p's codes along N in the order [L, K, N]; p's scale codes
+ * [L * K * ceil(N / p block)]). */
+std::tuple<Tensor, Tensor, Tensor> mx_quantize_and_pack(const Tensor &input, at::IntArrayRef q,
+                                                        double q_max, double q_s,
+                                                        at::IntArrayRef p, double p_max,
+                                                        double p_s) {
+    need("mx_quantize_and_pack", input, at::kFloat, 3);
+    need_side("mx_quantize_and_pack", q);
+    need_side("mx_quantize_and_pack", p);
+    const Tensor x = input.stride(2) == 1 ? input : input.contiguous();
+    const int64_t L = x.size(0), N = x.size(1), K = x.size(2), count = x.numel();
+    Tensor values = floats({L, N, K});
+    Tensor scales = bytes({L * K * ((N + p[1] - 1) / p[1])});
+    Tensor stream = bytes({stream_bytes(count, p[2])});
+    Tensor codes = p[2] == 8 ? stream : bytes({count});
+    threaded();
+    dsq_mx_quantize_and_pack(x.const_data_ptr<float>(), values.mutable_data_ptr<float>(),
+                             codes.mutable_data_ptr<uint8_t>(), scales.mutable_data_ptr<uint8_t>(),
+                             L, N, K, x.stride(0), x.stride(1), q.data(), (float)q_max, (float)q_s,
+                             p.data(), (float)p_max, (float)p_s);
+    if (p[2] != 8)
+        dsq_mx_pack_stream(codes.const_data_ptr<uint8_t>(), stream.mutable_data_ptr<uint8_t>(),
+                           count, (int)p[2]);
+    return {values, stream, scales};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(dsq, m) {
@@ -188,6 +224,8 @@ TORCH_LIBRARY_FRAGMENT(dsq, m) {
           " float max_normal, bool integer) -> (Tensor, Tensor)");
     m.def("mx_decode(Tensor stream, Tensor scales, Tensor table, int rows, int n, int block,"
           " int bits) -> Tensor");
+    m.def("mx_quantize_and_pack(Tensor x, int[] q, float q_max, float q_s, int[] p,"
+          " float p_max, float p_s) -> (Tensor, Tensor, Tensor)");
     m.def("nvfp4_scale(Tensor x) -> Tensor");
     m.def("nvfp4_quantize(Tensor rows, Tensor s) -> Tensor");
     m.def("nvfp4_pack(Tensor rows, Tensor s) -> (Tensor, Tensor)");
@@ -199,6 +237,7 @@ TORCH_LIBRARY_IMPL(dsq, CompositeExplicitAutograd, m) {
     m.impl("mx_quantize", &mx_quantize);
     m.impl("mx_pack", &mx_pack);
     m.impl("mx_decode", &mx_decode);
+    m.impl("mx_quantize_and_pack", &mx_quantize_and_pack);
     m.impl("nvfp4_scale", &nvfp4_scale);
     m.impl("nvfp4_quantize", &nvfp4_quantize);
     m.impl("nvfp4_pack", &nvfp4_pack);
