@@ -29,10 +29,10 @@ import re
 
 import torch
 
+from . import mx
 from . import reference as ref
 from .backends import declare_family, kernel_for, register_kernel
 from .base import Format, PackedTensor, check_input, register
-from . import mx
 from .mx import ELEMENTS, block_index, element_codes, element_round, element_table, restore
 
 BLOCK = 16
