@@ -271,7 +271,7 @@ for _op, _fn in {
     "quantize_and_pack": quantize_and_pack,
 }.items():
     register_kernel("reference", "mx", _op, _fn)
-declare_family("mx", {"c": "dsq.formats.mx_c"})
+declare_family("mx", {"c": "dsq.formats.mx_c", "triton": "dsq.formats.mx_triton"})
 
 
 # ----------------------------------------------------------------------------- the format

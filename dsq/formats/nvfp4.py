@@ -43,11 +43,21 @@ SCALE_MIN, SCALE_MAX = 2.0**-6, 448.0  # E4M3's smallest normal and largest valu
 SCALE_NAN = 0x7F  # float8_e4m3fn's NaN
 
 
+def fdiv(a, b) -> torch.Tensor:
+    """a / b, float32, rounded once: a number given as a Python float becomes a tensor on the
+    other's device (torch on CUDA multiplies by the reciprocal of a CPU scalar divisor)."""
+    like = a if isinstance(a, torch.Tensor) else b
+    a, b = (
+        t if isinstance(t, torch.Tensor) else torch.full((), t, device=like.device) for t in (a, b)
+    )
+    return torch.div(a, b)
+
+
 def tensor_scale(x32: torch.Tensor) -> torch.Tensor:
     """s (float32, 0-dim) of float32 ``x32``: step 1 of the module docstring."""
     magnitude = torch.where(torch.isfinite(x32), x32.abs(), 0.0)
-    a = magnitude.amax() if x32.numel() else torch.zeros((), dtype=torch.float32)
-    return torch.clamp(a / TENSOR_SCALE_DIVISOR, min=TENSOR_SCALE_MIN)
+    a = magnitude.amax() if x32.numel() else torch.zeros((), device=x32.device)
+    return torch.clamp(fdiv(a, TENSOR_SCALE_DIVISOR), min=TENSOR_SCALE_MIN)
 
 
 def block_scales(blocks: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,7 +65,7 @@ def block_scales(blocks: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, t
     and whether the block holds finite values only."""
     finite = torch.isfinite(blocks).all(dim=-1, keepdim=True)
     b = torch.where(torch.isfinite(blocks), blocks.abs(), 0.0).amax(dim=-1, keepdim=True)
-    t = torch.clamp(b / 6.0 / s, SCALE_MIN, SCALE_MAX)
+    t = torch.clamp(fdiv(fdiv(b, 6.0), s), SCALE_MIN, SCALE_MAX)
     return t.to(torch.float8_e4m3fn).to(torch.float32), finite
 
 
@@ -66,7 +76,7 @@ def _encode(x: torch.Tensor, axis: int):
     s = tensor_scale(x32)
     blocks, n = ref.blocks_along(x32, axis, BLOCK)
     c, finite = block_scales(blocks, s)
-    r = 1.0 / s / c
+    r = fdiv(fdiv(1.0, s), c)
     y = torch.clamp(torch.where(finite, blocks, 0.0) * r, -6.0, 6.0)
     e = element_round(y.to(torch.float64), E2M1)
     return e, c, s, finite, n
@@ -119,7 +129,7 @@ for _op, _fn in {
     "quantize_and_pack": mx.quantize_and_pack,
 }.items():
     register_kernel("reference", "nvfp4", _op, _fn)
-declare_family("nvfp4", {"c": "dsq.formats.mx_c"})
+declare_family("nvfp4", {"c": "dsq.formats.mx_c", "triton": "dsq.formats.mx_triton"})
 
 
 @register
