@@ -334,3 +334,15 @@ def test_torchao_nvfp4_differs_on_zero_and_tiny_tensors():
     assert len(torch.unique(theirs[0, :16].abs())) == 1
     assert not torch.equal(theirs, ours)
     assert_bitwise_equal(ours, oracle("nvfp4", tiny))
+
+
+def test_dsq_bench_quant_lists_what_runs_on_the_reference():
+    """The compile backend has no MX kernel: bench quant times it (on the reference) and lists
+    each such operation below its table; the c backend lists none."""
+    from dsq_cli.bench import quant
+
+    result = quant.run(512, ["mxfp4_e2m1", "nvfp4"], ["compile", "c"], 1, ops=("quantize",))
+    fallbacks = result["on_the_reference"]
+    assert "compile: mx.quantize" in fallbacks and "compile: nvfp4.unpack" in fallbacks
+    assert not any(line.startswith("c:") for line in fallbacks)
+    assert "no kernel, runs on the reference: compile: mx.pack" in quant.format_table(result)
