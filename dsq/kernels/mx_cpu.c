@@ -422,12 +422,51 @@ static inline void side_block(const Side *side, const float *x, float *out, uint
         mx_block(x, out, codes, scale, count, &side->e);
 }
 
+/* The stash codes of one block of `rows` rows (row i at tile + i * stride_n) of K columns, an MX
+ * side p, each column a block: every step a loop along the columns (their maxima, scales and
+ * codes, contiguous in the rows), the codes written row by row into `by_row` [rows, K] and then
+ * transposed into codes (column k's run at codes + k * N). */
+static void mx_stash_columns(const float *tile, int64_t rows, int64_t K, int64_t stride_n,
+                             const Element *e, uint8_t *codes, int64_t N, uint8_t *scales,
+                             int64_t per_matrix, uint32_t *amax, float *down, uint8_t *keep,
+                             uint8_t *by_row) {
+    const Element local = *e;
+    const float below = mx_pow2(local.man_bits - local.emin);
+    for (int64_t k = 0; k < K; k++) amax[k] = 0;
+    for (int64_t i = 0; i < rows; i++) {
+        const float *row = tile + i * stride_n;
+        for (int64_t k = 0; k < K; k++) {
+            const uint32_t a = mx_bits(row[k]) & 0x7FFFFFFFu;
+            amax[k] = a > amax[k] ? a : amax[k];
+        }
+    }
+    for (int64_t k = 0; k < K; k++) {
+        const int bad = amax[k] >= MX_NONFINITE, s = mx_scale(amax[k], local.emax);
+        down[k] = bad ? 0.0f : mx_pow2(-s);
+        keep[k] = bad ? 0 : 0xFF;
+        scales[k * per_matrix] = (uint8_t)(bad ? 255 : s + 127);
+    }
+    for (int64_t i = 0; i < rows; i++) {
+        const float *row = tile + i * stride_n;
+        uint8_t *out = by_row + i * K;
+        if (local.integer)
+            for (int64_t k = 0; k < K; k++)
+                out[k] = (uint8_t)(int32_t)(element_round(row[k] * down[k], &local) * 64.0f) & keep[k];
+        else
+            for (int64_t k = 0; k < K; k++)
+                out[k] = element_code(element_round(row[k] * down[k], &local), &local, below) & keep[k];
+    }
+    for (int64_t k = 0; k < K; k++)
+        for (int64_t i = 0; i < rows; i++) codes[k * N + i] = by_row[i * K + k];
+}
+
 /* For x [L, N, K] (K contiguous, rows N apart by stride_n, matrices by stride_l): the values of
  * side q along K into values [L, N, K], and the stash codes of side p along N into codes
  * [L, K, N] with one scale code per block into scales [L, K, ceil(N / p.block)]. One task is one
  * block of p.block rows of one matrix: its rows are quantized along K (which brings them into
- * cache), then each column's block is read from the cached rows and encoded, so x is read from
- * memory once and never transposed. */
+ * cache), then its columns' blocks are encoded from the cached rows (an MX side along the
+ * columns at once, `mx_stash_columns`; NVFP4 one column at a time), so x is read from memory
+ * once and never transposed. */
 static void pair_tiles(const float *x, float *values, uint8_t *codes, uint8_t *scales, int64_t L,
                        int64_t N, int64_t K, int64_t stride_l, int64_t stride_n, const Side *q,
                        const Side *p) {
@@ -435,6 +474,10 @@ static void pair_tiles(const float *x, float *values, uint8_t *codes, uint8_t *s
 #pragma omp parallel num_threads(mx_team) if (L * N * K >= MX_PARALLEL_MIN)
     {
         float *column = (float *)malloc(sizeof(float) * (size_t)p->block);
+        uint32_t *amax = (uint32_t *)malloc(sizeof(uint32_t) * (size_t)K);
+        float *down = (float *)malloc(sizeof(float) * (size_t)K);
+        uint8_t *keep = (uint8_t *)malloc((size_t)K);
+        uint8_t *by_row = (uint8_t *)malloc((size_t)(K * p->block));
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tasks; t++) {
             const int64_t l = t / per_matrix, blk = t % per_matrix, n0 = blk * p->block;
@@ -446,6 +489,12 @@ static void pair_tiles(const float *x, float *values, uint8_t *codes, uint8_t *s
                 for (int64_t j = 0; j < K; j += q->block)
                     side_block(q, row + j, out + j, 0, 0, K - j < q->block ? K - j : q->block);
             }
+            if (!p->nvfp4) {
+                mx_stash_columns(tile, rows, K, stride_n, &p->e, codes + l * K * N + n0, N,
+                                 scales + l * K * per_matrix + blk, per_matrix, amax, down, keep,
+                                 by_row);
+                continue;
+            }
             for (int64_t k = 0; k < K; k++) {
                 for (int64_t i = 0; i < rows; i++) column[i] = tile[i * stride_n + k];
                 const int64_t at = (l * K + k) * N + n0;
@@ -453,6 +502,10 @@ static void pair_tiles(const float *x, float *values, uint8_t *codes, uint8_t *s
             }
         }
         free(column);
+        free(amax);
+        free(down);
+        free(keep);
+        free(by_row);
     }
 }
 
