@@ -13,8 +13,9 @@ uses, every step a float32 operation rounded to nearest even (fl):
 4. q_i = fl(e_i * fl(s * c)), as torchao's dequantization computes it.
 
 A block holding a NaN or an infinity decodes as NaN (its scale code is E4M3's NaN, 0x7F); such
-values are left out of A. The floor 2^-121 on s keeps every intermediate finite (torchao's
-arithmetic overflows for A below about 1e-33, and gives NaN for an all-zero tensor); above it the
+values are left out of A. The floor 2^-121 on s keeps every intermediate finite: torchao's
+r overflows where A is below about 5e-34 (in the blocks whose c is 2^-6) and its 1 / s below
+about 8e-36, and an all-zero tensor gives it NaN; from A = 2688 * 2^-121 (about 1e-33) up, the
 two agree bit for bit. Storage: the E2M1 codes two per byte (the first in the low nibble), one
 E4M3 byte per block and the float32 s: ``bits_per_value = 4 + 8 / 16 = 4.5`` (s aside).
 
