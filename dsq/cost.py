@@ -43,13 +43,9 @@ from types import MappingProxyType
 from dsq.engine.accounting import GemmRecord
 from dsq.engine.config import POINTS
 from dsq.formats import Format, parse_format
-from dsq.formats.bfp import BFP
-from dsq.formats.fixed import FixedStatic
-from dsq.formats.floats import FloatCast
 
 DRAM_SWITCHES = ("stash_write_when_q1_equals_q0", "flush_activation_grads", "activations_fp32")
 ARITHMETIC_MODELS = ("bit_product", "additive")
-FLOAT_SPECS = ("fp32", "fp16", "bf16", "e4m3", "e5m2")  # every floating format needs a width
 
 # The coefficients of conf/cost/default.yaml, where each is justified (docs/cost-model.md
 # derives them); tests/test_cost_library.py checks that the two agree.
@@ -83,7 +79,8 @@ class CostModel:
     name: str
     arithmetic: str  # "bit_product": wa * wb / scale; "additive": (wa + wb) / scale
     scale: int
-    float_widths: Mapping[str, int]  # effective w of each floating format in c(fa, fb)
+    # effective w of a format in c(fa, fb) where it is not the format's own ``cost_width``
+    float_widths: Mapping[str, int]
     stash_write_when_q1_equals_q0: bool
     flush_activation_grads: bool
     activations_fp32: bool  # activations and their gradients move at 32 bits
@@ -106,10 +103,11 @@ class CostModel:
         scale = arithmetic["scale"]
         if not (isinstance(scale, int) and scale > 0):
             raise ValueError(f"arithmetic scale must be a positive int, got {scale!r}")
-        _check_keys("float_widths", data["float_widths"], set(FLOAT_SPECS))
+        if not isinstance(data["float_widths"], Mapping):
+            raise ValueError(f"float_widths: expected a mapping, got {data['float_widths']!r}")
         widths = {}
         for spec, width in data["float_widths"].items():
-            storage = parse_format(spec).bits_per_value
+            storage = parse_format(spec).cost_width  # a bad spec is a ValueError naming it
             # c grows with each width, so width >= storage width keeps a float at least as
             # expensive as fixed<storage width> (docs/spec.md §4)
             if not (isinstance(width, int) and width >= storage):
@@ -117,7 +115,7 @@ class CostModel:
                     f"float_widths.{spec} = {width!r} would make {spec} cheaper than "
                     f"fixed{int(storage)}; use an int >= {int(storage)}"
                 )
-            widths[spec] = width
+            widths[parse_format(spec).spec] = width
         return cls(
             name=name,
             arithmetic=arithmetic["model"],
@@ -137,15 +135,11 @@ class CostModel:
         }
 
     def width(self, fmt: Format) -> int:
-        """The operand width w in c(fa, fb): m for bfp<m> (the shared exponent add, once per
-        block, is left out), w for fixed<w> and fixed<w>f<f>, the table for floats."""
-        if isinstance(fmt, BFP):  # fixed<w> is a BFP with one block, man_bits = w
-            return fmt.man_bits
-        if isinstance(fmt, FixedStatic):
-            return fmt.width
-        if isinstance(fmt, FloatCast):
-            return self.float_widths[fmt.spec]
-        raise ValueError(f"the cost model has no width for format {fmt.spec!r}")
+        """The operand width w in c(fa, fb): the table's for the floats it lists, else the
+        format's own ``cost_width`` (m for bfp<m>, the shared exponent add, once per block, left
+        out; w for fixed<w> and fixed<w>f<f>; the element width for the MX formats and nvfp4,
+        their scales left out likewise)."""
+        return self.float_widths.get(fmt.spec, fmt.cost_width)
 
     def per_mac(self, fa: Format, fb: Format) -> Fraction:
         """c(fa, fb): the arithmetic cost of one multiply-accumulate."""

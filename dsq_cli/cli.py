@@ -10,6 +10,7 @@ from pathlib import Path
 
 import typer
 
+from dsq.formats import GRAMMAR
 from dsq.formats.backends import requested_backend, requested_backend_refusal
 from dsq_cli import __version__, cpu_allocator
 from dsq_cli.presets import BASELINE_PRESET
@@ -73,10 +74,14 @@ def _floats(text: str) -> list[float]:
         raise ValueError(f"--values must be numbers separated by commas, got {text!r}") from None
 
 
+# the grammar's optional parts in brackets, escaped from rich's markup in --help
+_GRAMMAR_HELP = GRAMMAR.replace("[", "\\[")
+
+
 @app.command("format")
 @usage_errors
 def format_cmd(
-    spec: str = typer.Argument(..., help="A format spec, e.g. bfp4, bfp6e8b16, fixed16, fixed8f4."),
+    spec: str = typer.Argument(..., help=f"A format spec (case-insensitive): {_GRAMMAR_HELP}."),
     values: str = typer.Option(None, "--values", help="Numbers to quantize, e.g. 0.3,-1.7,2.9."),
     rounding: str = typer.Option("nearest", help="nearest | stochastic"),
     seed: int = typer.Option(0, help="Seed of the generator for stochastic rounding."),

@@ -23,9 +23,10 @@ TABLE1_ORDER = (
 )
 # Presets of conf/quant/ that are not rows of the paper's Table 1, shown after them: a variant the
 # ablations of docs/results.md found worth naming, bf16 and amp_bf16 (torch.autocast), the
-# baselines readers now compare with,
-# bfp6 (the CPU-scale frontier) with DSQ's rising stash, the convergence study's design, and the
-# static-stash controls that study compares each rising stash with.
+# baselines readers now compare with, bfp6 (the CPU-scale frontier) with DSQ's rising stash, the
+# convergence study's design, the static-stash controls that study compares each rising stash
+# with, and DSQ on the formats hardware runs (docs/formats.md, "MX formats", "NVFP4"): on MX,
+# its MXFP8 control, and with NVFP4 forward.
 BEYOND_TABLE1 = (
     "dsq_bfp3",
     "bf16",
@@ -34,6 +35,9 @@ BEYOND_TABLE1 = (
     "bfp6_stash_bfp3",
     "bfp6_stash_bfp4",
     "dsq_stash_bfp3",
+    "mx_dsq",
+    "mxfp8",
+    "nvfp4_dsq",
 )
 # the preset every cost ratio is against, as the paper's Table 1 (docs/spec.md §4)
 BASELINE_PRESET = "fixed32"

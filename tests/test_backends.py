@@ -11,23 +11,48 @@ from dsq.formats import backends, parse_format
 
 
 @pytest.mark.parametrize("name", backends.BACKENDS)
-def test_every_backend_defines_every_operation(name):
-    """Loading checks the module against the protocol (the triton one loads without CUDA too)."""
+def test_every_backend_loads_and_holds_the_bfp_and_fixed_point_kernels(name):
+    """Every backend module says where it runs (the triton one loads without CUDA too), and
+    registers a kernel for every operation of the families it was written for."""
     module = backends.load_backend(name)
-    assert backends.OPERATIONS == (
-        "unavailable_reason",
-        "bfp_quantize",
-        "bfp_pack",
-        "bfp_unpack",
-        "fixed_static_quantize",
-        "fixed_static_pack",
-        "fixed_static_unpack",
+    assert callable(module.unavailable_reason)
+    assert backends.family_ops("bfp") == (
+        "quantize",
+        "pack",
+        "unpack",
         "fusable_quantize_and_pack",
-        "bfp_quantize_and_pack",
+        "quantize_and_pack",
         "fusable_quantize_chain",
-        "bfp_quantize_chain",
+        "quantize_chain",
     )
-    assert all(callable(getattr(module, op)) for op in backends.OPERATIONS)
+    assert backends.family_ops("fixed_static") == ("quantize", "pack", "unpack")
+    assert backends.missing_kernels(name, "bfp") == []
+    assert backends.missing_kernels(name, "fixed_static") == []
+
+
+def test_a_missing_kernel_runs_the_reference_with_one_logged_line(monkeypatch, caplog):
+    """A backend without a kernel for an operation runs the family's reference kernel, says so
+    once, and lists the operation in `missing_kernels`."""
+    import logging
+
+    from dsq.formats import reference
+
+    monkeypatch.delitem(backends._KERNELS, ("compile", "fixed_static", "quantize"))
+    backends._log_once.cache_clear()
+    x = torch.randn(40, generator=torch.Generator().manual_seed(1))
+    fmt = parse_format("fixed8f4")
+    with caplog.at_level(logging.WARNING, logger="dsq.formats"):
+        for _ in range(3):
+            assert backends.kernel("fixed_static", "quantize", "compile") is (
+                reference.fixed_static_quantize
+            )
+            assert torch.equal(
+                fmt.quantize(x, backend="compile"), fmt.quantize(x, backend="reference")
+            )
+    assert [r.getMessage() for r in caplog.records] == [
+        "dsq: the compile backend has no fixed_static quantize kernel; the reference runs it"
+    ]
+    assert backends.missing_kernels("compile", "fixed_static") == ["fixed_static.quantize"]
 
 
 def test_the_environment_variable_chooses_and_auto_is_the_default(monkeypatch):

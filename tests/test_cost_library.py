@@ -89,3 +89,39 @@ def test_the_library_api_names_the_cost_model():
     assert dsq.cost is dsq.__getattr__("cost")
     assert dsq.CostModel is dsq.cost.CostModel
     assert "cost" in dsq.__all__ and "CostModel" in dsq.__all__
+
+
+@pytest.mark.parametrize(
+    "spec, width, bits",
+    [("mxfp8_e4m3", 8, "33/4"), ("mxfp8_e5m2", 8, "33/4"), ("mxfp6_e3m2", 6, "25/4"),
+     ("mxfp4_e2m1", 4, "17/4"), ("mxint8", 8, "33/4"), ("mxfp4_e2m1b16", 4, "9/2"),
+     ("nvfp4", 4, "9/2")],
+)  # fmt: skip
+def test_mx_and_nvfp4_are_priced_by_element_and_scale_bits(spec, width, bits):
+    """The format says its cost width (the element's bits: the scales are added once per block,
+    like BFP's exponents) and its storage (the element's bits plus the scale's per value); a
+    uniform config then costs (w/32)^2 and bits/32 of fixed32."""
+    from fractions import Fraction
+
+    from dsq.formats import parse_format
+
+    fmt = parse_format(spec)
+    assert dsq.cost.DEFAULT_MODEL.width(fmt) == fmt.cost_width == width
+    assert dsq.cost.bits_per_value(fmt) == Fraction(bits)
+    arith, dram = dsq.cost.ratios(STEP, dict.fromkeys(POINTS, spec))
+    assert arith == pytest.approx(float(Fraction(width, 32) ** 2), rel=1e-12)
+    assert dram == pytest.approx(float(Fraction(bits) / 32), rel=1e-12)
+
+
+def test_a_cost_model_may_price_any_format_and_leaves_out_the_rest():
+    """float_widths overrides the widths of the formats it lists (a floating format need not be
+    listed); one it leaves out is priced at the format's own cost width."""
+    from dsq.formats import parse_format
+
+    data = load_cost_model("default").to_dict()
+    data["float_widths"] = {"FP16": 20, "mxfp8_e4m3": 9}
+    model = dsq.cost.CostModel.from_dict(data)
+    assert model.width(parse_format("fp16")) == 20 and model.width(parse_format("bf16")) == 16
+    assert model.width(parse_format("mxfp8_e4m3")) == 9
+    with pytest.raises(ValueError, match="mxfp4_e2m1 cheaper than fixed4"):
+        dsq.cost.CostModel.from_dict({**data, "float_widths": {"mxfp4_e2m1": 3}})

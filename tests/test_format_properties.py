@@ -448,7 +448,7 @@ def test_empty_tensors_pack_and_unpack_on_the_reference(spec, shape):
 
 
 UNKNOWN_BACKEND = "'bogus'; choose one of auto, reference, compile, c, triton"
-ONE_SPEC_PER_FORMAT = [*FLOAT_SPECS, "bfp4", "fixed8", "fixed8f4"]
+ONE_SPEC_PER_FORMAT = [*FLOAT_SPECS, "bfp4", "fixed8", "fixed8f4", "mxfp4_e2m1", "nvfp4"]
 
 
 def test_one_spec_per_format_covers_the_registry():

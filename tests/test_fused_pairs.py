@@ -10,8 +10,8 @@ import torch
 from helpers.tensors import assert_bitwise_equal
 from test_packing import edge_tensor, with_nonfinite
 
-from dsq.formats import parse_format
-from dsq.formats.backends import default_backend, load_backend, unavailable_reason
+from dsq.formats import backends, parse_format
+from dsq.formats.backends import default_backend, unavailable_reason
 
 pytestmark = pytest.mark.slow  # compiles kernels and runs the Triton interpreter
 
@@ -61,19 +61,19 @@ def _tensor(shape, nonfinite: bool, backend: str = "reference") -> torch.Tensor:
 
 
 def _spy(monkeypatch, backend: str, name: str) -> list[int]:
-    """Count the calls of the backend's fused function, so that a test knows it ran (the
-    reference has none: its pairs are the two calls)."""
+    """Count the calls of the backend's fused kernel (``quantize_and_pack`` or
+    ``quantize_chain`` of the bfp family), so that a test knows it ran (the reference has
+    none: its pairs are the two calls)."""
     calls: list[int] = []
     if backend == "reference":
         return calls
-    module = load_backend(backend)
-    original = getattr(module, name)
+    original = backends.kernel("bfp", name, backend)
 
     def spy(*args):
         calls.append(1)
         return original(*args)
 
-    monkeypatch.setattr(module, name, spy)
+    monkeypatch.setitem(backends._KERNELS, (backend, "bfp", name), spy)
     return calls
 
 
@@ -85,7 +85,7 @@ def test_quantize_and_pack_equals_the_two_calls(backend, shape, nonfinite, pair,
     fmt, stash = (parse_format(s) for s in pair)
     x = _tensor(shape, nonfinite, backend)
     last, before = x.dim() - 1, x.dim() - 2
-    calls = _spy(monkeypatch, backend, "bfp_quantize_and_pack")
+    calls = _spy(monkeypatch, backend, "quantize_and_pack")
     values, packed = fmt.quantize_and_pack(x, last, stash, before, backend=backend)
     assert bool(calls) == fuses(backend, shape, pair)  # the fused kernel ran where it applies
     expected = stash.pack(x, before, backend="reference")
@@ -109,7 +109,7 @@ def test_quantize_and_pack_equals_the_two_calls(backend, shape, nonfinite, pair,
 def test_quantize_chain_equals_the_two_calls(backend, shape, nonfinite, pair, scale, monkeypatch):
     first, second = (parse_format(s) for s in pair)
     x = _tensor(shape, nonfinite, backend) * scale  # 1e-36: the power is near the subnormals
-    calls = _spy(monkeypatch, backend, "bfp_quantize_chain")
+    calls = _spy(monkeypatch, backend, "quantize_chain")
     g, g2 = first.quantize_chain(x, 0, second, x.dim() - 1, backend=backend)
     assert bool(calls) == (backend != "reference")
     expected = first.quantize(x, 0, backend="reference")
@@ -133,7 +133,7 @@ def test_pairs_the_kernel_does_not_cover_run_as_two_calls(
 ):
     fmt, stash = parse_format(fmt), parse_format(stash)
     x = _tensor((40, 32), False)
-    calls = _spy(monkeypatch, default_backend("cpu"), "bfp_quantize_and_pack")
+    calls = _spy(monkeypatch, default_backend("cpu"), "quantize_and_pack")
     values, packed = fmt.quantize_and_pack(x, axis, stash, stash_axis)
     assert not calls, why
     # the values against the reference (not the backend's own unfused calls)
@@ -168,7 +168,7 @@ def test_stochastic_pairs_are_the_two_calls_in_order(which, monkeypatch):
     r1 = "stochastic" if which in ("first", "both") else "nearest"
     r2 = "stochastic" if which in ("second", "both") else "nearest"
     bfp8, bfp2, fixed16 = parse_format("bfp8"), parse_format("bfp2"), parse_format("fixed16")
-    calls = _spy(monkeypatch, default_backend("cpu"), "bfp_quantize_and_pack")
+    calls = _spy(monkeypatch, default_backend("cpu"), "quantize_and_pack")
 
     def gens():
         g = torch.Generator().manual_seed(7)

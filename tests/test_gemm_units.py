@@ -512,10 +512,19 @@ def _exact_sums(monkeypatch):
     monkeypatch.setattr(units, "gemm", gemm)
 
 
+# The MX presets are left out of the step comparison below: the sums of their GEMMs are inexact
+# in float32 in any order (each block of 32 has its own power of two), and the next quantizer
+# turns last-bit differences into whole steps (at its ties, and where a block's maximum crosses
+# a power of two), so two valid summation orders give steps further apart than the distance
+# from float32 to exact sums that the tolerance is measured by. tests/test_mx_gemm_units.py
+# checks each of their bf16 GEMMs in a step against float32's summation bound instead.
+STEP_PRESETS = [p for p in PRESETS if p not in ("mx_dsq", "mxfp8", "nvfp4_dsq")]
+
+
 @needs_bf16
 @pytest.mark.slow
 @pytest.mark.parametrize("scope", ["gemm", "all"])
-@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("preset", STEP_PRESETS)
 def test_a_training_step_on_auto_equals_one_on_fp32(monkeypatch, preset, scope):
     """The tolerance is float32's own summation order, measured on the same step: a step on
     ``auto`` may differ from one on ``fp32`` by at most twice what the fp32 step differs from one

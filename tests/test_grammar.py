@@ -133,19 +133,12 @@ def test_auto_falls_back_with_one_logged_reason(caplog, monkeypatch):
     ], logged
 
 
-def test_a_backend_lacking_an_operation_is_refused_when_loaded(monkeypatch):
-    import types
-
+def test_a_family_without_its_reference_operations_is_refused():
     from dsq.formats import backends
 
-    partial = types.ModuleType("partial_backend")
-    partial.unavailable_reason = lambda device_type: None
-    partial.bfp_quantize = lambda *args: None
-    monkeypatch.setitem(backends._MODULES, "reference", "partial_backend")
-    monkeypatch.setitem(__import__("sys").modules, "partial_backend", partial)
-    backends.load_backend.cache_clear()
+    backends.register_kernel("reference", "half_family", "quantize", lambda *args: None)
     try:
-        with pytest.raises(TypeError, match="lacks bfp_pack, bfp_unpack"):
-            backends.load_backend("reference")
+        with pytest.raises(TypeError, match="'half_family' has no reference pack, unpack"):
+            backends.declare_family("half_family")
     finally:
-        backends.load_backend.cache_clear()
+        del backends._KERNELS[("reference", "half_family", "quantize")]

@@ -6,12 +6,18 @@
     >>> p = fmt.pack(x, axis=-1); p.nbytes    # bytes really held
     >>> p.unpack()                            # == fmt.quantize(x), bit for bit
 
-A new format is one class decorated with ``@register`` (see ``floats.py`` for the smallest).
+A new format is one class decorated with ``@register`` (see ``floats.py`` for the smallest); a
+new family of formats is one module holding its classes and its definition (its reference
+kernels), plus a module of kernels per backend that runs it faster (docs/formats.md, "Adding a
+format family").
 """
 
-from . import bfp, fixed, floats  # noqa: F401  (registers the formats, in parse order)
+from . import floats, bfp, fixed, mx, nvfp4  # noqa: F401, I001  (registers the formats, in parse order)
 from .backends import BACKENDS, default_backend, select_backend
-from .base import GRAMMAR, Format, PackedTensor, parse_format, register, registered_formats
+from .base import Format, PackedTensor, grammar, parse_format, register, registered_formats
+
+#: The spec grammar of every registered format (docs/spec.md §1), from the registry.
+GRAMMAR = grammar()
 
 __all__ = [
     "BACKENDS",
@@ -19,6 +25,7 @@ __all__ = [
     "Format",
     "PackedTensor",
     "default_backend",
+    "grammar",
     "parse_format",
     "register",
     "registered_formats",

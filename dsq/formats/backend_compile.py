@@ -1,9 +1,7 @@
 """The compile backend: the reference semantics in float32, fused by torch.compile (CPU).
 
-Its functions also serve the c backend (``backend_c.py``): given the C kernels as ``c``, a call
-that they hold (nearest rounding, E <= 8, m <= 23; codes of up to 8 bits) runs in them
-(``dsq.kernels.cpu``, docs/formats.md "The C kernels") and any other runs the torch.compile
-kernels below. Without ``c`` (the compile backend itself) every call runs the kernels below.
+Its functions also serve the c backend (``backend_c.py``), which runs here every call its C
+kernels do not hold, handing in its own bit packer (``pack_codes``) for the codes' second stage.
 
 Eager PyTorch runs a quantizer as ~15 passes over memory; torch.compile fuses the block max,
 the exponent, the rounding and the rescaling into one loop over the blocks, so quantize runs near
@@ -34,11 +32,11 @@ import os
 import shutil
 import struct
 import sys
-from types import ModuleType
 
 import torch
 
 from . import reference as ref
+from .backends import register_kernel
 
 _RECOMPILE_LIMIT = 256  # one compiled variant per format, row length and noise on/off
 
@@ -249,12 +247,12 @@ def _join_planes(codes) -> torch.Tensor:
     return codes
 
 
-def _pack_codes(codes: torch.Tensor, width: int, c: ModuleType | None = None) -> torch.Tensor:
+def _pack_codes(codes: torch.Tensor, width: int) -> torch.Tensor:
     """Stage 2 of pack, on the host: the byte stream of flat integer ``codes`` (``_code_dtype``).
 
     Widths 8, 16 and 32 are already the stream (a view, little-endian); other one-byte codes are
-    packed by the C kernels, or else read eight at a time as int64 words (`_pack_bytes_fn`); the
-    others run the compiled byte gather over the compact codes, padded to whole groups first.
+    read eight at a time as int64 words (`_pack_bytes_fn`); the others run the compiled byte
+    gather over the compact codes, padded to whole groups first.
     """
     # a flat slice such as codes[:, :1].reshape(-1) can be a strided view: the byte view needs
     # unit stride, and a strided stream would hold on to the whole padded buffer of codes
@@ -262,9 +260,6 @@ def _pack_codes(codes: torch.Tensor, width: int, c: ModuleType | None = None) ->
     if width in (8, 16, 32) and sys.byteorder == "little":
         return codes.view(torch.uint8)
     count = codes.shape[0]
-    kernels = c if codes.dtype == torch.uint8 and width <= 8 else None
-    if kernels is not None:
-        return kernels.pack_codes(codes, width)
     if width < 8 and codes.dtype == torch.uint8 and sys.byteorder == "little":
         if count % 8:
             codes = torch.nn.functional.pad(codes, (0, 8 - count % 8))
@@ -515,14 +510,6 @@ def _run_whole_tensor(fn, blocks, u, man_bits: int, exp_bits: int):
     return _run(fn, flat, u_flat, man_bits, exp_bits, exponent, dynamic_dims=dyn)
 
 
-# ----------------------------------------------------------------------------- C kernels
-def _c_format(man_bits: int, exp_bits: int, most: int = 23) -> bool:
-    """Whether the C kernels hold BFP(man_bits, exp_bits) with nearest rounding: E <= 8 (every
-    block power a float32) and 2 <= m <= ``most`` (23: their rounding needs |v| < 2^22; 8 for
-    codes, one byte each)."""
-    return 2 <= man_bits <= most and exp_bits <= 8
-
-
 # ----------------------------------------------------------------------------- interface
 @functools.cache
 def unavailable_reason(device_type: str) -> str | None:
@@ -548,23 +535,7 @@ def eager_bfp_quantizer(x: torch.Tensor, man_bits: int, exp_bits: int, block: in
     return lambda: _bfp_quantize_fn(blocks, None, man_bits, exp_bits)
 
 
-def bfp_quantize(x, man_bits, exp_bits, block, axis, rounding="nearest", generator=None, *, c=None):
-    kernels = c if rounding == "nearest" and _c_format(man_bits, exp_bits) else None
-    if kernels is not None and block is None:
-        flat = x.detach().to(torch.float32).reshape(-1)
-        return kernels.fixed_quantize(flat, man_bits, exp_bits).reshape(x.shape).to(x.dtype)
-    if kernels is not None and x.dim() > 1 and axis % x.dim() != x.dim() - 1:
-        # blocks along a non-last axis, in x's own layout (no transposed copy in or out)
-        x32 = x.detach().to(torch.float32)
-        axis = axis % x.dim()
-        outer, inner = math.prod(x.shape[:axis]), math.prod(x.shape[axis + 1 :])
-        columns = x32.reshape(outer, x.shape[axis], inner)
-        values = kernels.bfp_quantize_columns(columns, block, man_bits, exp_bits)
-        return values.reshape(x.shape).to(x.dtype)
-    if kernels is not None:
-        blocks, n, moved_shape = _rows(x, block, axis)
-        values = kernels.bfp_quantize(blocks.reshape(-1, block), man_bits, exp_bits)
-        return _restore(values.reshape(blocks.shape), n, moved_shape, x.shape, axis, x.dtype)
+def bfp_quantize(x, man_bits, exp_bits, block, axis, rounding="nearest", generator=None):
     if block is None and rounding == "nearest" and exp_bits <= 8 and man_bits <= 24:
         # fixed<w>: its power first, then one elementwise pass (`_rounded`, `_from_power`)
         flat = x.detach().to(torch.float32).reshape(-1)
@@ -580,29 +551,31 @@ def bfp_quantize(x, man_bits, exp_bits, block, axis, rounding="nearest", generat
     return _restore(values, n, moved_shape, x.shape, axis, x.dtype)
 
 
-def bfp_pack(x, man_bits, exp_bits, block, axis, rounding="nearest", generator=None, *, c=None):
+def bfp_pack(
+    x, man_bits, exp_bits, block, axis, rounding="nearest", generator=None, *, pack_codes=None
+):
+    """(mantissa stream, exponent stream); ``pack_codes`` bit-packs the codes (default
+    `_pack_codes`: a caller with a faster packer hands it in)."""
+    pack_codes = pack_codes or _pack_codes
     blocks, n, _ = _rows(x, block, axis)
-    if c is not None and block is not None and rounding == "nearest":
-        if _c_format(man_bits, exp_bits, most=8):  # the C kernels' codes (one byte each)
-            codes, exps = c.bfp_codes(blocks.reshape(-1, block), man_bits, exp_bits)
-            return _streams(codes, exps, blocks.shape[0], n, man_bits, exp_bits, c)
     u = _noise_rows(x, generator, block, axis) if rounding == "stochastic" else None
     if block is None:
         codes, exps = _run_whole_tensor(_bfp_codes_fn, blocks, u, man_bits, exp_bits)
         codes = _join_planes(codes)
-        return _pack_codes(codes, man_bits, c), _pack_codes(exps.reshape(-1), exp_bits, c)
+        return pack_codes(codes, man_bits), pack_codes(exps.reshape(-1), exp_bits)
     codes, exps = _run_blocks(_bfp_codes_fn, blocks, u, man_bits, exp_bits)
-    return _streams(codes, exps, blocks.shape[0], n, man_bits, exp_bits, c)
+    return _streams(codes, exps, blocks.shape[0], n, man_bits, exp_bits, pack_codes)
 
 
-def _streams(codes, exps, rows: int, n: int, man_bits: int, exp_bits: int, c=None):
+def _streams(codes, exps, rows: int, n: int, man_bits: int, exp_bits: int, pack_codes=None):
     """Stage 2 of a per-block pack: the mantissa and exponent streams of codes laid out as
     ``rows`` padded rows of ``n`` (the padding of each row's partial last block is not
-    stored)."""
+    stored), bit-packed by ``pack_codes`` (default `_pack_codes`)."""
+    pack_codes = pack_codes or _pack_codes
     codes = _join_planes(codes).reshape(rows, -1)
     if codes.shape[1] != n:
         codes = codes[:, :n]
-    return _pack_codes(codes.reshape(-1), man_bits, c), _pack_codes(exps.reshape(-1), exp_bits, c)
+    return pack_codes(codes.reshape(-1), man_bits), pack_codes(exps.reshape(-1), exp_bits)
 
 
 def _quantize_and_codes_fn(rows, q_man: int, q_exp: int, q_block: int, p_man: int, p_exp: int):
@@ -625,65 +598,23 @@ def fusable_quantize_and_pack(x, q_args, axis, p_args, pack_axis) -> bool:
     return layout and max(q_exp, p_exp) <= 8 and x.shape[-1] % q_block == 0
 
 
-def c_fusable_quantize_and_pack(x, q_args, axis, p_args, pack_axis) -> bool:
-    """`fusable_quantize_and_pack` with the C kernels: also a partial last block along the last
-    axis where the C kernels hold both formats (`bfp_quantize_and_pack` pads the row with zeros
-    for them)."""
-    return fusable_quantize_and_pack(x, q_args, axis, p_args, pack_axis) or (
-        ref.quantize_and_pack_layout(x, q_args, axis, p_args, pack_axis)
-        and _c_holds_pair(q_args, p_args)
-    )
-
-
-def _c_holds_pair(q_args, p_args) -> bool:
-    """Whether the C kernels hold both formats of a quantize-and-pack pair (the pack's codes
-    up to 8 bits)."""
-    (q_man, q_exp, _), (p_man, p_exp, _) = q_args, p_args
-    return _c_format(q_man, q_exp) and _c_format(p_man, p_exp, most=8)
-
-
-def bfp_quantize_and_pack(x, q_args, axis, p_args, pack_axis, *, c=None):
+def bfp_quantize_and_pack(x, q_args, axis, p_args, pack_axis, *, pack_codes=None):
     """``bfp_quantize(x, *q_args, axis)`` and ``bfp_pack(x, *p_args, pack_axis)`` (nearest
     rounding), bit for bit, reading x once; see `fusable_quantize_and_pack` for when it applies.
     Returns (values, mantissa stream, exponent stream)."""
-    (_, _, q_block), (p_man, p_exp, p_block) = q_args, p_args
+    p_man, p_exp, p_block = p_args
     x32 = x.detach().to(torch.float32)
     n, k = x32.shape[-2:]
     n_blocks = -(-n // p_block)
-    kernels = c if _c_holds_pair(q_args, p_args) else None
-    # the C kernels take a partial last block along k padded with zeros (no block's maximum
-    # changes; the padded columns' stash codes are dropped below) and a partial last block of
-    # rows as it is
-    k_padded = -(-k // q_block) * q_block if kernels is not None else k
-    rows_padded = n if kernels is not None else n_blocks * p_block
-    # x in its own strides where nothing is padded (an attention operand seen through a
-    # transpose: the C kernels read it without a copy), else padded
     matrices = x32.reshape(-1, n, k)
-    if rows_padded != n or k_padded != k:
-        pads = (0, k_padded - k, 0, rows_padded - n)
-        matrices = torch.nn.functional.pad(matrices, pads)
-    if kernels is not None:
-        # the stream straight from the tiles when every block's and every row's codes start on
-        # a byte
-        direct = k == k_padded and (p_block * p_man) % 8 == 0 and (n * p_man) % 8 == 0
-        values, stash, exps = kernels.bfp_quantize_and_pack(
-            matrices, p_block, *q_args, p_man, p_exp, direct
-        )
-        if k_padded != k:
-            values = values[:, :, :k]
-        values = values.reshape(x.shape)
-        if direct:
-            mantissas, exponents = stash, _pack_codes(exps.reshape(-1), p_exp, c)
-        else:
-            stash, exps = stash[:, :k], exps[:, :k]  # [L, k, ...]: without the padded columns
-            mantissas, exponents = _streams(stash, exps, matrices.shape[0] * k, n, p_man, p_exp, c)
-        return values.to(x.dtype), mantissas, exponents
+    if n_blocks * p_block != n:
+        matrices = torch.nn.functional.pad(matrices, (0, 0, 0, n_blocks * p_block - n))
     rows = matrices.contiguous().reshape(matrices.shape[0], n_blocks, p_block, k)
     dyn = ((rows, 0), (rows, 1))
     fn = _quantize_and_codes_fn
     values, codes, exps = _run(fn, rows, *q_args, p_man, p_exp, dynamic_dims=dyn)
     values = values.reshape(rows.shape[0], n_blocks * p_block, k)[:, :n].reshape(x.shape)
-    mantissas, exponents = _streams(codes, exps, rows.shape[0] * k, n, p_man, p_exp, c)
+    mantissas, exponents = _streams(codes, exps, rows.shape[0] * k, n, p_man, p_exp, pack_codes)
     return values.to(x.dtype), mantissas, exponents
 
 
@@ -703,16 +634,12 @@ def fusable_quantize_chain(x, first_args, axis, second_args, second_axis) -> boo
     return layout and f_man <= 24 and max(f_exp, s_exp) <= 8
 
 
-def bfp_quantize_chain(x, first_args, axis, second_args, second_axis, *, c=None):
+def bfp_quantize_chain(x, first_args, axis, second_args, second_axis):
     """(q = bfp_quantize(x, *first_args), bfp_quantize(q, *second_args, last axis)), nearest
     rounding, bit for bit, in one pass after the tensor's power; see `fusable_quantize_chain`."""
     f_man, f_exp, _ = first_args
     s_man, s_exp, s_block = second_args
     flat = x.detach().to(torch.float32).reshape(-1)
-    kernels = c if _c_format(f_man, f_exp) and _c_format(s_man, s_exp) else None
-    if kernels is not None:
-        first, second = kernels.fixed_then_bfp(flat, f_man, f_exp, s_man, s_exp, s_block)
-        return first.reshape(x.shape).to(x.dtype), second.reshape(x.shape).to(x.dtype)
     p, finite = _run(_power_fn, flat, f_exp, dynamic_dims=((flat, 0),))
     rows = flat.reshape(-1, s_block)
     first, second = _run(
@@ -721,27 +648,7 @@ def bfp_quantize_chain(x, first_args, axis, second_args, second_axis, *, c=None)
     return first.reshape(x.shape).to(x.dtype), second.reshape(x.shape).to(x.dtype)
 
 
-# Values per row the C decode aims at when it joins rows: its per-row work (reading the row's
-# codes and exponents out of the streams) is then small beside the row's values.
-DECODE_ROW = 4096
-
-
-def _decode_rows_joined(rows: int, n: int, block: int) -> int:
-    """How many consecutive rows of ``n`` values the C decode takes as one row: rows of whole
-    blocks follow each other in both streams as one sequence of blocks, so ``g`` of them decode
-    as one row of ``g * n`` (``g`` divides ``rows``, ``g * n`` at most DECODE_ROW, and at least
-    as many rows are left as torch has threads, the kernel's tasks). An attention stash whose
-    sentences are whole blocks long has thousands of rows of their length (the bench step's: 32
-    values). 1 when a row ends in a partial block."""
-    if n % block or n >= DECODE_ROW:
-        return 1
-    joined = max(1, min(rows // torch.get_num_threads(), DECODE_ROW // n))
-    while rows % joined:
-        joined -= 1
-    return joined
-
-
-def bfp_unpack(mantissas, exponents, man_bits, exp_bits, block, shape, axis, dtype, *, c=None):
+def bfp_unpack(mantissas, exponents, man_bits, exp_bits, block, shape, axis, dtype):
     numel = math.prod(shape)
     if block is None:
         codes = _unpack_codes(mantissas, man_bits, numel).reshape(1, 1, numel)
@@ -753,13 +660,6 @@ def bfp_unpack(mantissas, exponents, man_bits, exp_bits, block, shape, axis, dty
     n = moved_shape[-1]
     n_blocks = -(-n // block)
     rows = numel // n
-    kernels = c if _c_format(man_bits, exp_bits, most=8) else None
-    if kernels is not None:
-        joined = _decode_rows_joined(rows, n, block)
-        values = kernels.bfp_decode(
-            mantissas, exponents, rows // joined, n * joined, block, man_bits, exp_bits
-        )
-        return _restore(values.reshape(rows, n), n, moved_shape, shape, axis, dtype)
     codes = _unpack_codes(mantissas, man_bits, numel).reshape(rows, n)
     if n_blocks * block != n:
         codes = torch.nn.functional.pad(codes, (0, n_blocks * block - n))
@@ -778,15 +678,16 @@ def fixed_static_quantize(x, width, frac_bits, rounding="nearest", generator=Non
     return out.reshape(x.shape).to(x.dtype)
 
 
-def fixed_static_pack(x, width, frac_bits, rounding="nearest", generator=None, *, c=None):
+def fixed_static_pack(x, width, frac_bits, rounding="nearest", generator=None, *, pack_codes=None):
     x32 = x.detach().to(torch.float32).reshape(-1)  # detached: see _rows
     u = ref.uniform_noise(x, generator).reshape(-1) if rounding == "stochastic" else None
     dyn = ((x32, 0),) + (((u, 0),) if u is not None else ())
     codes, all_finite, nonfinite = _run(
         _fixed_static_codes_fn, x32, u, width, frac_bits, dynamic_dims=dyn
     )
-    nan_mask = None if bool(all_finite) else _pack_codes(nonfinite, 1, c)
-    return _pack_codes(codes, width, c), nan_mask
+    pack_codes = pack_codes or _pack_codes
+    nan_mask = None if bool(all_finite) else pack_codes(nonfinite, 1)
+    return pack_codes(codes, width), nan_mask
 
 
 def fixed_static_unpack(integers, nan_mask, width, frac_bits, shape, dtype):
@@ -797,3 +698,24 @@ def fixed_static_unpack(integers, nan_mask, width, frac_bits, shape, dtype):
         mask = _unpack_codes(nan_mask, 1, numel).bool()
         values = torch.where(mask, math.nan, values)
     return values.reshape(shape).to(dtype)
+
+
+# The compile backend's kernels (docs/formats.md, "Implementations: the backends").
+for _family, _ops in {
+    "bfp": {
+        "quantize": bfp_quantize,
+        "pack": bfp_pack,
+        "unpack": bfp_unpack,
+        "fusable_quantize_and_pack": fusable_quantize_and_pack,
+        "quantize_and_pack": bfp_quantize_and_pack,
+        "fusable_quantize_chain": fusable_quantize_chain,
+        "quantize_chain": bfp_quantize_chain,
+    },
+    "fixed_static": {
+        "quantize": fixed_static_quantize,
+        "pack": fixed_static_pack,
+        "unpack": fixed_static_unpack,
+    },
+}.items():
+    for _op, _fn in _ops.items():
+        register_kernel("compile", _family, _op, _fn)

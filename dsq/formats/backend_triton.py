@@ -1,4 +1,4 @@
-"""The triton backend: the operations of ``backends.Backend`` on Triton kernels.
+"""The triton backend: the BFP and static fixed-point kernels on Triton (registered at the end).
 
 Same signatures, semantics and return types as the end of ``reference.py``, bit for bit (values,
 -0.0, NaN positions, packed bytes). The kernels live in ``dsq.kernels.bfp``; this module only
@@ -32,6 +32,7 @@ else:
     _import_error = None
 
 from . import reference
+from .backends import register_kernel
 
 
 def unavailable_reason(device_type: str) -> str | None:
@@ -184,3 +185,23 @@ def fixed_static_unpack(integers, nan_mask, width, frac_bits, shape, dtype):
         integers, nan_mask, math.prod(shape), width, frac_bits, integers.device
     )
     return out.reshape(shape).to(dtype)
+
+
+for _family, _ops in {
+    "bfp": {
+        "quantize": bfp_quantize,
+        "pack": bfp_pack,
+        "unpack": bfp_unpack,
+        "fusable_quantize_and_pack": fusable_quantize_and_pack,
+        "quantize_and_pack": bfp_quantize_and_pack,
+        "fusable_quantize_chain": fusable_quantize_chain,
+        "quantize_chain": bfp_quantize_chain,
+    },
+    "fixed_static": {
+        "quantize": fixed_static_quantize,
+        "pack": fixed_static_pack,
+        "unpack": fixed_static_unpack,
+    },
+}.items():
+    for _op, _fn in _ops.items():
+        register_kernel("triton", _family, _op, _fn)

@@ -1,20 +1,30 @@
-"""The backends that run the quantizers, and the one switch that picks one (docs/formats.md,
-"Backends").
+"""The backends that run the quantizers, the one switch that picks one, and the registry of
+their kernels (docs/formats.md, "Implementations: the backends").
 
-A backend is a module that defines every operation of `Backend` (the signatures are those at
-the end of ``reference.py``). Four exist:
+Four backends exist; each is a module that says where it runs (``unavailable_reason``):
 
 =========== ========================= ==========================================================
 name        module                    runs
 =========== ========================= ==========================================================
 reference   ``reference.py``          the definition, readable PyTorch, any device
 compile     ``backend_compile.py``    torch.compile-fused kernels, CPU tensors
-c           ``backend_c.py``          the C kernels (torch custom ops ``dsq::*``) where they hold
-                                      the format, the compile kernels for the rest; CPU tensors
+c           ``backend_c.py``          the C kernels (torch custom ops ``dsq::*``), CPU tensors
 triton      ``backend_triton.py``     Triton kernels: CUDA tensors (CPU under TRITON_INTERPRET=1)
 =========== ========================= ==========================================================
 
 Every backend gives the reference's results bit for bit; they differ in speed only.
+
+**Kernels are registered per family and operation.** A format family (``Format.family``:
+``bfp``, ``fixed_static``, ``mx``, ...) runs its operations (``quantize``, ``pack``,
+``unpack``, and the fused pairs' operations where it has them) through `kernel`, which returns
+the function a backend registered for that family and operation (`register_kernel`). The
+family's definition is registered under ``reference`` by the family's own module, and it must
+hold ``quantize``, ``pack`` and ``unpack``. A backend that registered no kernel for an
+operation runs the reference's, with one logged line per backend, family and operation;
+`missing_kernels` lists those (``dsq bench quant`` prints them). A family says in
+`declare_family` which modules hold its kernels for which backend, so adding one touches its
+own modules only: the registry imports a family's kernel module the first time a kernel of
+that backend is asked for.
 
 **The switch.** ``DSQ_BACKEND=auto|reference|compile|c|triton`` (or a function's ``backend=``
 argument, which wins). ``auto``, the default, takes the first backend of `AUTO_ORDER` that runs
@@ -23,9 +33,6 @@ on the tensor's device: ``c``, then ``compile``, then ``reference`` on CPU; ``tr
 A named backend that cannot run is an error, so a test can never pass on the wrong backend; an
 unknown name is a ValueError. An empty tensor has nothing to compute and runs on the reference
 whatever is chosen (the fast kernels assume at least one element).
-
-A backend module that lacks an operation is refused when it is loaded (`load_backend`), naming
-what is missing: a caller never finds out by a silent fallback.
 """
 
 from __future__ import annotations
@@ -34,8 +41,8 @@ import functools
 import importlib
 import logging
 import os
+from collections.abc import Callable, Mapping
 from types import ModuleType
-from typing import Protocol
 
 import torch
 
@@ -49,43 +56,106 @@ _MODULES = {
     "c": "dsq.formats.backend_c",
     "triton": "dsq.formats.backend_triton",
 }
+# The operations every family defines on the reference; a family may add its own (the fused
+# pairs of BFP: ``fusable_quantize_and_pack`` and ``quantize_and_pack``, ``fusable_quantize_chain``
+# and ``quantize_chain``).
+REQUIRED_OPS = ("quantize", "pack", "unpack")
 log = logging.getLogger("dsq.formats")
 
-
-class Backend(Protocol):
-    """The operations every backend defines (``reference.py``'s interface, end of file).
-
-    ``x`` arrives non-empty; results match the reference bit for bit, in ``x``'s shape and dtype.
-    The fused pairs come with a ``fusable_*`` test saying whether they cover a call; where it
-    says no (the reference's always does: it has no fused kernels), the format runs the two
-    operations one after the other, with the same result.
-    """
-
-    def unavailable_reason(self, device_type: str) -> str | None:
-        """Why this backend cannot run tensors of ``device_type`` here, or None when it can."""
-
-    def bfp_quantize(self, x, man_bits, exp_bits, block, axis, rounding, generator): ...
-    def bfp_pack(self, x, man_bits, exp_bits, block, axis, rounding, generator): ...
-    def bfp_unpack(self, mantissas, exponents, man_bits, exp_bits, block, shape, axis, dtype): ...
-    def fixed_static_quantize(self, x, width, frac_bits, rounding, generator): ...
-    def fixed_static_pack(self, x, width, frac_bits, rounding, generator): ...
-    def fixed_static_unpack(self, integers, nan_mask, width, frac_bits, shape, dtype): ...
-    def fusable_quantize_and_pack(self, x, q_args, axis, p_args, pack_axis) -> bool: ...
-    def bfp_quantize_and_pack(self, x, q_args, axis, p_args, pack_axis): ...
-    def fusable_quantize_chain(self, x, first_args, axis, second_args, second_axis) -> bool: ...
-    def bfp_quantize_chain(self, x, first_args, axis, second_args, second_axis): ...
+# (backend, family, operation) -> the kernel
+_KERNELS: dict[tuple[str, str, str], Callable] = {}
+# family -> {backend: the module that registers its kernels for that backend}
+_FAMILY_MODULES: dict[str, dict[str, str]] = {}
 
 
-OPERATIONS = tuple(name for name in Backend.__dict__ if not name.startswith("_"))
+def register_kernel(backend: str, family: str, op: str, fn: Callable | None = None):
+    """Register ``fn`` as ``backend``'s kernel for operation ``op`` of format family ``family``
+    (as a decorator when ``fn`` is omitted). Its signature is the reference's for that family
+    and operation; its results equal the reference's bit for bit."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; the backends are {', '.join(BACKENDS)}")
+
+    def store(function: Callable) -> Callable:
+        _KERNELS[(backend, family, op)] = function
+        return function
+
+    return store if fn is None else store(fn)
+
+
+def declare_family(family: str, kernel_modules: Mapping[str, str] | None = None) -> None:
+    """Declare a format family whose reference kernels are registered (every operation of
+    REQUIRED_OPS), and the modules that register its kernels on other backends, by backend
+    name (imported when a kernel of that backend is first asked for)."""
+    missing = [op for op in REQUIRED_OPS if ("reference", family, op) not in _KERNELS]
+    if missing:
+        raise TypeError(f"format family {family!r} has no reference {', '.join(missing)}")
+    unknown = set(kernel_modules or {}) - set(BACKENDS)
+    if unknown:
+        raise ValueError(f"unknown backend(s) {sorted(unknown)} for family {family!r}")
+    _FAMILY_MODULES[family] = dict(kernel_modules or {})
+
+
+def families() -> tuple[str, ...]:
+    """The declared format families, in declaration order."""
+    return tuple(_FAMILY_MODULES)
+
+
+def family_ops(family: str) -> tuple[str, ...]:
+    """The operations of ``family``: those its reference registered."""
+    return tuple(op for (b, f, op) in _KERNELS if b == "reference" and f == family)
+
+
+@functools.cache
+def _load_family_kernels(backend: str, family: str) -> None:
+    load_backend(backend)
+    module = _FAMILY_MODULES.get(family, {}).get(backend)
+    if module is not None:
+        importlib.import_module(module)
+
+
+def kernel(family: str, op: str, backend: str) -> Callable:
+    """``backend``'s kernel for ``op`` of ``family``, or the reference's (logged once) when the
+    backend registered none."""
+    found = _KERNELS.get((backend, family, op))
+    if found is not None:
+        return found
+    _load_family_kernels(backend, family)
+    found = _KERNELS.get((backend, family, op))
+    if found is not None:
+        return found
+    reference = _KERNELS.get(("reference", family, op))
+    if reference is None:
+        raise KeyError(f"format family {family!r} has no operation {op!r}")
+    _log_once(f"dsq: the {backend} backend has no {family} {op} kernel; the reference runs it")
+    return reference
+
+
+def missing_kernels(backend: str, family: str | None = None) -> list[str]:
+    """The operations (``family.op``) that ``backend`` runs on the reference, of ``family`` or
+    of every declared family."""
+    names = [family] if family is not None else list(_FAMILY_MODULES)
+    missing = []
+    for name in names:
+        _load_family_kernels(backend, name)
+        missing += [
+            f"{name}.{op}" for op in family_ops(name) if (backend, name, op) not in _KERNELS
+        ]
+    return missing
+
+
+def kernel_for(x: torch.Tensor, backend: str | None, family: str, op: str) -> Callable:
+    """The kernel that runs ``op`` of ``family`` on ``x`` (the backend chosen as
+    `select_backend` chooses it)."""
+    return kernel(family, op, backend_name(x, backend))
 
 
 @functools.cache
 def load_backend(name: str) -> ModuleType:
-    """The module of backend ``name``, checked to define every operation of `Backend`."""
+    """The module of backend ``name`` (importing it registers its kernels), checked to say where
+    it runs (``unavailable_reason``)."""
     module = importlib.import_module(_MODULES[name])
-    missing = [op for op in OPERATIONS if not callable(getattr(module, op, None))]
-    if missing:
-        raise TypeError(f"backend {name!r} ({module.__name__}) lacks {', '.join(missing)}")
+    if not callable(getattr(module, "unavailable_reason", None)):
+        raise TypeError(f"backend {name!r} ({module.__name__}) lacks unavailable_reason")
     return module
 
 
@@ -125,18 +195,23 @@ def _log_once(message: str) -> None:
     log.warning(message)  # the run is slower, not different
 
 
-def select_backend(x: torch.Tensor, backend: str | None = None) -> ModuleType:
-    """The backend module to run ``x`` on (the module docstring states the rules)."""
+def backend_name(x: torch.Tensor, backend: str | None = None) -> str:
+    """The backend to run ``x`` on (the module docstring states the rules)."""
     requested = requested_backend(backend)
     if x.numel() == 0:
-        return load_backend("reference")
+        return "reference"
     device = x.device.type
     if requested is not None:
         reason = unavailable_reason(requested, device)
         if reason is not None:
             raise RuntimeError(f"backend {requested!r} cannot run here: {reason}")
-        return load_backend(requested)
-    return load_backend(auto_backend(device))
+        return requested
+    return auto_backend(device)
+
+
+def select_backend(x: torch.Tensor, backend: str | None = None) -> ModuleType:
+    """The module of the backend to run ``x`` on (`backend_name`)."""
+    return load_backend(backend_name(x, backend))
 
 
 @functools.cache

@@ -1,7 +1,13 @@
 """The format registry, the packed-tensor container and input validation.
 
 A number format is one small registered class (see ``register``). ``parse_format`` walks the
-registry in order and returns the first class whose grammar accepts the spec string.
+registry in order and returns the first class whose pattern accepts the spec string; the
+grammar that errors and ``dsq format --help`` show is the registered classes' ``grammar`` lines
+joined (`grammar`). A class declares what the rest of the library asks of a format: its
+``family`` (the key its kernels are registered under, ``backends.register_kernel``), its
+``bits_per_value`` (storage, which the cost model's DRAM term reads), ``cost_width`` (its
+operand width in the cost model's arithmetic term) and ``significant_bits`` (which GEMM units
+hold its values exactly, ``exact_in``).
 """
 
 from __future__ import annotations
@@ -11,11 +17,6 @@ import re
 from typing import ClassVar
 
 import torch
-
-GRAMMAR = (
-    "fp32 | fp16 | bf16 | e4m3 | e5m2 | bfp<m>[e<E>][b<B>] (2<=m<=24, 2<=E<=10, 1<=B<=4096) "
-    "| fixed<w> (2<=w<=32) | fixed<w>f<f> (2<=w<=32, 0<=f<w)"
-)
 
 ROUNDINGS = ("nearest", "stochastic")
 
@@ -37,12 +38,20 @@ class Format:
 
     #: Regular expression (full match, lower-case input) of the specs this class accepts.
     pattern: ClassVar[re.Pattern[str]]
+    #: This class's line of the grammar (docs/spec.md §1), e.g. ``fixed<w> (2<=w<=32)``.
+    grammar: ClassVar[str]
+    #: The format family whose kernels run this class's operations (``backends.kernel``), or
+    #: None for a format that needs none (the floating casts).
+    family: ClassVar[str | None] = None
     #: Canonical spec string of this instance, e.g. ``bfp4e8b16``.
     spec: str
     #: Storage cost in bits per value (docs/spec.md §1.2).
     bits_per_value: float
     #: The most significant bits any value of the format has (its leading one included).
     significant_bits: int
+    #: The operand width w of the cost model's c(fa, fb) (docs/cost-model.md): the bits of the
+    #: multiplier an operand of this format needs, without the shared scale (added once per block).
+    cost_width: int
 
     @property
     def exact_in(self) -> frozenset[str]:
@@ -181,9 +190,19 @@ def registered_formats() -> list[type[Format]]:
     return list(_REGISTRY)
 
 
+def grammar() -> str:
+    """The spec grammar: the registered classes' ``grammar`` lines, in parse order, joined by
+    ``|`` (a line shared by two classes, such as a subclass's inherited one, once)."""
+    lines: list[str] = []
+    for cls in _REGISTRY:
+        if cls.grammar not in lines:
+            lines.append(cls.grammar)
+    return " | ".join(lines)
+
+
 def _invalid(spec: object, why: str = "") -> ValueError:
     detail = f" ({why})" if why else ""
-    return ValueError(f"invalid format spec {spec!r}{detail}; grammar: {GRAMMAR}")
+    return ValueError(f"invalid format spec {spec!r}{detail}; grammar: {grammar()}")
 
 
 _CACHE: dict[str, Format] = {}

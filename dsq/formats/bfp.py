@@ -6,8 +6,23 @@ import re
 
 import torch
 
-from .backends import select_backend
+from . import reference
+from .backends import declare_family, kernel_for, register_kernel
 from .base import Format, PackedTensor, check_input, check_int_range, register
+
+# The definition (reference.py) is the family's reference kernels; the backends register their
+# own in their modules (backend_compile.py, backend_c.py, backend_triton.py).
+for _op, _fn in {
+    "quantize": reference.bfp_quantize,
+    "pack": reference.bfp_pack,
+    "unpack": reference.bfp_unpack,
+    "fusable_quantize_and_pack": reference.fusable_quantize_and_pack,
+    "quantize_and_pack": reference.bfp_quantize_and_pack,
+    "fusable_quantize_chain": reference.fusable_quantize_chain,
+    "quantize_chain": reference.bfp_quantize_chain,
+}.items():
+    register_kernel("reference", "bfp", _op, _fn)
+declare_family("bfp")
 
 
 @register
@@ -24,6 +39,8 @@ class BFP(Format):
     """
 
     pattern = re.compile(r"bfp(\d+)(?:e(\d+))?(?:b(\d+))?")
+    grammar = "bfp<m>[e<E>][b<B>] (2<=m<=24, 2<=E<=10, 1<=B<=4096)"
+    family = "bfp"
 
     def __init__(self, man_bits: int, exp_bits: int = 8, block: int | None = 16) -> None:
         self.man_bits = man_bits
@@ -33,6 +50,8 @@ class BFP(Format):
         self.bits_per_value = man_bits + exp_bits / block if block else float(man_bits)
         # |q| <= 2^(m-1) - 1 times a power of two: m - 1 significant bits
         self.significant_bits = man_bits - 1
+        # the m-bit mantissas multiply; the shared exponents add, once per block (left out)
+        self.cost_width = man_bits
 
     @classmethod
     def from_match(cls, spec, match):
@@ -47,38 +66,40 @@ class BFP(Format):
     def quantize(self, x, axis=-1, rounding="nearest", generator=None, *, backend=None):
         axis = check_input(x, axis, rounding, generator)
         with torch.no_grad():
-            path = select_backend(x, backend)
-            return path.bfp_quantize(x, *self._args(), axis, rounding, generator)
+            run = kernel_for(x, backend, self.family, "quantize")
+            return run(x, *self._args(), axis, rounding, generator)
 
     def pack(self, x, axis=-1, rounding="nearest", generator=None, *, backend=None):
         axis = check_input(x, axis, rounding, generator)
         with torch.no_grad():
-            path = select_backend(x, backend)
-            mantissas, exponents = path.bfp_pack(x, *self._args(), axis, rounding, generator)
+            run = kernel_for(x, backend, self.family, "pack")
+            mantissas, exponents = run(x, *self._args(), axis, rounding, generator)
         payload = {"mantissas": mantissas, "exponents": exponents}
         return PackedTensor(self, tuple(x.shape), x.dtype, axis, payload)
 
-    def _pair(self, x, axis, other, other_axis, backend):
-        """(the backend to run the pair on, its arguments (x, args, axis, other args, other axis)
-        with both axes made non-negative), or None when ``other`` is not BFP: only BFP pairs
-        have fused kernels."""
+    def _pair(self, x, axis, other, other_axis, backend, op):
+        """(the fusability test and the fused kernel of pair ``op`` on the backend that runs x,
+        its arguments (x, args, axis, other args, other axis) with both axes made
+        non-negative), or None when ``other`` is not BFP: only BFP pairs have fused kernels."""
         if not isinstance(other, BFP):
             return None
         axis = check_input(x, axis, "nearest", None)
         other_axis = check_input(x, other_axis, "nearest", None)
-        return select_backend(x, backend), (x, self._args(), axis, other._args(), other_axis)
+        fusable = kernel_for(x, backend, self.family, f"fusable_{op}")
+        fused = kernel_for(x, backend, self.family, op)
+        return fusable, fused, (x, self._args(), axis, other._args(), other_axis)
 
     def quantize_and_pack(
         self, x, axis, stash, stash_axis, *, rounding="nearest", stash_rounding="nearest",
         generator=None, stash_generator=None, backend=None,
     ):  # fmt: skip
-        pair = self._pair(x, axis, stash, stash_axis, backend)
+        pair = self._pair(x, axis, stash, stash_axis, backend, "quantize_and_pack")
         # the fused kernels round to nearest
         if rounding == stash_rounding == "nearest" and pair is not None:
-            path, args = pair
-            if path.fusable_quantize_and_pack(*args):
+            fusable, fused, args = pair
+            if fusable(*args):
                 with torch.no_grad():
-                    values, mantissas, exponents = path.bfp_quantize_and_pack(*args)
+                    values, mantissas, exponents = fused(*args)
                 payload = {"mantissas": mantissas, "exponents": exponents}
                 return values, PackedTensor(stash, tuple(x.shape), x.dtype, args[-1], payload)
         return super().quantize_and_pack(
@@ -90,12 +111,12 @@ class BFP(Format):
         self, x, axis, second, second_axis, *, rounding="nearest", second_rounding="nearest",
         generator=None, second_generator=None, backend=None,
     ):  # fmt: skip
-        pair = self._pair(x, axis, second, second_axis, backend)
+        pair = self._pair(x, axis, second, second_axis, backend, "quantize_chain")
         if rounding == second_rounding == "nearest" and pair is not None:
-            path, args = pair
-            if path.fusable_quantize_chain(*args):
+            fusable, fused, args = pair
+            if fusable(*args):
                 with torch.no_grad():
-                    return path.bfp_quantize_chain(*args)
+                    return fused(*args)
         return super().quantize_chain(
             x, axis, second, second_axis, rounding=rounding, second_rounding=second_rounding,
             generator=generator, second_generator=second_generator, backend=backend,
@@ -107,8 +128,8 @@ class BFP(Format):
             # a probe of the stored tensor's size: an empty one unpacks on the reference, as it
             # packed there (the fast paths assume at least one element)
             probe = p["mantissas"].new_empty(min(packed.numel(), 1), dtype=torch.float32)
-            path = select_backend(probe, backend)
-            return path.bfp_unpack(
+            run = kernel_for(probe, backend, self.family, "unpack")
+            return run(
                 p["mantissas"],
                 p["exponents"],
                 *self._args(),
@@ -127,6 +148,7 @@ class FixedDynamic(BFP):
     """
 
     pattern = re.compile(r"fixed(\d+)")
+    grammar = "fixed<w> (2<=w<=32)"
 
     def __init__(self, width: int) -> None:
         super().__init__(width, 8, None)

@@ -6,8 +6,17 @@ import re
 
 import torch
 
-from .backends import select_backend
+from . import reference
+from .backends import declare_family, kernel_for, register_kernel
 from .base import Format, PackedTensor, check_input, check_int_range, register
+
+for _op, _fn in {
+    "quantize": reference.fixed_static_quantize,
+    "pack": reference.fixed_static_pack,
+    "unpack": reference.fixed_static_unpack,
+}.items():
+    register_kernel("reference", "fixed_static", _op, _fn)
+declare_family("fixed_static")
 
 
 @register
@@ -21,6 +30,8 @@ class FixedStatic(Format):
     """
 
     pattern = re.compile(r"fixed(\d+)f(\d+)")
+    grammar = "fixed<w>f<f> (2<=w<=32, 0<=f<w)"
+    family = "fixed_static"
 
     def __init__(self, width: int, frac_bits: int) -> None:
         self.width = width
@@ -30,6 +41,7 @@ class FixedStatic(Format):
         # integers of magnitude at most 2^(w-1) over 2^f: -2^(w-1) has one significant bit, the
         # others at most w - 1
         self.significant_bits = max(1, width - 1)
+        self.cost_width = width
 
     @classmethod
     def from_match(cls, spec, match):
@@ -40,16 +52,14 @@ class FixedStatic(Format):
     def quantize(self, x, axis=-1, rounding="nearest", generator=None, *, backend=None):
         check_input(x, axis, rounding, generator)
         with torch.no_grad():
-            path = select_backend(x, backend)
-            return path.fixed_static_quantize(x, self.width, self.frac_bits, rounding, generator)
+            run = kernel_for(x, backend, self.family, "quantize")
+            return run(x, self.width, self.frac_bits, rounding, generator)
 
     def pack(self, x, axis=-1, rounding="nearest", generator=None, *, backend=None):
         axis = check_input(x, axis, rounding, generator)
         with torch.no_grad():
-            path = select_backend(x, backend)
-            integers, nan_mask = path.fixed_static_pack(
-                x, self.width, self.frac_bits, rounding, generator
-            )
+            run = kernel_for(x, backend, self.family, "pack")
+            integers, nan_mask = run(x, self.width, self.frac_bits, rounding, generator)
         payload = {"integers": integers}
         if nan_mask is not None:
             payload["nan_mask"] = nan_mask
@@ -61,8 +71,8 @@ class FixedStatic(Format):
             # a probe of the stored tensor's size: an empty one unpacks on the reference, as it
             # packed there (the fast paths assume at least one element)
             probe = p["integers"].new_empty(min(packed.numel(), 1), dtype=torch.float32)
-            path = select_backend(probe, backend)
-            return path.fixed_static_unpack(
+            run = kernel_for(probe, backend, self.family, "unpack")
+            return run(
                 p["integers"],
                 p.get("nan_mask"),
                 self.width,

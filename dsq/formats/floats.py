@@ -38,6 +38,9 @@ class FloatCast(Format):
         self.bits_per_value = float(torch.finfo(self.dtype).bits)
         # the stored mantissa bits and the leading one (subnormals have fewer)
         self.significant_bits = _MANTISSA_BITS[self.dtype] + 1
+        # the storage width: a float costs at least the fixed point of its width (the cost
+        # model's float_widths may price one higher, docs/cost-model.md)
+        self.cost_width = int(self.bits_per_value)
 
     @classmethod
     def from_match(cls, spec, match):
@@ -80,7 +83,8 @@ class FloatCast(Format):
 class FP32(FloatCast):
     """fp32: the identity (no quantization, any input dtype). Packed storage is a copy."""
 
-    name, dtype, pattern = "fp32", torch.float32, re.compile("fp32")
+    name = grammar = "fp32"
+    dtype, pattern = torch.float32, re.compile("fp32")
 
     def _cast(self, x: torch.Tensor) -> torch.Tensor:
         return x  # the identity, whatever the input dtype (float64 stays exact)
@@ -90,21 +94,24 @@ class FP32(FloatCast):
 class FP16(FloatCast):
     """fp16: IEEE binary16, round to nearest even: ``x.to(torch.float16)``. 16 bits."""
 
-    name, dtype, pattern = "fp16", torch.float16, re.compile("fp16")
+    name = grammar = "fp16"
+    dtype, pattern = torch.float16, re.compile("fp16")
 
 
 @register
 class BF16(FloatCast):
     """bf16: bfloat16, round to nearest even: ``x.to(torch.bfloat16)``. 16 bits."""
 
-    name, dtype, pattern = "bf16", torch.bfloat16, re.compile("bf16")
+    name = grammar = "bf16"
+    dtype, pattern = torch.bfloat16, re.compile("bf16")
 
 
 @register
 class E4M3(FloatCast):
     """e4m3: ``clamp(x, -448, 448).to(torch.float8_e4m3fn)``: saturating, NaN stays NaN. 8 bits."""
 
-    name, dtype, pattern = "e4m3", torch.float8_e4m3fn, re.compile("e4m3")
+    name = grammar = "e4m3"
+    dtype, pattern = torch.float8_e4m3fn, re.compile("e4m3")
     saturate_at = 448.0
 
 
@@ -112,5 +119,6 @@ class E4M3(FloatCast):
 class E5M2(FloatCast):
     """e5m2: ``clamp(x, -57344, 57344).to(torch.float8_e5m2)``: saturating, NaN stays NaN."""
 
-    name, dtype, pattern = "e5m2", torch.float8_e5m2, re.compile("e5m2")
+    name = grammar = "e5m2"
+    dtype, pattern = torch.float8_e5m2, re.compile("e5m2")
     saturate_at = 57344.0

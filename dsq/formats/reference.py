@@ -320,10 +320,10 @@ def quantize_chain_layout(x, first_args, axis, second_args, second_axis) -> bool
     )
 
 
-# ----------------------------------------------------------------------------- backend interface
-# Every backend (backends.py) offers these functions with these signatures; the format classes
-# call whichever backend `backends.select_backend` picked. Payload layouts are documented in
-# docs/formats.md and are identical, byte for byte, on every backend.
+# ----------------------------------------------------------------------------- the kernels
+# The reference kernels of the bfp and fixed_static families (registered by bfp.py and fixed.py);
+# every backend's kernels for these families have these signatures (backends.py). Payload
+# layouts are documented in docs/formats.md and are identical, byte for byte, on every backend.
 def unavailable_reason(device_type: str) -> str | None:
     """The reference runs on every device."""
     return None

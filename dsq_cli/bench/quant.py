@@ -2,7 +2,9 @@
 
 Each repetition times the operation and, right after it, ``x.clone()`` on the same tensor, so
 the ratio of the two is taken under the same machine conditions (shared machines are noisy);
-the table reports medians. GB/s counts the bytes an operation must read plus write.
+the table reports medians. GB/s counts the bytes an operation must read plus write. Below the
+table, each operation a backend has no kernel for, and runs on the reference instead
+(``dsq.formats.backends.missing_kernels``), is listed.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from collections.abc import Callable
 import torch
 
 from dsq.formats import backend_compile, parse_format
-from dsq.formats.backends import BACKENDS, unavailable_reason
+from dsq.formats.backends import BACKENDS, missing_kernels, unavailable_reason
 
 
 @dataclasses.dataclass
@@ -61,7 +63,7 @@ def measure(fn, x, device, repeats: int, warmup: int = 2) -> tuple[float, float,
 
 def _eager(fmt, x):
     """The compile backend's float32 code without torch.compile: what plain PyTorch costs."""
-    if fmt.spec.startswith("bfp") or (fmt.spec.startswith("fixed") and "f" not in fmt.spec[5:]):
+    if fmt.family == "bfp":
         return backend_compile.eager_bfp_quantizer(x, fmt.man_bits, fmt.exp_bits, fmt.block)
     return None
 
@@ -111,13 +113,15 @@ def run(
             2 * value_bytes,
         ),
     ]
-    skipped = []
+    skipped, fallbacks = [], []
     for fmt in formats:
         for path in paths:
             reason = unavailable_reason(path, dev.type) if path in BACKENDS else None
             if reason is not None:
                 skipped.append(f"{path}: {reason}")
                 continue
+            if path in BACKENDS and path != "reference" and fmt.family is not None:
+                fallbacks += [f"{path}: {op}" for op in missing_kernels(path, fmt.family)]
             reps = min(repeats, 2) if path == "reference" else repeats
             if path == "eager":
                 fn = _eager(fmt, x)
@@ -182,6 +186,7 @@ def run(
         "repeats": repeats,
         "rows": [dataclasses.asdict(r) for r in rows],
         "skipped": sorted(set(skipped)),
+        "on_the_reference": sorted(set(fallbacks)),
     }
 
 
@@ -222,5 +227,7 @@ def format_table(result: dict) -> str:
         )
     for s in result["skipped"]:
         lines.append(f"skipped {s}")
+    for s in result.get("on_the_reference", []):
+        lines.append(f"no kernel, runs on the reference: {s}")
     lines.append("x clone: op time / x.clone() time, taken in the same repetition (median).")
     return "\n".join(lines)

@@ -19,7 +19,6 @@ from dsq import cost
 from dsq.cost import (
     ARITHMETIC_MODELS,
     DRAM_SWITCHES,
-    FLOAT_SPECS,
     CostTotals,
     GemmCost,
     Points,
@@ -40,7 +39,6 @@ __all__ = [
     "COST_DIR",
     "DEFAULT_BASELINE",
     "DRAM_SWITCHES",
-    "FLOAT_SPECS",
     "POINTS",
     "CostModel",
     "CostTotals",
