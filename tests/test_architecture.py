@@ -38,7 +38,9 @@ LAYERS = [
     ("library api", ["dsq"]),
     ("integrations", ["dsq.integrations"]),
     ("library cost", ["dsq.cost"]),  # the cost model's pure part: no file, no preset
-    ("engine", ["dsq.engine"]),
+    # the engine and the named specs it builds configs from (QuantConfig.from_preset); the
+    # presets import the spec and the policies, not the config: the graph has no cycle
+    ("engine", ["dsq.engine", "dsq.presets"]),
     ("formats", ["dsq.formats"]),
     ("kernels", ["dsq.kernels"]),
     ("atomic files", ["dsq.atomic_files"]),  # the standard library only
@@ -232,6 +234,9 @@ def loaded_after(imports: str, watched: tuple[str, ...] = SUITE_PACKAGES) -> lis
 def test_the_library_loads_no_module_of_the_suite_or_its_frameworks():
     # what a user of the library imports pulls in nothing they did not ask for
     assert loaded_after("import dsq, dsq.engine, dsq.formats, dsq.integrations") == []
+    # the presets are the library's: no conf/quant/*.yaml read (no yaml)
+    preset = "import dsq; dsq.QuantConfig.from_preset('dsq'); dsq.presets.get_preset('fp32')"
+    assert loaded_after(preset, (*SUITE_PACKAGES, "yaml")) == []
     # the cost model prices a step with its built-in coefficients: no conf/cost/*.yaml (no yaml)
     step = "[c.GemmRecord('linear', 1, 4, 8, 8, (), 0)]"
     priced = f"import dsq.cost as c; c.ratios({step}, c.FIXED32); c.step_cost({step}, c.FIXED32)"
