@@ -9,6 +9,7 @@ import functools
 from pathlib import Path
 
 import pytest
+from helpers.imports import SUITE_PACKAGES, loaded_after
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = (REPO / "dsq_cli", REPO / "dsq")
@@ -210,24 +211,6 @@ def test_only_formats_and_the_benchmarks_import_the_kernels():
 def test_the_kernel_import_finder_sees_a_lazy_import(tmp_path):
     (tmp_path / "a.py").write_text("def f():\n    from dsq.kernels import onednn\n")
     assert kernel_imports(tmp_path / "a.py")
-
-
-SUITE_PACKAGES = ("fairseq", "hydra", "wandb", "submitit", "dsq_cli", "transformers", "omegaconf")
-
-
-def loaded_after(imports: str, watched: tuple[str, ...] = SUITE_PACKAGES) -> list[str]:
-    """The top-level packages of the suite and its frameworks (``watched``) a fresh interpreter
-    has loaded after ``imports``."""
-    import subprocess
-    import sys
-
-    code = (
-        f"import sys; {imports}; print(sorted({{m.split('.')[0] for m in sys.modules}} & "
-        f"{set(watched)!r}))"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
-    assert out.returncode == 0, out.stderr
-    return ast.literal_eval(out.stdout)  # a printed list of strings
 
 
 @pytest.mark.slow  # spawns processes
