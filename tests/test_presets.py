@@ -4,7 +4,9 @@ mapping; QuantConfig is built from one and keeps its schedule state apart from i
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import pickle
 from pathlib import Path
 
 import pytest
@@ -69,6 +71,15 @@ def test_the_spec_is_frozen_and_the_schedule_state_is_the_configs():
     resumed = QuantConfig.from_preset("dsq")
     resumed.load_state_dict(cfg.state_dict())
     assert resumed.current() == cfg.current()
+
+
+def test_a_config_pickles_and_copies_with_its_spec():
+    cfg = QuantConfig.from_preset("dsq")
+    cfg.step(1.0, update=1)
+    cfg.step(2.0, update=2)
+    assert pickle.loads(pickle.dumps(cfg.spec)) == cfg.spec
+    copied = copy.deepcopy(cfg)  # a patched model's deepcopy copies the config its layers hold
+    assert copied.spec == cfg.spec and copied.state_dict() == cfg.state_dict()
 
 
 def test_keyword_construction_records_its_spec_and_keeps_the_schedule_given():

@@ -86,6 +86,9 @@ class Ladder:
     def __hash__(self) -> int:
         return hash((self.levels, self.policy, tuple(sorted(self.params.items()))))
 
+    def __reduce__(self):  # pickle and deepcopy (a read-only mapping is neither): rebuilt anew
+        return (type(self), (self.levels, self.policy, dict(self.params)))
+
     def __repr__(self) -> str:
         policy = "" if self.policy is None else f", policy={self.policy!r}"
         params = "".join(f", {k}={v!r}" for k, v in self.params.items())
@@ -185,6 +188,10 @@ class QuantSpec:
         if self.engine != "dsq":
             out["engine"] = self.engine
         return out
+
+    def __reduce__(self):  # pickle and deepcopy (a read-only mapping is neither): rebuilt anew
+        fields = self.keywords() | {"rounding": dict(self.rounding)}
+        return (type(self), tuple(fields.values()))
 
     def __hash__(self) -> int:
         points = tuple(getattr(self, p) for p in POINTS)
