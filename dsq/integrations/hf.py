@@ -332,8 +332,9 @@ class DSQCallback(transformers.TrainerCallback):
             "valid_loss": valid_loss,
             "updates": history.updates,
             "wall_seconds": round(wall_seconds, 3),
-            "cost": cost.run_cost(history.gemm_shapes, history.segments,
-                                  baseline_name=COST_BASELINE),  # fmt: skip
+            "cost": cost.run_cost(
+                history.gemm_shapes, history.segments, baseline_name=COST_BASELINE
+            ),  # fmt: skip
             "stash_bits_mean": cost.stash_bits_mean(history.segments),
             "versions": versions(),
             "model": model,
