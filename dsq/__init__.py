@@ -2,8 +2,7 @@
 PyTorch model. It depends on torch only (Triton optional, ``dsq[hf]`` adds transformers).
 
     >>> import dsq
-    >>> cfg = dsq.QuantConfig(q0="bfp8", q1=dsq.Schedule(["bfp2", "bfp3", "bfp4", "bfp6", "bfp8"]),
-    ...                       q2="bfp8", q3="fixed16")
+    >>> cfg = dsq.QuantConfig.from_preset("dsq")     # the paper's DSQ (dsq.presets names them)
     >>> model = dsq.quantize_model(model, cfg)       # in place; model.dsq_report says what
     >>> cfg.step(valid_loss, update=n)                # after each validation
 
@@ -14,8 +13,9 @@ PyTorch model. It depends on torch only (Triton optional, ``dsq[hf]`` adds trans
 
 Layers, each importing only those below it: ``integrations`` (fairseq, Hugging Face) -> ``cost``
 (the cost model: arithmetic and DRAM per training step) -> ``engine`` (the quantized GEMMs, the
-stash, precision policies, GEMM units) -> ``formats`` (the number formats and their paths) ->
-``kernels`` (C and Triton). The names below (and the module ``dsq.cost``) load on first use, so
+stash, precision policies, GEMM units, the spec of a quant config) with ``presets`` (the named
+specs) -> ``formats`` (the number formats and their paths) -> ``kernels`` (C and Triton). The
+names below (and the modules ``dsq.cost`` and ``dsq.presets``) load on first use, so
 ``import dsq`` itself loads nothing but this file.
 """
 
@@ -26,6 +26,8 @@ import importlib
 _API = {
     "CostModel": "dsq.cost",
     "QuantConfig": "dsq.engine",
+    "QuantSpec": "dsq.engine",
+    "Ladder": "dsq.engine",
     "Schedule": "dsq.engine",
     "dsq_linear": "dsq.engine",
     "dsq_matmul": "dsq.engine",
@@ -36,7 +38,8 @@ _API = {
     "quantize_model": "dsq.integrations",
     "register_patcher": "dsq.integrations",
 }
-_MODULES = ("cost",)  # submodules loaded on first use: dsq.cost.ratios(...)
+# submodules loaded on first use: dsq.cost.ratios(...), dsq.presets.get_preset("dsq")
+_MODULES = ("cost", "presets")
 __all__ = sorted([*_API, *_MODULES])
 
 

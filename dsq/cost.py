@@ -330,3 +330,42 @@ def scheduled_cost(
         "dram_ratio": float(dram / total_updates),
         "baseline": dict(baseline),
     }
+
+
+# -- a run's record (result.json's cost and stash_bits_mean, docs/spec.md §5) ---------------------
+def unpriced(baseline_name: str) -> dict:
+    """The cost of a run that has not recorded a training step yet."""
+    return {"arith_ratio": None, "dram_ratio": None, "baseline": baseline_name}
+
+
+def run_cost(
+    gemm_shapes: Sequence[Mapping] | None,
+    segments: Sequence[tuple[Points, int]],
+    baseline: Points = FIXED32,
+    *,
+    baseline_name: str = "fixed32",
+    model: CostModel | None = None,
+) -> dict:
+    """A run's cost as result.json records it: ``scheduled_cost`` over the precision segments it
+    trained (``(points in force, updates)`` pairs, as ``PrecisionHistory`` keeps them), priced
+    on the GEMMs of one recorded update (``GemmRecord.to_dict()``s), with the baseline by name
+    and ``gemms_per_step`` (three GEMMs a record); ``unpriced`` when nothing was recorded.
+    ``dsq train`` and the Hugging Face callback both record this, so a table prices their runs
+    alike."""
+    if not gemm_shapes or not segments:
+        return unpriced(baseline_name)
+    records = [GemmRecord.from_dict(dict(g)) for g in gemm_shapes]
+    cost = scheduled_cost(records, [(points, n) for points, n in segments], baseline, model=model)
+    cost["baseline"] = baseline_name
+    cost["gemms_per_step"] = len(records) * 3  # the forward GEMM and two backward ones
+    return cost
+
+
+def stash_bits_mean(segments: Sequence[tuple[Points, int]]) -> float | None:
+    """Update-weighted mean bits per value of the stash format (q1) over a run's segments; None
+    before its first update."""
+    total = sum(updates for _, updates in segments)
+    if not total:
+        return None
+    bits = sum(parse_format(points["q1"]).bits_per_value * n for points, n in segments)
+    return bits / total

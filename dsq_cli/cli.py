@@ -114,8 +114,8 @@ DEFAULT_BENCH_FORMATS = "bfp2,bfp4,bfp8,fixed16"
 
 
 def _preset_names(presets: str) -> list[str]:
-    """``--presets`` as names of conf/quant files; an unknown or missing one is a usage error
-    (one line, exit 2) before any work."""
+    """``--presets`` as names of quant presets (dsq.presets); an unknown or missing one is a
+    usage error (one line, exit 2) before any work."""
     from dsq_cli.presets import load_quant_preset
 
     names = [p.strip() for p in presets.split(",") if p.strip()]

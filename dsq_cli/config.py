@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import re
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import (
@@ -23,11 +23,9 @@ from omegaconf.errors import (
     ValidationError,
 )
 
-from dsq.engine.config import POINTS
-from dsq.engine.policies import DEFAULT_POLICY, policy_defaults
 from dsq_cli.data.glue import get_glue_task
 from dsq_cli.data.tasks import TASKS
-from dsq_cli.presets import CONF_DIR, PRESET_KEYS, load_quant_preset
+from dsq_cli.presets import CONF_DIR
 from dsq_cli.run_config import (
     EVAL_CHECKPOINTS,
     FAMILY_NAMES,
@@ -452,59 +450,3 @@ def to_yaml(cfg: DictConfig) -> str:
 
 def to_plain(cfg: DictConfig | ListConfig) -> dict:
     return OmegaConf.to_container(cfg, resolve=True)
-
-
-# -- how a run's quant config differs from its preset (a run with differences is not a run of its
-# preset: its own row in the tables) -------------------------------------------------------------
-def _every_point_rounding(rounding: Mapping | None) -> dict:
-    return {point: (rounding or {}).get(point, "nearest") for point in POINTS}
-
-
-def _render_point(value) -> str:
-    if isinstance(value, Mapping) and "levels" in value:
-        return ">".join(str(level) for level in value["levels"])
-    if isinstance(value, (list, tuple)):
-        return ">".join(str(v) for v in value)
-    return str(value)
-
-
-def quant_differences(quant: Mapping) -> list[str] | None:
-    """``point=value`` for each quant key of a run (``quant``: the preset name and its points)
-    that differs from the stored preset; None when the preset is not in conf/quant/. A run with
-    differences is not a run of its preset (its own row in Table 1)."""
-    try:
-        stored = load_quant_preset(str(quant["preset"]))
-    except ValueError:
-        return None
-    differences = []
-    for key in PRESET_KEYS:
-        mine, theirs = quant.get(key), stored.get(key)
-        if key == "rounding":  # a point not named rounds to nearest (runs from before rounding)
-            mine, theirs = _every_point_rounding(mine), _every_point_rounding(theirs)
-        if mine == theirs or (key == "stash_scope" and mine is None):
-            continue
-        if isinstance(mine, Mapping) and isinstance(theirs, Mapping):
-            differences += _ladder_differences(key, mine, theirs)
-        else:
-            differences.append(f"{key}={_render_point(mine)}")
-    return differences
-
-
-def _ladder_differences(point: str, mine: Mapping, theirs: Mapping) -> list[str]:
-    """How a run's ladder (``{levels, policy, <its parameters>}``) differs from the preset's.
-    A parameter left out stands at its policy's default, so naming it changes nothing; under
-    another policy the preset's parameters (the old policy's) do not apply, and only the new
-    policy's parameters that differ from its defaults are named."""
-    policy = mine.get("policy", DEFAULT_POLICY)
-    same_policy = policy == theirs.get("policy", DEFAULT_POLICY)
-    defaults = policy_defaults(policy)
-    reference = {**defaults, **theirs} if same_policy else defaults
-    differences = [] if same_policy else [f"{point}.policy={policy}"]
-    if mine.get("levels") != theirs.get("levels"):
-        differences.append(f"{point}.levels={_render_point(mine.get('levels'))}")
-    for sub in sorted(set(mine) | set(reference)):
-        if sub in ("levels", "policy"):
-            continue
-        if {**defaults, **mine}.get(sub) != reference.get(sub):
-            differences.append(f"{point}.{sub}={_render_point({**defaults, **mine}.get(sub))}")
-    return differences

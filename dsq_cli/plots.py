@@ -12,8 +12,11 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
+from dsq import cost
 from dsq.atomic_files import atomic_path
+from dsq.engine.accounting import GemmRecord
 from dsq.engine.config import POINTS
+from dsq_cli.cost import baseline_points
 from dsq_cli.presets import BASELINE_PRESET
 from dsq_cli.run_result import RunResult, metric_decimals
 from dsq_cli.table import METRIC_LABELS, PAPER_REFERENCE, Table, row_preset
@@ -250,9 +253,29 @@ def row_styles(rows: list[str]) -> dict[str, tuple]:
     }
 
 
-def plot_frontier(table: Table, out: str | os.PathLike) -> Path:
+def paper_dsq_ratios(baseline: str = BASELINE_PRESET, model: cost.CostModel | None = None) -> dict:
+    """Where the paper's DSQ sits as a fraction of ``baseline``'s cost: the paper gives its
+    reductions against fixed16 (``PAPER_REFERENCE``), so fixed16's ratios to ``baseline`` under
+    the cost model (``model``: the one the table's runs were priced with, by default the
+    library's ``DEFAULT_MODEL``, which ``dsq train`` prices with) divided by them. One config
+    uniform over another prices alike at any GEMM shape unless the model moves activations at
+    32 bits (``activations_fp32``); then this is a square GEMM's."""
+    paper, square = PAPER_REFERENCE, GemmRecord("linear", 1, 256, 256, 256, (), 0)
+    against = baseline_points(paper["baseline"])
+    arith, dram = cost.ratios([square], against, baseline_points(baseline), model=model)
+    return {
+        "arith_ratio": arith / paper["arith_reduction"],
+        "dram_ratio": dram / paper["dram_reduction"],
+    }
+
+
+def plot_frontier(
+    table: Table, out: str | os.PathLike, *, cost_model: cost.CostModel | None = None
+) -> Path:
     """The trade-off frontier: each task's metric against the arithmetic and the DRAM ratio
-    (one panel each, one row of panels per task), a labelled point per Table 1 row."""
+    (one panel each, one row of panels per task), a labelled point per Table 1 row, and a line
+    where the paper's DSQ would sit (`paper_dsq_ratios` under ``cost_model``, by default the
+    one runs are priced with)."""
     points = frontier_points(table)
     columns = [c for c in table.columns if any(p["column"] == c for p in points)]
     if not columns:
@@ -261,13 +284,9 @@ def plot_frontier(table: Table, out: str | os.PathLike) -> Path:
     baseline = "/".join(table.baselines) or BASELINE_PRESET
     fig, axes = _figure(11, 4.2 * len(columns), rows=len(columns), cols=2)
     paper = PAPER_REFERENCE
-    # docs/spec.md §4: uniform fixed16 costs (16/32)^2 arithmetic and 16/32 DRAM of fixed32, so the
-    # paper's reductions against fixed16 place its DSQ at these fractions of fixed32.
     labelled: dict = {}  # axes -> (label, x, y) of its points, placed once the layout is known
-    paper_x = {
-        "arith_ratio": (16 / 32) ** 2 / paper["arith_reduction"],
-        "dram_ratio": (16 / 32) / paper["dram_reduction"],
-    }
+    one_baseline = table.baselines[0] if len(table.baselines) == 1 else BASELINE_PRESET
+    paper_x = paper_dsq_ratios(one_baseline, cost_model)
     for row_index, column in enumerate(columns):
         mine = [p for p in points if p["column"] == column]
         for col_index, (key, name) in enumerate(

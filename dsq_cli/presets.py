@@ -1,13 +1,13 @@
-"""The quant presets of conf/quant/ (docs/spec.md §6), readable without Hydra."""
+"""The quant presets (docs/spec.md §6) as the suite names and orders them. Their values are the
+library's (``dsq.presets``); conf/quant/NAME.yaml holds the same mapping for Hydra's composition
+(tests/test_presets.py keeps the two equal)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
 
-import yaml
-
-from dsq.engine.config import QUANT_KEYS
+from dsq.presets import COST_BASELINE, get_preset
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 TABLE1_ORDER = (
@@ -40,20 +40,14 @@ BEYOND_TABLE1 = (
     "nvfp4_dsq",
 )
 # the preset every cost ratio is against, as the paper's Table 1 (docs/spec.md §4)
-BASELINE_PRESET = "fixed32"
+BASELINE_PRESET = COST_BASELINE
 PRESET_ORDER = TABLE1_ORDER + BEYOND_TABLE1
-# what a preset decides: every quant key but where the GEMMs run (the same numbers on every unit,
-# up to float32 summation order: docs/dsq.md, "GEMM units")
-PRESET_KEYS = tuple(key for key in QUANT_KEYS if key != "gemm_unit")
 
 
 def load_quant_preset(name: str) -> dict:
-    """The mapping of conf/quant/NAME.yaml (q0..q3, stash_scope, rounding)."""
-    path = CONF_DIR / "quant" / f"{name}.yaml"
-    if not path.is_file():
-        choices = sorted(p.stem for p in (CONF_DIR / "quant").glob("*.yaml"))
-        raise ValueError(f"unknown quant preset {name!r}; choose one of {choices}")
-    return yaml.safe_load(path.read_text())
+    """The preset's mapping (q0..q3, stash_scope, rounding; conf/quant/NAME.yaml's content), a
+    new dict; an unknown name is a ValueError listing the presets."""
+    return get_preset(name).to_dict()
 
 
 def at_first_level(quant: Mapping) -> dict:

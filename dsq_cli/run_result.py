@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from dsq import cost
 from dsq.engine.config import POINTS
 from dsq_cli import runs
 from dsq_cli.presets import BASELINE_PRESET
@@ -53,8 +54,8 @@ def metric_decimals(metric: str) -> int:
 
 
 def unpriced(baseline: str = BASELINE_PRESET) -> dict:
-    """The cost of a run that has not recorded a training step yet."""
-    return {"arith_ratio": None, "dram_ratio": None, "baseline": baseline}
+    """The cost of a run that has not recorded a training step yet (``dsq.cost.unpriced``)."""
+    return cost.unpriced(baseline)
 
 
 @dataclasses.dataclass

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from dsq.engine.config import POINTS
-from dsq_cli.config import quant_differences
+from dsq.presets import preset_differences
 from dsq_cli.intervals import Interval, mean_interval, paired_interval
 from dsq_cli.presets import BASELINE_PRESET, PRESET_ORDER
 from dsq_cli.run_config import EVAL_CHECKPOINTS
@@ -320,7 +320,7 @@ def row_name(quant: Mapping) -> str:
     is never averaged into the preset's own row."""
     preset = str(quant["preset"])
     modified = quant.get("modified")
-    differences = quant_differences(quant)
+    differences = preset_differences(quant)
     if modified is None:  # result.json written before the flag existed
         modified = differences is None or bool(differences)
     if not modified:

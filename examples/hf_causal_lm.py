@@ -1,22 +1,25 @@
 """A small GPT-2 trained from scratch with DSQ through Hugging Face's ``Trainer`` (docs/hf.md).
 
-    python examples/hf_causal_lm.py [--out runs/hf-causal-lm] [--quant dsq] [--steps 300]
+    python examples/hf_causal_lm.py [--out runs/hf-causal-lm] [--quant dsq] [--steps 600]
 
-The corpus is the target side of dsq's demo task (``dsq train task=demo``: a generated artificial
-language, deterministic and offline), one sentence per sequence, characters as tokens (with
-words as tokens the language's own randomness leaves the loss near 2.6 nats from a start of 4.5;
-spelled out, most characters follow from the ones before). The model is
-GPT-2 (2 layers, 128 wide, SDPA attention) with every ``Conv1D`` and both attention products
-patched by ``quantize_model`` (the LM head excluded, as dsq's trainers keep the output layer);
-``DSQCallback`` steps the stash schedule on each evaluation's loss. It prints the training loss of
-the first step and of the last logged step, and writes the Trainer's output and a ``result.json``
-that ``dsq table OUT`` reads (metric: validation perplexity).
+The corpus is a small generated language (`sentences`: a few English word lists in one sentence
+pattern with optional parts, deterministic and offline), one sentence per sequence, characters
+as tokens: which word comes next is a draw from a list, but once a word has begun most of its
+characters follow from the ones before, so the loss has far to fall. The model is GPT-2
+(2 layers, 128 wide, SDPA attention) with every ``Conv1D`` and both attention products patched
+by ``quantize_model`` (the LM head excluded, as dsq's trainers keep the output layer);
+``DSQCallback`` steps the stash schedule on each evaluation's loss. It prints the training loss
+of the first step and of the last logged step, and writes the Trainer's output and a
+``result.json`` that ``dsq table OUT`` reads (metric: validation perplexity).
+
+It imports dsq, torch and transformers only.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import random
 import sys
 import time
 from pathlib import Path
@@ -27,19 +30,41 @@ import transformers
 from dsq.engine import QuantConfig
 from dsq.integrations import quantize_model
 from dsq.integrations.hf import DSQCallback, quiet_logs
-from dsq_cli.data import demo
-from dsq_cli.presets import load_quant_preset
-from dsq_cli.train.hf_result import run_result
 
 PAD, EOS = 0, 1
+DETERMINERS = ("the", "a", "every", "no", "one", "some")
+ADJECTIVES = ("red", "small", "quiet", "old", "bright", "green", "heavy", "quick", "cold", "tall")
+NOUNS = ("cat", "river", "teacher", "stone", "garden", "engine", "bird", "window", "farmer",
+         "cloud", "letter", "horse", "city", "lamp", "boat", "child")  # fmt: skip
+VERBS = ("sees", "follows", "carries", "finds", "paints", "likes", "pushes", "watches", "builds")
+PREPOSITIONS = ("near", "under", "behind", "above", "beside", "inside")
+SPLIT_SEEDS = {"train": 1, "valid": 2}  # the corpus is fixed: the same on every machine and run
+
+
+def sentences(split: str, count: int) -> list[str]:
+    """``count`` sentences of ``split``: ``DET [ADJ] NOUN VERB DET [ADJ] NOUN [PREP DET [ADJ]
+    NOUN].``, the same on every call."""
+    rng = random.Random(SPLIT_SEEDS[split])
+
+    def noun_phrase() -> list[str]:
+        adjective = [rng.choice(ADJECTIVES)] if rng.random() < 0.5 else []
+        return [rng.choice(DETERMINERS), *adjective, rng.choice(NOUNS)]
+
+    out = []
+    for _ in range(count):
+        words = [*noun_phrase(), rng.choice(VERBS), *noun_phrase()]
+        if rng.random() < 0.4:
+            words += [rng.choice(PREPOSITIONS), *noun_phrase()]
+        out.append(" ".join(words) + ".")
+    return out
 
 
 class Sentences(torch.utils.data.Dataset):
     """Character ids of each sentence and an end token, padded to the longest (labels -100
     there)."""
 
-    def __init__(self, sentences: list[str], vocab: dict[str, int]) -> None:
-        rows = [[vocab.get(c, PAD) for c in s] + [EOS] for s in sentences]
+    def __init__(self, text: list[str], vocab: dict[str, int]) -> None:
+        rows = [[vocab.get(c, PAD) for c in s] + [EOS] for s in text]
         width = max(map(len, rows))
         self.ids = torch.full((len(rows), width), PAD, dtype=torch.long)
         for i, row in enumerate(rows):
@@ -61,7 +86,7 @@ class Sentences(torch.utils.data.Dataset):
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="runs/hf-causal-lm", help="output directory")
-    parser.add_argument("--quant", default="dsq", help="a preset of conf/quant/")
+    parser.add_argument("--quant", default="dsq", help="a preset of dsq.presets")
     parser.add_argument("--steps", type=int, default=600, help="training steps (the budget)")
     parser.add_argument("--eval-every", type=int, default=100, help="steps between evaluations")
     parser.add_argument("--seed", type=int, default=1)
@@ -69,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     quiet_logs()
     torch.manual_seed(args.seed)
 
-    train_text, valid_text = demo.generate("train", 6000)[1], demo.generate("valid", 300)[1]
+    train_text, valid_text = sentences("train", 6000), sentences("valid", 300)
     characters = sorted({c for s in train_text for c in s})
     vocab = {c: i + 2 for i, c in enumerate(characters)}  # 0: padding, 1: end of sentence
     train, valid = Sentences(train_text, vocab), Sentences(valid_text, vocab)
@@ -79,8 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         vocab_size=len(vocab) + 2, bos_token_id=EOS, eos_token_id=EOS, pad_token_id=PAD,
         attn_implementation="sdpa",
     )  # fmt: skip
-    preset = load_quant_preset(args.quant)
-    cfg = QuantConfig.from_dict(preset, seed=args.seed)
+    cfg = QuantConfig.from_preset(args.quant, seed=args.seed)
     model = quantize_model(transformers.GPT2LMHeadModel(config), cfg, exclude=["lm_head"])
     print(model.dsq_report.summary())
 
@@ -105,15 +129,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"training loss: first step {first:.3f}, last logged {last:.3f} ({last / first:.2f}x); "
           f"validation loss {final['eval_loss']:.3f}, perplexity {perplexity:.2f}; "
           f"stash {cfg.current()['q1']}, {len(callback.changes)} level change(s)")  # fmt: skip
-    result = run_result(
-        callback,
-        task="demo-lm", preset=args.quant, points=preset, metric="perplexity",
-        value=perplexity, valid_loss=final["eval_loss"], model="gpt2-2x128",
-        seed=args.seed, wall_seconds=time.time() - started,
+    path = callback.write_result(
+        out, task="toy-lm", preset=args.quant, metric="perplexity", value=perplexity,
+        valid_loss=final["eval_loss"], model="gpt2-2x128", seed=args.seed,
+        wall_seconds=time.time() - started,
         evaluation={"first_train_loss": first, "last_train_loss": last},
     )  # fmt: skip
-    result.write(out)
-    print(f"result: {out / 'result.json'}")
+    print(f"result: {path}")
     return 0
 
 

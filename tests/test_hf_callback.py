@@ -17,7 +17,6 @@ from dsq.engine import QuantConfig, Schedule  # noqa: E402
 from dsq.integrations import quantize_model  # noqa: E402
 from dsq.integrations.hf import CHECKPOINT_FILE, DSQCallback  # noqa: E402
 from dsq_cli.run_result import RunResult  # noqa: E402
-from dsq_cli.train.hf_result import run_result  # noqa: E402
 
 pytestmark = pytest.mark.slow  # trains (a few seconds)
 
@@ -99,12 +98,8 @@ def test_the_schedule_rises_through_the_callback_and_the_logs_carry_the_bits(tmp
     assert not list((tmp_path / "checkpoint-4").glob(f".{CHECKPOINT_FILE}.*"))  # no temp file
     # the run's result.json, priced like dsq train's: first step's GEMMs, steps per level
     assert len(callback.gemm_shapes) == 7 + 2  # 6 in the layer, the pooler, 2 products
-    ladder = {"levels": ["bfp2", "bfp3", "bfp4", "bfp6", "bfp8"], "patience": 1, "min_delta": 1e9}
-    points = {"q0": "bfp8", "q1": ladder, "q2": "bfp8", "q3": "fixed16"}
-    result = run_result(callback, task="pairs", preset="dsq", points=points, metric="accuracy",
-                             value=0.5, valid_loss=0.69, model="bert-tiny", seed=0,
-                             wall_seconds=1.0)  # fmt: skip
-    result.write(tmp_path)
+    callback.write_result(tmp_path, task="pairs", preset="dsq", metric="accuracy", value=0.5,
+                          valid_loss=0.69, model="bert-tiny", seed=0, wall_seconds=1.0)  # fmt: skip
     read = RunResult.read(tmp_path)
     assert read.updates == 6 and read.status == "completed"
     assert read.quant["modified"] is True  # min_delta differs from the dsq preset's

@@ -44,7 +44,7 @@ def test_hf_causal_lm_trains_and_reports(tmp_path):
     record = json.loads((tmp_path / "result.json").read_text())
     assert record["metric"] == "perplexity" and record["updates"] == 30
     assert record["last_train_loss"] < record["first_train_loss"]
-    assert "| dsq | " in table_of(tmp_path) and "demo-lm perplexity" in table_of(tmp_path)
+    assert "| dsq | " in table_of(tmp_path) and "toy-lm perplexity" in table_of(tmp_path)
 
 
 @pytest.mark.skipif(not SST2.is_dir(), reason=f"GLUE SST-2 is not at {SST2} (../shared/data)")
@@ -110,18 +110,20 @@ def test_hf_glue_run_again_resumes_from_its_checkpoint_at_the_same_level(tmp_pat
 
 def run_example_rising(name: str, *args: str) -> str:
     """``run_example`` with the quant preset's q1.min_delta at 100 (the examples take a preset
-    name only, so the preset is changed as the example loads it)."""
+    name only, so the preset is changed as the example gets it from dsq.presets)."""
     script = str(REPO / "examples" / name)
     code = "\n".join([
-        "import runpy, sys",
-        "import dsq_cli.presets as presets",
-        "load = presets.load_quant_preset",
+        "import dataclasses, runpy, sys",
+        "import dsq.presets as presets",
+        "from dsq.engine import Ladder",
+        "get = presets.get_preset",
         "def rising(name):",
-        "    preset = load(name)",
-        "    if isinstance(preset['q1'], dict):  # a schedule (not the cost model's baseline)",
-        "        preset['q1']['min_delta'] = 100.0",
-        "    return preset",
-        "presets.load_quant_preset = rising",
+        "    spec = get(name)",
+        "    if isinstance(spec.q1, Ladder):  # a preset whose stash moves",
+        "        params = {**spec.q1.params, 'min_delta': 100.0}",
+        "        spec = dataclasses.replace(spec, q1=dataclasses.replace(spec.q1, params=params))",
+        "    return spec",
+        "presets.get_preset = rising",
         f"sys.argv = [{script!r}, *sys.argv[1:]]",
         f"runpy.run_path({script!r}, run_name='__main__')",
     ])  # fmt: skip

@@ -221,7 +221,8 @@ def test_train_help_and_conf_readme_name_every_policy_and_parameter():
 
 
 def test_command_line_policy_overrides_compose_and_name_their_row():
-    from dsq_cli.config import ConfigError, compose, quant_differences
+    from dsq.presets import preset_differences
+    from dsq_cli.config import ConfigError, compose
 
     def q1(*overrides):
         cfg = compose(["task=demo", "logger=none", *overrides])
@@ -230,10 +231,10 @@ def test_command_line_policy_overrides_compose_and_name_their_row():
     ladder, cfg = q1("quant.q1.policy=cyclic", "quant.q1.periods=8")
     assert ladder == {"levels": DSQ_LADDER, "policy": "cyclic", "periods": 8}  # no patience
     quant = {"preset": "dsq", **{k: cfg.quant[k] for k in ("q0", "q1", "q2", "q3")}}
-    assert quant_differences(quant) == ["q1.policy=cyclic", "q1.periods=8"]
+    assert preset_differences(quant) == ["q1.policy=cyclic", "q1.periods=8"]
     ladder, cfg = q1("quant.q1.policy=pfq")
     quant["q1"] = ladder
-    assert quant_differences(quant) == ["q1.policy=pfq"]  # pfq at its source's defaults
+    assert preset_differences(quant) == ["q1.policy=pfq"]  # pfq at its source's defaults
     assert q1("quant.q1.patience=2")[0]["patience"] == 2  # the preset's own policy: as before
     with pytest.raises(ConfigError, match="quant.q1 is one format"):
         compose(["task=demo", "quant=bfp6", "quant.q1.policy=cyclic"])

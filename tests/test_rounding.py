@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dsq.engine import QuantConfig, dsq_linear
-from dsq_cli.config import quant_differences
+from dsq.presets import preset_differences
 from dsq_cli.presets import load_quant_preset
 
 
@@ -90,8 +90,8 @@ def test_what_is_not_a_rounding_is_refused(rounding, message):
 
 def test_nearest_everywhere_is_the_preset_and_a_stochastic_point_is_not():
     dsq = load_quant_preset("dsq")
-    assert quant_differences({"preset": "dsq", **dsq}) == []
+    assert preset_differences({"preset": "dsq", **dsq}) == []
     old = {k: v for k, v in dsq.items() if k != "rounding"}  # a run from before rounding
-    assert quant_differences({"preset": "dsq", **old}) == []
+    assert preset_differences({"preset": "dsq", **old}) == []
     stochastic = {**dsq, "rounding": {**dsq["rounding"], "q1": "stochastic"}}
-    assert quant_differences({"preset": "dsq", **stochastic}) == ["rounding.q1=stochastic"]
+    assert preset_differences({"preset": "dsq", **stochastic}) == ["rounding.q1=stochastic"]

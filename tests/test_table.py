@@ -398,6 +398,25 @@ def test_table_plot_writes_the_frontier_png(root, tmp_path):
     assert invoke("table", root, "--plot", tmp_path / "frontier.svg").exit_code == 2
 
 
+def test_the_papers_dsq_line_is_fixed16s_cost_under_the_cost_model_over_its_reductions():
+    """The paper gives DSQ's reductions against fixed16; the line sits at fixed16's ratio to the
+    table's baseline as the cost model prices it: (16/32)^2 arithmetic under bit_product,
+    (16+16)/(32+32) under additive, 16/32 DRAM under both."""
+    from dsq_cli.cost import load_cost_model
+    from dsq_cli.plots import paper_dsq_ratios
+
+    paper = table.PAPER_REFERENCE
+    default = paper_dsq_ratios()
+    assert default["arith_ratio"] == pytest.approx((16 / 32) ** 2 / paper["arith_reduction"])
+    assert default["dram_ratio"] == pytest.approx((16 / 32) / paper["dram_reduction"])
+    additive = paper_dsq_ratios("fixed32", load_cost_model("additive"))
+    assert additive["arith_ratio"] == pytest.approx(
+        (16 + 16) / (32 + 32) / paper["arith_reduction"]
+    )
+    assert additive["dram_ratio"] == default["dram_ratio"]
+    assert paper_dsq_ratios("fixed16")["arith_ratio"] == pytest.approx(1 / paper["arith_reduction"])
+
+
 def test_frontier_rows_keep_their_own_colour_and_variants_are_diamonds():
     """Twelve rows (nine presets and three ablations) get twelve colours; a preset's own row is
     a dot, a variant of one (points or budget changed) a diamond."""

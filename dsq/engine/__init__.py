@@ -14,6 +14,7 @@ from .functions import DSQLinearFunction, DSQMatmulFunction, dsq_linear, dsq_mat
 from .history import PrecisionHistory, change_record
 from .patch import DSQLinear, Patcher, PatchReport, make_dsq_linear, patch_model, stash_all_hooks
 from .schedule import LevelChange, Schedule
+from .spec import Ladder, QuantSpec
 
 __all__ = [
     "DSQLinear",
@@ -27,11 +28,13 @@ __all__ = [
     "stash_all_hooks",
     "DSQMatmulFunction",
     "LevelChange",
+    "Ladder",
     "POINTS",
     "PrecisionHistory",
     "change_record",
     "POINT_HELP",
     "QuantConfig",
+    "QuantSpec",
     "STASH_SCOPES",
     "Schedule",
     "dsq_linear",

@@ -1,5 +1,8 @@
 """QuantConfig: the four quantization points of docs/spec.md §2, controlled from one place.
 
+A ``QuantConfig`` is built from a ``QuantSpec`` (spec.py: what was asked for, frozen; ``cfg.spec``,
+``cfg.to_dict()``) and holds what is in force as the run trains: each point's schedule (its
+level, its policy's state, the changes so far) and the stochastic rounding's generators.
 Every DSQ layer holds a reference to the same ``QuantConfig``; stepping it after a validation
 (``cfg.step(valid_loss, update)``) changes the format every layer uses from its next call on.
 Each point also has a rounding mode (docs/dsq.md, "Rounding"): ``nearest`` (the default, the
@@ -14,11 +17,16 @@ from collections.abc import Mapping
 import torch
 
 from dsq.formats import Format
-from dsq.formats.base import ROUNDINGS
 
-from .policies import DEFAULT_POLICY
 from .schedule import LevelChange, Schedule
-from .units import SETTINGS as GEMM_UNIT_SETTINGS
+from .spec import (  # noqa: F401  (POINTS and the quant keys are defined in spec.py; named here too)
+    AUTOCAST_DTYPES,
+    ENGINES,
+    POINTS,
+    QUANT_KEYS,
+    STASH_SCOPES,
+    QuantSpec,
+)
 
 POINT_HELP = {
     "q0": "forward GEMM inputs x and W (blocks along K)",
@@ -26,59 +34,16 @@ POINT_HELP = {
     "q2": "backward GEMM inputs g and W for dx (blocks along M)",
     "q3": "the incoming gradient dy as fetched (blocks along N)",
 }
-STASH_SCOPES = ("gemm", "all")
-POINTS = ("q0", "q1", "q2", "q3")  # the four quantization points (docs/dsq.md); defined once, here
-# How a config trains a model (docs/dsq.md, "Autocast: the baseline users run"): ``dsq``, the
-# model patched with DSQ's layers; ``autocast``, the model as it is under ``torch.autocast`` in
-# the points' 16-bit float, the mixed precision users run instead of dsq.
-ENGINES = ("dsq", "autocast")
-AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-# the keys of a quant config (a conf/quant preset, result.json's quant): the points, the stash
-# scope, the rounding of each point, where its GEMMs run and the engine that trains
-QUANT_KEYS = (*POINTS, "stash_scope", "rounding", "gemm_unit", "engine")
-
-
-def _as_schedule(point: str, value) -> Schedule:
-    if isinstance(value, Schedule):
-        return value
-    if isinstance(value, (str, Format)):
-        return Schedule([value if isinstance(value, str) else value.spec])
-    if isinstance(value, Mapping):
-        if "levels" not in value:
-            raise ValueError(
-                f"{point}: a ladder is {{levels: [...], policy: NAME, <its parameters>}}, got "
-                f'keys {sorted(value)} (docs/dsq.md, "Precision policies")'
-            )
-        params = {k: v for k, v in value.items() if k not in ("levels", "policy")}
-        try:
-            return Schedule(list(value["levels"]), value.get("policy", DEFAULT_POLICY), **params)
-        except ValueError as err:
-            raise ValueError(f"{point}: {err}") from None
-    raise ValueError(f"{point}: expected a format spec or a schedule, got {value!r}")
-
-
-def _as_rounding(rounding: Mapping | None) -> dict[str, str]:
-    """Every point's rounding: ``nearest`` where ``rounding`` does not name the point."""
-    rounding = dict(rounding or {})
-    unknown = set(rounding) - set(POINTS)
-    if unknown:
-        raise ValueError(
-            f"rounding: unknown point(s) {sorted(unknown)}; the points are {POINTS} "
-            "(quant.rounding.q1=stochastic)"
-        )
-    for point, mode in rounding.items():
-        if mode not in ROUNDINGS:
-            raise ValueError(
-                f"quant.rounding.{point}={mode!r} is not a rounding; choose one of {ROUNDINGS}"
-            )
-    return {p: str(rounding.get(p, "nearest")) for p in POINTS}
 
 
 class QuantConfig:
-    """The formats of the four DSQ points (each a spec string or a Schedule), the stash scope,
-    each point's rounding (``{"q1": "stochastic"}``; unnamed points round to nearest) and where
-    the GEMMs run (``gemm_unit``: ``auto``, the fastest unit exact for both operands, or
-    ``fp32``; docs/dsq.md, "GEMM units")."""
+    """The four DSQ points as a run trains with them: built from a ``QuantSpec`` (``spec``) with
+    the same keywords (each point a format spec, a ``Ladder``, a ``Schedule`` or a ladder's
+    mapping), it holds each point's schedule and the stochastic rounding noise's generators,
+    seeded with ``seed``. ``from_preset("dsq")`` builds one from a preset of ``dsq.presets``.
+
+    A ``Schedule`` given for a point is the one the config steps (its state included); any other
+    point gets a new schedule at its first level."""
 
     def __init__(
         self,
@@ -92,41 +57,56 @@ class QuantConfig:
         gemm_unit: str = "auto",
         engine: str = "dsq",
     ):
-        if engine not in ENGINES:
-            raise ValueError(f"quant.engine={engine!r} is not an engine; choose one of {ENGINES}")
-        if stash_scope not in STASH_SCOPES:
-            raise ValueError(f"stash_scope must be one of {STASH_SCOPES}, got {stash_scope!r}")
-        if gemm_unit not in GEMM_UNIT_SETTINGS:
-            raise ValueError(
-                f"quant.gemm_unit={gemm_unit!r} is not a setting; choose one of "
-                f"{GEMM_UNIT_SETTINGS}"
-            )
-        self.gemm_unit = gemm_unit
-        self.schedules = {p: _as_schedule(p, v) for p, v in zip(POINTS, (q0, q1, q2, q3))}
-        self.stash_scope = stash_scope
-        self.rounding = _as_rounding(rounding)
+        given = dict(zip(POINTS, (q0, q1, q2, q3)))
+        self.spec = QuantSpec(
+            **given, stash_scope=stash_scope, rounding=rounding, gemm_unit=gemm_unit, engine=engine
+        )
+        self.schedules: dict[str, Schedule] = self.spec.schedules()
+        self.schedules |= {p: v for p, v in given.items() if isinstance(v, Schedule)}
         self.seed = int(seed)
         self._generators: dict[str, torch.Generator] = {}
-        self.engine = engine
-        if engine == "autocast":
-            self._check_autocast()
 
-    def _check_autocast(self) -> None:
-        """``engine=autocast`` runs the model unpatched under ``torch.autocast``: one 16-bit
-        float at every point, nothing scheduled, no stash of its own, nearest rounding."""
-        specs = {s.current for s in self.schedules.values()}
-        moving = [p for p, s in self.schedules.items() if s.moves]
-        if len(specs) != 1 or next(iter(specs)) not in AUTOCAST_DTYPES or moving:
-            raise ValueError(
-                "quant.engine=autocast runs the unpatched model under torch.autocast: every point "
-                f"must be one of {sorted(AUTOCAST_DTYPES)}, the same and static, got "
-                f"{self.current()}"
-            )
-        if self.stash_scope != "gemm" or set(self.rounding.values()) != {"nearest"}:
-            raise ValueError(
-                "quant.engine=autocast keeps autograd's own saved tensors and rounds to nearest: "
-                "stash_scope must be gemm and every rounding nearest"
-            )
+    @classmethod
+    def from_spec(cls, spec: QuantSpec, seed: int = 0) -> QuantConfig:
+        """A config of ``spec``, every point at its first level."""
+        if not isinstance(spec, QuantSpec):
+            raise TypeError(f"expected a QuantSpec, got {type(spec).__name__}")
+        return cls(**spec.keywords(), seed=seed)
+
+    @classmethod
+    def from_dict(cls, config: Mapping, seed: int = 0) -> QuantConfig:
+        """From a preset mapping (conf/quant/*.yaml; ``QuantSpec.from_dict``'s keys). ``seed``
+        seeds the stochastic rounding noise (a run passes its own seed)."""
+        return cls.from_spec(QuantSpec.from_dict(config), seed)
+
+    @classmethod
+    def from_preset(cls, name: str, seed: int = 0) -> QuantConfig:
+        """From the preset ``name`` of ``dsq.presets`` (``dsq``, ``stash_bfp``, ``fp32``, ...);
+        an unknown name is a ValueError listing them."""
+        from dsq.presets import get_preset
+
+        return cls.from_spec(get_preset(name), seed)
+
+    def to_dict(self) -> dict:
+        """The spec's mapping (``QuantSpec.to_dict``): what was asked for, not what is in force."""
+        return self.spec.to_dict()
+
+    @property
+    def stash_scope(self) -> str:
+        return self.spec.stash_scope
+
+    @property
+    def rounding(self) -> dict[str, str]:
+        """Every point's rounding mode."""
+        return dict(self.spec.rounding)
+
+    @property
+    def gemm_unit(self) -> str:
+        return self.spec.gemm_unit
+
+    @property
+    def engine(self) -> str:
+        return self.spec.engine
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:
@@ -134,18 +114,6 @@ class QuantConfig:
         if self.engine != "autocast":
             return None
         return AUTOCAST_DTYPES[self.schedules["q0"].current]
-
-    @classmethod
-    def from_dict(cls, config: Mapping, seed: int = 0) -> QuantConfig:
-        """From a preset mapping (conf/quant/*.yaml): q0..q3, stash_scope and rounding.
-        ``seed`` seeds the stochastic rounding noise (a run passes its own seed)."""
-        unknown = set(config) - set(QUANT_KEYS) - {"name"}
-        if unknown:
-            raise ValueError(
-                f"unknown quantization point(s) {sorted(unknown)}; the points are {POINTS} "
-                "(plus stash_scope, rounding, gemm_unit and engine)"
-            )
-        return cls(**{k: v for k, v in config.items() if k != "name"}, seed=seed)
 
     def schedule(self, point: str) -> Schedule:
         if point not in self.schedules:
@@ -159,7 +127,7 @@ class QuantConfig:
     def rounding_of(self, point: str, device: torch.device) -> tuple[str, torch.Generator | None]:
         """(rounding, generator) for a quantizer at ``point`` on ``device``: the generator draws
         the stochastic rounding noise (None for nearest rounding)."""
-        mode = self.rounding[point]
+        mode = self.spec.rounding[point]
         return mode, (self.generator(device) if mode == "stochastic" else None)
 
     def generator(self, device: torch.device | str) -> torch.Generator:

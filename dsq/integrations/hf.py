@@ -24,7 +24,11 @@ the same GEMMs and block axes as ``DSQLinearFunction``, on the transposed weight
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
+import json
 import logging
+import platform
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -32,11 +36,13 @@ import transformers
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from dsq.atomic_files import atomic_path
+from dsq import cost
+from dsq.atomic_files import atomic_path, write_atomic
 from dsq.engine.config import POINTS, QuantConfig
 from dsq.engine.functions import dsq_linear, dsq_matmul
 from dsq.engine.history import PrecisionHistory
 from dsq.engine.patch import PatchReport, make_dsq_linear
+from dsq.presets import COST_BASELINE, preset_differences
 
 from . import register_patcher
 
@@ -197,6 +203,7 @@ register_patcher("transformers", TransformersPatcher())
 # -- the Trainer callback --------------------------------------------------------------------------
 log = logging.getLogger("dsq.hf")
 CHECKPOINT_FILE = "dsq_schedule.pt"
+RESULT_FILE = "result.json"
 
 
 def quiet_logs() -> None:
@@ -227,7 +234,9 @@ class DSQCallback(transformers.TrainerCallback):
       each change is also logged (logger ``dsq.hf``).
     * ``callback.history`` (`PrecisionHistory`, as ``dsq train`` keeps it) holds the steps
       trained at each level, the first step's GEMMs and the changes (``callback.changes``): what
-      prices the run (the suite's ``dsq_cli.train.hf_result.run_result`` makes its result.json).
+      prices the run. ``callback.run_result(...)`` is the run's result.json, priced as
+      ``dsq train`` prices its runs, and ``callback.write_result(out, ...)`` writes it there for
+      ``dsq table``.
     * Each Trainer checkpoint gets ``dsq_schedule.pt`` (the schedules, the rounding noise and the
       history), written atomically and loaded with ``weights_only=True``; resuming from a
       checkpoint restores it, so the run continues at the same level.
@@ -302,6 +311,46 @@ class DSQCallback(transformers.TrainerCallback):
         self._book(self.cfg.after_update(state.global_step), state.global_step)
         return control
 
+    # -- the run's result.json ------------------------------------------------------------------
+    def run_result(self, *, task: str, preset: str, metric: str, value: float | None,
+                   valid_loss: float | None, model: str, seed: int, wall_seconds: float,
+                   evaluation: Mapping | None = None) -> dict:  # fmt: skip
+        """The completed run's result.json (docs/spec.md §5), as ``dsq train`` writes its own:
+        ``quant`` holds ``preset`` (the ``dsq.presets`` name the QuantConfig was made from),
+        the config's spec (``cfg.to_dict()``) and whether it differs from that preset
+        (``modified``); ``cost`` prices the recorded GEMMs over the steps trained at each level
+        against fixed32 (``dsq.cost.run_cost``); ``evaluation`` holds the task's metrics, and
+        the precision changes join them (``level_changes``, in schedule.jsonl's shape)."""
+        history, points = self.history, self.cfg.to_dict()
+        modified = preset_differences({"preset": preset, **points}) != []
+        return {
+            "status": "completed",
+            "task": task,
+            "quant": {"preset": preset, **points, "modified": modified},
+            "metric": metric,
+            "value": value,
+            "valid_loss": valid_loss,
+            "updates": history.updates,
+            "wall_seconds": round(wall_seconds, 3),
+            "cost": cost.run_cost(
+                history.gemm_shapes, history.segments, baseline_name=COST_BASELINE
+            ),  # fmt: skip
+            "stash_bits_mean": cost.stash_bits_mean(history.segments),
+            "versions": versions(),
+            "model": model,
+            "seed": seed,
+            "bits_final": self.cfg.current(),
+            "precision_segments": [{"points": p, "updates": n} for p, n in history.segments],
+            **dict(evaluation or {}),
+            "level_changes": list(history.changes),
+        }
+
+    def write_result(self, run_dir: str | Path, **fields) -> Path:
+        """Write ``run_result(**fields)`` to ``run_dir``/result.json atomically; its path."""
+        path = Path(run_dir) / RESULT_FILE
+        write_atomic(path, json.dumps(self.run_result(**fields), indent=2, sort_keys=True) + "\n")
+        return path
+
     # -- checkpoints ----------------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {
@@ -345,3 +394,17 @@ class DSQCallback(transformers.TrainerCallback):
         self.cfg.load_noise_state(saved["noise"])
         self.history = PrecisionHistory(dict(saved["history"]))
         log.info("dsq: schedule restored from %s: %s", found, self.cfg.current())
+
+
+def versions() -> dict[str, str | None]:
+    """What a Trainer run ran on: python, torch, transformers and dsq (None where unknown)."""
+    try:
+        dsq_version = importlib.metadata.version("dsq")
+    except importlib.metadata.PackageNotFoundError:
+        dsq_version = None
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "dsq": dsq_version,
+    }

@@ -10,9 +10,10 @@
 
 The three GEMMs per record, the DRAM rule and the default coefficients are the library's
 (``dsq/cost.py``). Here: ``model.py`` loads conf/cost/<name>.yaml (``load_cost_model``) and
-names baselines by conf/quant preset (``baseline_points``, ``ratios``, ``scheduled_cost``);
+names baselines by preset (``baseline_points``, ``ratios``, ``scheduled_cost``);
 ``derive.py`` derives the GEMMs of a fairseq transformer, ``report.py`` is ``dsq cost``, and
-``run_cost.py`` is what a run's result.json records (its update-weighted cost, stash bits).
+``run_cost.py`` is what ``dsq train``'s result.json records of its cost (the library's
+``dsq.cost.run_cost`` against the baseline preset).
 """
 
 from .derive import DEFAULT_VOCAB, DerivedGemm, derive_gemms, derive_records, step_shape

@@ -1,5 +1,5 @@
 """The suite's side of the cost model: the library's ``dsq.cost`` (docs/cost-model.md) with its
-coefficients read from conf/cost/<name>.yaml and its baselines named by conf/quant presets.
+coefficients read from conf/cost/<name>.yaml and its baselines named by presets (dsq.presets).
 
 ``load_cost_model(name)`` reads conf/cost/NAME.yaml into the library's ``CostModel`` (an unknown
 name is a ValueError listing them all; the key checks are ``CostModel.from_dict``'s), and
@@ -69,7 +69,7 @@ CostModel = cost.CostModel  # the library's type; the suite adds only the loader
 
 
 def baseline_points(preset: str = DEFAULT_BASELINE) -> dict[str, str]:
-    """q0..q3 of a conf/quant preset; a scheduled point counts at its first level."""
+    """q0..q3 of a preset (dsq.presets); a scheduled point counts at its first level."""
     config = at_first_level(load_quant_preset(preset))  # ValueError naming the presets if unknown
     points = {point: config[point] for point in POINTS}
     for spec in points.values():

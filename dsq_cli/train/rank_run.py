@@ -18,10 +18,12 @@ from pathlib import Path
 
 import torch
 
+from dsq.cost import stash_bits_mean
 from dsq.engine import QuantConfig
+from dsq.presets import preset_differences
 from dsq_cli import runs
-from dsq_cli.config import quant_differences, to_plain
-from dsq_cli.cost.run_cost import COST_BASELINE, run_cost, stash_bits_mean
+from dsq_cli.config import to_plain
+from dsq_cli.cost.run_cost import COST_BASELINE, run_cost
 from dsq_cli.cpu_allocator import keep_freed_memory
 from dsq_cli.loggers import make_logger
 from dsq_cli.run_config import RunConfig
@@ -173,7 +175,7 @@ def started_result(cfg: RunConfig, data, device: str, resumed: bool) -> RunResul
         quant={
             "preset": preset,
             **points,
-            "modified": quant_differences({"preset": preset, **points}) != [],
+            "modified": preset_differences({"preset": preset, **points}) != [],
         },
         metric=cfg.task.metric,
         cost=unpriced(COST_BASELINE),

@@ -1,0 +1,257 @@
+"""QuantSpec: what a quant config asks for, as one frozen value (docs/dsq.md, "Presets and
+specs").
+
+A ``QuantSpec`` is the specification a user writes or a preset names (``dsq.presets``): the
+format or ``Ladder`` of each of the four points (docs/spec.md §2), the stash scope, each point's
+rounding, where the GEMMs run and the engine that trains. It is compared by content, and
+``to_dict`` writes it as the mapping conf/quant/*.yaml and result.json's ``quant`` hold
+(``from_dict`` reads it back, checking every key). What a run has in force as it trains (each
+ladder's level and its policy's state, the stochastic rounding's generators) is not part of it:
+that is ``QuantConfig``'s (config.py), built from a spec and saved in checkpoints.
+
+A spec is checked when it is made: every format parses, every ladder rises in bits under a known
+policy with that policy's parameters, and ``engine="autocast"`` asks for what autocast can run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+import torch
+
+from dsq.formats import Format
+from dsq.formats.base import ROUNDINGS
+
+from .policies import DEFAULT_POLICY
+from .schedule import Schedule
+from .units import SETTINGS as GEMM_UNIT_SETTINGS
+
+POINTS = ("q0", "q1", "q2", "q3")  # the four quantization points (docs/dsq.md); defined once, here
+STASH_SCOPES = ("gemm", "all")
+# How a config trains a model (docs/dsq.md, "Autocast: the baseline users run"): ``dsq``, the
+# model patched with DSQ's layers; ``autocast``, the model as it is under ``torch.autocast`` in
+# the points' 16-bit float, the mixed precision users run instead of dsq.
+ENGINES = ("dsq", "autocast")
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# the keys of a quant config (a conf/quant preset, result.json's quant): the points, the stash
+# scope, the rounding of each point, where its GEMMs run and the engine that trains
+QUANT_KEYS = (*POINTS, "stash_scope", "rounding", "gemm_unit", "engine")
+
+
+@dataclasses.dataclass(frozen=True)
+class Ladder:
+    """A point's ladder, as asked for: its formats (fewest bits first), the precision policy
+    that moves along it (None: the default, ``plateau``, not named) and the parameters given to
+    that policy (those not given stand at the policy's defaults). Written as a mapping,
+    ``{levels: [...], policy: NAME, <its parameters>}`` (docs/dsq.md, "Precision policies")."""
+
+    levels: tuple[str, ...]
+    policy: str | None = None
+    params: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        levels = (self.levels,) if isinstance(self.levels, str) else tuple(self.levels)
+        object.__setattr__(self, "levels", levels)
+        object.__setattr__(self, "params", MappingProxyType(dict(self.params)))
+
+    @classmethod
+    def from_dict(cls, value: Mapping) -> Ladder:
+        """``{levels: [...], policy: NAME, <its parameters>}``; ValueError without ``levels``."""
+        if "levels" not in value:
+            raise ValueError(
+                f"a ladder is {{levels: [...], policy: NAME, <its parameters>}}, got keys "
+                f'{sorted(value)} (docs/dsq.md, "Precision policies")'
+            )
+        params = {k: v for k, v in value.items() if k not in ("levels", "policy")}
+        return cls(tuple(value["levels"]), value.get("policy"), params)
+
+    @classmethod
+    def of_schedule(cls, schedule: Schedule) -> Ladder:
+        """What ``schedule`` was made from: its levels, its policy and every parameter."""
+        policy = schedule.policy
+        named = None if policy.name == DEFAULT_POLICY else policy.name
+        return cls(tuple(schedule.levels), named, dataclasses.asdict(policy.params))
+
+    def to_dict(self) -> dict:
+        policy = {} if self.policy is None else {"policy": self.policy}
+        return {"levels": list(self.levels), **policy, **self.params}
+
+    def schedule(self) -> Schedule:
+        """A new schedule of this ladder, at its first level."""
+        return Schedule(list(self.levels), self.policy or DEFAULT_POLICY, **self.params)
+
+    def __hash__(self) -> int:
+        return hash((self.levels, self.policy, tuple(sorted(self.params.items()))))
+
+    def __reduce__(self):  # pickle and deepcopy (a read-only mapping is neither): rebuilt anew
+        return (type(self), (self.levels, self.policy, dict(self.params)))
+
+    def __repr__(self) -> str:
+        policy = "" if self.policy is None else f", policy={self.policy!r}"
+        params = "".join(f", {k}={v!r}" for k, v in self.params.items())
+        return f"Ladder({list(self.levels)!r}{policy}{params})"
+
+
+PointSpec = str | Ladder
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantSpec:
+    """The formats of the four DSQ points (a format spec, or a ``Ladder`` for a point whose
+    precision moves), the stash scope, each point's rounding (``{"q1": "stochastic"}``; points
+    not named round to nearest) and where the GEMMs run (``gemm_unit``: ``auto``, the fastest
+    unit exact for both operands, or ``fp32``; docs/dsq.md, "GEMM units"), and the engine that
+    trains (``dsq`` or ``autocast``).
+
+    A point may also be given as a ``Format``, a ``Schedule`` (recorded as its ladder, not its
+    state) or a ladder's mapping; it is kept as a spec string or a ``Ladder``."""
+
+    q0: PointSpec = "fp32"
+    q1: PointSpec = "fp32"
+    q2: PointSpec = "fp32"
+    q3: PointSpec = "fp32"
+    stash_scope: str = "gemm"
+    rounding: Mapping[str, str] | None = None
+    gemm_unit: str = "auto"
+    engine: str = "dsq"
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ValueError(
+                f"quant.engine={self.engine!r} is not an engine; choose one of {ENGINES}"
+            )
+        if self.stash_scope not in STASH_SCOPES:
+            raise ValueError(f"stash_scope must be one of {STASH_SCOPES}, got {self.stash_scope!r}")
+        if self.gemm_unit not in GEMM_UNIT_SETTINGS:
+            raise ValueError(
+                f"quant.gemm_unit={self.gemm_unit!r} is not a setting; choose one of "
+                f"{GEMM_UNIT_SETTINGS}"
+            )
+        for point in POINTS:
+            object.__setattr__(self, point, _point_spec(point, getattr(self, point)))
+        schedules = self.schedules()  # every format and ladder checked here
+        object.__setattr__(self, "rounding", MappingProxyType(_as_rounding(self.rounding)))
+        if self.engine == "autocast":
+            self._check_autocast(schedules)
+
+    def _check_autocast(self, schedules: Mapping[str, Schedule]) -> None:
+        """``engine=autocast`` runs the model unpatched under ``torch.autocast``: one 16-bit
+        float at every point, nothing scheduled, no stash of its own, nearest rounding."""
+        specs = {s.current for s in schedules.values()}
+        moving = [p for p, s in schedules.items() if s.moves]
+        if len(specs) != 1 or next(iter(specs)) not in AUTOCAST_DTYPES or moving:
+            current = {p: s.current for p, s in schedules.items()}
+            raise ValueError(
+                "quant.engine=autocast runs the unpatched model under torch.autocast: every point "
+                f"must be one of {sorted(AUTOCAST_DTYPES)}, the same and static, got {current}"
+            )
+        if self.stash_scope != "gemm" or set(self.rounding.values()) != {"nearest"}:
+            raise ValueError(
+                "quant.engine=autocast keeps autograd's own saved tensors and rounds to nearest: "
+                "stash_scope must be gemm and every rounding nearest"
+            )
+
+    def schedules(self) -> dict[str, Schedule]:
+        """A new schedule of every point, at its first level (a format: a ladder of one)."""
+        return {point: _schedule(point, getattr(self, point)) for point in POINTS}
+
+    def keywords(self) -> dict[str, Any]:
+        """The spec's fields by name: the keywords ``QuantSpec`` and ``QuantConfig`` take."""
+        return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, config: Mapping) -> QuantSpec:
+        """From a preset's mapping (conf/quant/*.yaml, result.json's quant without its
+        ``preset`` and ``modified``): q0..q3, stash_scope, rounding, gemm_unit, engine; a
+        ``name`` key is ignored, any other is a ValueError."""
+        unknown = set(config) - set(QUANT_KEYS) - {"name"}
+        if unknown:
+            raise ValueError(
+                f"unknown quantization point(s) {sorted(unknown)}; the points are {POINTS} "
+                "(plus stash_scope, rounding, gemm_unit and engine)"
+            )
+        return cls(**{k: v for k, v in config.items() if k != "name"})
+
+    def to_dict(self) -> dict:
+        """The mapping ``from_dict`` reads, as conf/quant's presets write it: the four points (a
+        ladder as its mapping), stash_scope and every point's rounding; ``gemm_unit`` and
+        ``engine`` only where they are not their defaults (auto, dsq), so that the record of a
+        run of a preset has the preset's keys."""
+        out: dict[str, Any] = {point: _point_dict(getattr(self, point)) for point in POINTS}
+        out["stash_scope"] = self.stash_scope
+        out["rounding"] = dict(self.rounding)
+        if self.gemm_unit != "auto":
+            out["gemm_unit"] = self.gemm_unit
+        if self.engine != "dsq":
+            out["engine"] = self.engine
+        return out
+
+    def __reduce__(self):  # pickle and deepcopy (a read-only mapping is neither): rebuilt anew
+        fields = self.keywords() | {"rounding": dict(self.rounding)}
+        return (type(self), tuple(fields.values()))
+
+    def __hash__(self) -> int:
+        points = tuple(getattr(self, p) for p in POINTS)
+        rounding = tuple(self.rounding.items())
+        return hash((points, self.stash_scope, rounding, self.gemm_unit, self.engine))
+
+    def __repr__(self) -> str:
+        fields = [f"{p}={getattr(self, p)!r}" for p in POINTS]
+        fields.append(f"stash_scope={self.stash_scope!r}")
+        stochastic = {p: m for p, m in self.rounding.items() if m != "nearest"}
+        if stochastic:
+            fields.append(f"rounding={stochastic!r}")
+        if self.gemm_unit != "auto":
+            fields.append(f"gemm_unit={self.gemm_unit!r}")
+        if self.engine != "dsq":
+            fields.append(f"engine={self.engine!r}")
+        return f"QuantSpec({', '.join(fields)})"
+
+
+def _point_spec(point: str, value) -> PointSpec:
+    """A point's value as the spec keeps it: a format spec string or a ``Ladder``."""
+    if isinstance(value, (str, Ladder)):
+        return value
+    if isinstance(value, Format):
+        return value.spec
+    if isinstance(value, Schedule):
+        return Ladder.of_schedule(value)
+    if isinstance(value, Mapping):
+        try:
+            return Ladder.from_dict(value)
+        except ValueError as err:
+            raise ValueError(f"{point}: {err}") from None
+    raise ValueError(f"{point}: expected a format spec or a schedule, got {value!r}")
+
+
+def _schedule(point: str, value: PointSpec) -> Schedule:
+    if isinstance(value, str):
+        return Schedule([value])
+    try:
+        return value.schedule()
+    except ValueError as err:
+        raise ValueError(f"{point}: {err}") from None
+
+
+def _point_dict(value: PointSpec):
+    return value if isinstance(value, str) else value.to_dict()
+
+
+def _as_rounding(rounding: Mapping | None) -> dict[str, str]:
+    """Every point's rounding: ``nearest`` where ``rounding`` does not name the point."""
+    rounding = dict(rounding or {})
+    unknown = set(rounding) - set(POINTS)
+    if unknown:
+        raise ValueError(
+            f"rounding: unknown point(s) {sorted(unknown)}; the points are {POINTS} "
+            "(quant.rounding.q1=stochastic)"
+        )
+    for point, mode in rounding.items():
+        if mode not in ROUNDINGS:
+            raise ValueError(
+                f"quant.rounding.{point}={mode!r} is not a rounding; choose one of {ROUNDINGS}"
+            )
+    return {p: str(rounding.get(p, "nearest")) for p in POINTS}

@@ -1,0 +1,116 @@
+"""The library owns the quant presets (dsq.presets): every conf/quant/*.yaml holds exactly its
+registered QuantSpec's mapping, and the other way round; a QuantSpec round-trips through its
+mapping; QuantConfig is built from one and keeps its schedule state apart from it."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import pickle
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dsq.engine import Ladder, QuantConfig, QuantSpec, Schedule
+from dsq.presets import (
+    PRESETS,
+    get_preset,
+    preset_differences,
+    preset_names,
+    register_preset,
+)
+
+QUANT_DIR = Path(__file__).resolve().parents[1] / "conf" / "quant"
+YAML_PRESETS = sorted(p.stem for p in QUANT_DIR.glob("*.yaml"))
+
+
+def test_every_preset_file_is_a_library_preset_and_every_library_preset_has_its_file():
+    assert YAML_PRESETS == preset_names()
+
+
+@pytest.mark.parametrize("name", sorted(set(YAML_PRESETS) | set(PRESETS)))
+def test_a_preset_file_holds_its_library_presets_mapping(name):
+    path = QUANT_DIR / f"{name}.yaml"
+    assert path.is_file(), f"dsq.presets registers {name!r} but conf/quant has no {path.name}"
+    assert name in PRESETS, f"{path.name} has no preset in dsq.presets: register_preset it there"
+    assert yaml.safe_load(path.read_text()) == get_preset(name).to_dict(), (
+        f"{path.name} and dsq.presets' {name!r} differ: the library's value is the preset"
+    )
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_a_preset_round_trips_and_builds_its_config(name):
+    spec = get_preset(name)
+    assert QuantSpec.from_dict(spec.to_dict()) == spec
+    assert hash(QuantSpec.from_dict(spec.to_dict())) == hash(spec)
+    cfg = QuantConfig.from_preset(name, seed=3)
+    assert cfg.spec == spec and cfg.to_dict() == spec.to_dict() and cfg.seed == 3
+    assert preset_differences({"preset": name, **cfg.to_dict()}) == []
+
+
+def test_from_preset_builds_the_papers_dsq():
+    cfg = QuantConfig.from_preset("dsq")
+    assert cfg.current() == {"q0": "bfp8e8b16", "q1": "bfp2e8b16", "q2": "bfp8e8b16",
+                             "q3": "fixed16"}  # fmt: skip
+    assert cfg.schedule("q1").levels[-1] == "bfp8e8b16" and cfg.stash_scope == "gemm"
+    with pytest.raises(ValueError, match=r"unknown quant preset 'dsq9'; choose one of \["):
+        QuantConfig.from_preset("dsq9")
+
+
+def test_the_spec_is_frozen_and_the_schedule_state_is_the_configs():
+    cfg = QuantConfig.from_preset("dsq")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.spec.q0 = "bfp4"
+    with pytest.raises(TypeError):
+        cfg.spec.q1.params["patience"] = 3
+    cfg.step(1.0, update=1)
+    cfg.step(2.0, update=2)  # a stall: the stash moves up a level
+    assert cfg.current()["q1"] == "bfp3e8b16" and cfg.state_dict()["q1"]["level"] == 1
+    assert cfg.spec == get_preset("dsq")  # what was asked for has not moved
+    resumed = QuantConfig.from_preset("dsq")
+    resumed.load_state_dict(cfg.state_dict())
+    assert resumed.current() == cfg.current()
+
+
+def test_a_config_pickles_and_copies_with_its_spec():
+    cfg = QuantConfig.from_preset("dsq")
+    cfg.step(1.0, update=1)
+    cfg.step(2.0, update=2)
+    assert pickle.loads(pickle.dumps(cfg.spec)) == cfg.spec
+    copied = copy.deepcopy(cfg)  # a patched model's deepcopy copies the config its layers hold
+    assert copied.spec == cfg.spec and copied.state_dict() == cfg.state_dict()
+
+
+def test_keyword_construction_records_its_spec_and_keeps_the_schedule_given():
+    ladder = Schedule(["bfp2", "bfp3", "bfp4", "bfp6", "bfp8"], patience=1)
+    cfg = QuantConfig(q0="bfp8", q1=ladder, q2="bfp8", q3="fixed16", rounding={"q1": "stochastic"})
+    assert cfg.schedule("q1") is ladder  # the config steps the schedule it was given
+    assert cfg.spec.q1 == Ladder(tuple(ladder.levels), params={"patience": 1, "min_delta": 0.0})
+    assert cfg.rounding == {"q0": "nearest", "q1": "stochastic", "q2": "nearest", "q3": "nearest"}
+    # formats compare as formats: only the rounding differs from the dsq preset
+    assert preset_differences({"preset": "dsq", **cfg.to_dict()}) == ["rounding.q1=stochastic"]
+    assert QuantConfig.from_dict(cfg.to_dict()).spec == cfg.spec
+
+
+def test_a_spec_refuses_what_it_cannot_run():
+    with pytest.raises(ValueError, match="q1: a ladder is"):
+        QuantSpec(q1={"patience": 1})
+    with pytest.raises(ValueError, match="q1: schedule levels must rise"):
+        QuantSpec(q1=Ladder(("bfp8", "bfp2")))
+    with pytest.raises(ValueError, match="engine=autocast"):
+        QuantSpec("bf16", "bfp4", "bf16", "bf16", engine="autocast")
+    with pytest.raises(ValueError, match="unknown quantization point"):
+        QuantSpec.from_dict({"q4": "bfp8"})
+
+
+def test_a_new_preset_is_one_registered_value():
+    name = "test_stash_bfp3_stochastic"
+    spec = dataclasses.replace(get_preset("stash_bfp"), q1="bfp3", rounding={"q1": "stochastic"})
+    try:
+        register_preset(name, spec)
+        assert QuantConfig.from_preset(name).current()["q1"] == "bfp3e8b16"
+        with pytest.raises(ValueError, match="registered already"):
+            register_preset(name, spec)
+    finally:
+        PRESETS.pop(name, None)
