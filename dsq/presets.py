@@ -114,6 +114,30 @@ register_preset(
 register_preset("bfp6_stash_bfp3", QuantSpec("bfp6", "bfp3", "bfp6", "bfp6"))
 register_preset("bfp6_stash_bfp4", QuantSpec("bfp6", "bfp4", "bfp6", "bfp6"))
 register_preset("dsq_stash_bfp3", QuantSpec("bfp8", "bfp3", "bfp8", "fixed16"))
+# DSQ on the formats hardware runs (docs/formats.md, "MX formats", "NVFP4"): MXFP8 GEMM inputs
+# and E5M2 gradients with a stash rising mxfp4 -> mxfp6 -> mxfp8; its static control, MXFP8
+# everywhere (the recipe torchao and TransformerEngine train with); and NVFP4 forward.
+register_preset(
+    "mx_dsq",
+    QuantSpec(
+        "mxfp8_e4m3",
+        Ladder(
+            ("mxfp4_e2m1", "mxfp6_e3m2", "mxfp8_e4m3"), params={"patience": 1, "min_delta": 0.0}
+        ),  # fmt: skip
+        "mxfp8_e4m3",
+        "mxfp8_e5m2",
+    ),
+)
+register_preset("mxfp8", uniform("mxfp8_e4m3"))
+register_preset(
+    "nvfp4_dsq",
+    QuantSpec(
+        "nvfp4",
+        Ladder(("nvfp4", "mxfp6_e3m2", "mxfp8_e4m3"), params={"patience": 1, "min_delta": 0.0}),
+        "mxfp8_e4m3",
+        "mxfp8_e5m2",
+    ),
+)
 
 
 # -- how a run's quant record differs from its preset --------------------------------------------

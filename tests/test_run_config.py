@@ -73,7 +73,10 @@ def test_the_typed_config_is_in_struct_mode_everywhere():
         ("eval.beam=wide", "eval.beam must be an integer, got 'wide'"),
         ("data.subset=many", "data.subset must be a positive integer (examples) or null, got"),
         ("task.sizes.train=x", "task.sizes.train must be an integer, got 'x'"),
-        ("+train.foo=1", "unknown config key 'train.foo'; keys there: adam_betas, batch_size"),
+        (
+            "+train.foo=1",
+            "unknown config key 'train.foo'; keys there: activation_checkpointing, adam_",
+        ),
         ("+foo=1", "unknown config key 'foo'; keys there: choices, data"),
         ("train.max_updates=-3", "train.max_updates must be a non-negative integer, got -3"),
         ("train.device=tpu", "train.device must be auto, cpu or cuda, got 'tpu'"),

@@ -55,7 +55,8 @@ class Scripted(Trainer):
         """A trainer writing to ``run_dir`` without a run config: ``train`` overrides the budget
         (40 updates, validation every 2, patience 3)."""
         budget = {"max_updates": 40, "max_epochs": 0, "warmup_updates": 1, "validate_every": 2,
-                  "stop_patience": 3, "log_every": 1, **train}  # fmt: skip
+                  "stop_patience": 3, "log_every": 1, "activation_checkpointing": False,
+                  "loss_chunk_tokens": 0, **train}  # fmt: skip
         recorder = RunRecorder(run_dir, NoLogger())
         return cls(recorder, OmegaConf.create(budget), QuantConfig.from_dict(quant), losses,
                    interrupt_at=interrupt_at)  # fmt: skip
