@@ -30,7 +30,7 @@ RECORDS = ("result.json", "metrics.jsonl", "schedule.jsonl", "config.yaml")
 OUTCOMES = ("completed", "diverged")
 ROOTS = ("results/table1-cpu", "results/ablations", "results/convergence-budget",
          "results/convergence", "results/convergence-en-de-budget",
-         "results/convergence-en-de")  # fmt: skip
+         "results/convergence-en-de", "results/mx-formats-multi30k")  # fmt: skip
 MARKER = "<!-- dsq table results/table1-cpu -->"  # the one block docs/results.md must hold
 
 
