@@ -44,12 +44,22 @@ def finished_runs(clone: Path):
                 yield run
 
 
+# A budget run's sweep job is named "job" (nothing varies in its sweep); its record is named
+# after what it holds.
+RECORD_NAMES = {"job": "fp32-seed1"}
+
+
+def record_path(run: Path) -> Path:
+    """Where the record of the clone's ``run`` goes in this checkout."""
+    return run.with_name(RECORD_NAMES.get(run.name, run.name))
+
+
 def copy_runs(clone: Path, repo: Path) -> list[Path]:
     copied = []
     for run in finished_runs(clone):
         changed = False
         for name in RECORDS:
-            source, target = clone / run / name, repo / run / name
+            source, target = clone / run / name, repo / record_path(run) / name
             if source.exists() and (
                 not target.exists() or target.read_bytes() != source.read_bytes()
             ):
@@ -57,7 +67,7 @@ def copy_runs(clone: Path, repo: Path) -> list[Path]:
                 shutil.copyfile(source, target)
                 changed = True
         if changed:
-            copied.append(run)
+            copied.append(record_path(run))
     return copied
 
 
