@@ -40,6 +40,33 @@ def test_every_docs_table_is_dsq_table_of_the_committed_records(monkeypatch):
         assert result.stdout == block, f"docs/results.md's block of `dsq table {args}`"
 
 
+def test_a_studys_finished_runs_are_copied_under_the_names_of_their_records(tmp_path):
+    """Only a finished run's four small files are brought in (not its checkpoints or log, not a
+    run still training, not a run the sweep set aside), and a budget run's sweep job, named
+    ``job``, arrives as the record of its row."""
+    clone, repo = tmp_path / "clone", tmp_path / "repo"
+    runs = {
+        "results/convergence-en-de-budget/job": "completed",
+        "results/convergence/seed3/quant-dsq": "completed",
+        "results/convergence/seed3/quant-fp32": "running",
+        "results/convergence/seed3/quant-bfp6.old-20261203-101010": "completed",
+    }
+    for run, status in runs.items():
+        folder = clone / run
+        (folder / "checkpoints").mkdir(parents=True)
+        (folder / "result.json").write_text(json.dumps({"status": status}))
+        for name in ("metrics.jsonl", "schedule.jsonl", "config.yaml", "train.log"):
+            (folder / name).write_text(name)
+    copied = study_records.copy_runs(clone, repo)
+    assert sorted(map(str, copied)) == [
+        "results/convergence-en-de-budget/fp32-seed1",
+        "results/convergence/seed3/quant-dsq",
+    ]
+    for record in copied:
+        assert sorted(p.name for p in (repo / record).iterdir()) == sorted(RECORD_FILES)
+    assert study_records.copy_runs(clone, repo) == []  # nothing new the second time
+
+
 MARKED = f"""intro
 {study_records.MARKER}
 ```
