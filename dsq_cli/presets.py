@@ -9,7 +9,9 @@ from pathlib import Path
 
 from dsq.presets import COST_BASELINE, get_preset
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+# the suite's Hydra configs ship inside the package (pyproject's package data), so an installed
+# dsq_cli finds them beside itself
+CONF_DIR = Path(__file__).resolve().parent / "conf"
 TABLE1_ORDER = (
     "fp32",
     "fixed32",

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Table 1 at CPU scale and its ablations (docs/results.md): every preset of conf/quant/ on
+# Table 1 at CPU scale and its ablations (docs/results.md): every preset of dsq_cli/conf/quant/ on
 # Multi30k (2 seeds) and SST-2 (1 seed) at each task's default budget, then `dsq` changed one
 # factor at a time on Multi30k (2 seeds). `dsq sweep` skips the jobs that completed earlier and
 # continues a run cut short (a session that ended mid-run) from its checkpoint, so this script

@@ -104,7 +104,7 @@ def test_bench_quant_json_on_a_small_tensor():
     assert all(r["ms"] > 0 and r["x_clone"] > 0 for r in data["rows"])
 
 
-@pytest.mark.parametrize("preset", sorted((REPO / "conf" / "quant").glob("*.yaml")))
+@pytest.mark.parametrize("preset", sorted((REPO / "dsq_cli" / "conf" / "quant").glob("*.yaml")))
 def test_quant_presets_name_valid_formats(preset):
     cfg = yaml.safe_load(preset.read_text())
     assert set(cfg) - {"engine"} == {"q0", "q1", "q2", "q3", "stash_scope", "rounding"}
@@ -123,7 +123,7 @@ def test_quant_presets_name_valid_formats(preset):
 def test_table1_presets_are_all_there():
     from dsq_cli.presets import BEYOND_TABLE1, TABLE1_ORDER
 
-    names = {p.stem for p in (REPO / "conf" / "quant").glob("*.yaml")}
+    names = {p.stem for p in (REPO / "dsq_cli" / "conf" / "quant").glob("*.yaml")}
     assert len(TABLE1_ORDER) == 9  # docs/spec.md §6's rows
     assert names == set(TABLE1_ORDER) | set(BEYOND_TABLE1)  # every other preset is named
 
@@ -131,7 +131,7 @@ def test_table1_presets_are_all_there():
 def test_bench_step_unknown_preset_is_one_line_exit_2():
     result = runner.invoke(app, ["bench", "step", "--presets", "fp32,dsq9"])
     assert result.exit_code == 2
-    choices = sorted(p.stem for p in (REPO / "conf" / "quant").glob("*.yaml"))
+    choices = sorted(p.stem for p in (REPO / "dsq_cli" / "conf" / "quant").glob("*.yaml"))
     assert result.output.strip().splitlines() == [
         f"dsq: error: unknown quant preset 'dsq9'; choose one of {choices}"
     ]  # exactly one line, and it is the error (not an empty output, not a traceback)

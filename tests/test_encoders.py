@@ -38,7 +38,7 @@ needs_minilm = pytest.mark.skipif(
 
 
 def dsq_preset() -> QuantConfig:
-    preset = OmegaConf.load(REPO / "conf" / "quant" / "dsq.yaml")
+    preset = OmegaConf.load(REPO / "dsq_cli" / "conf" / "quant" / "dsq.yaml")
     return QuantConfig.from_dict(OmegaConf.to_container(preset))
 
 

@@ -30,7 +30,7 @@ def test_the_callbacks_result_is_a_result_json_priced_as_dsq_trains():
     record = callback.run_result(preset="dsq", **FIELDS)
     assert RunResult.problems(record) == []
     # quant: the preset's record, as conf/quant/dsq.yaml holds it, not modified
-    preset = yaml.safe_load((REPO / "conf" / "quant" / "dsq.yaml").read_text())
+    preset = yaml.safe_load((REPO / "dsq_cli" / "conf" / "quant" / "dsq.yaml").read_text())
     assert record["quant"] == {"preset": "dsq", **preset, "modified": False}
     history = callback.history
     assert record["cost"] == run_cost(history.gemm_shapes, history.segments)  # dsq train's

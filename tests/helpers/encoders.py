@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 from dsq_cli.models import encoders
 from helpers.paths import REPO
 
-MODEL_CONF = REPO / "conf" / "model"
+MODEL_CONF = REPO / "dsq_cli" / "conf" / "model"
 HAS_MINILM = importlib.util.find_spec(encoders.MINILM_PACKAGE) is not None
 
 # single sentences and pairs, with casing, accents and punctuation the tokenizers must agree on
