@@ -11,7 +11,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.dsq-setup-stamp
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-fast demo bench lint clean help check-library
+.PHONY: setup test test-fast demo bench lint clean help check-library check-install
 
 help:
 	@echo "make setup  - create $(VENV) and install dsq, its suite (torch, fairseq, triton, ...) and dev tools"
@@ -20,6 +20,7 @@ help:
 	@echo "make test-fast - the suite without the tests marked slow (about a minute on 2 cores)"
 	@echo "make bench  - run the benchmarks recorded in docs/benchmarks.md"
 	@echo "make lint   - ruff"
+	@echo "make check-install - a wheel installed in a fresh venv, as users install it, trains the demo"
 
 setup: $(STAMP)
 
@@ -74,3 +75,27 @@ check-library:
 	$(LIBRARY_VENV)/bin/python -m pip install -q "$(TORCH_SPEC)"
 	$(LIBRARY_VENV)/bin/python -m pip install -q ".[hf]"
 	cd /tmp && $(LIBRARY_VENV)/bin/python $(CURDIR)/scripts/library_check.py
+
+# The package as users install it: a wheel built from this tree, installed non-editable with its
+# suite in a fresh venv (torch and fairseq first, as setup does), then used from outside the
+# source tree: `dsq train` on the demo task for 20 updates (its presets and configs come from the
+# installed package) and the Hugging Face example's steps, which import the installed dsq.
+INSTALL_VENV ?= /tmp/dsq-install-venv
+INSTALL_WORK ?= /tmp/dsq-install-work
+check-install:
+	rm -rf $(INSTALL_VENV) $(INSTALL_WORK) && mkdir -p $(INSTALL_WORK)/dist
+	$(PYTHON) -m venv $(INSTALL_VENV)
+	$(INSTALL_VENV)/bin/python -m pip install -q --upgrade pip setuptools wheel
+	$(INSTALL_VENV)/bin/python -m pip install -q "$(TORCH_SPEC)" "cython<3.1" numpy
+	$(INSTALL_VENV)/bin/python -m pip install -q --no-build-isolation "$(FAIRSEQ_SPEC)"
+	$(INSTALL_VENV)/bin/python -m pip wheel -q --no-deps --no-build-isolation -w $(INSTALL_WORK)/dist .
+	$(INSTALL_VENV)/bin/python -m pip install -q "$$(ls $(INSTALL_WORK)/dist/dsq-*.whl)[suite,hf]"
+	$(INSTALL_VENV)/bin/python -m pip uninstall -q -y torchaudio || true
+	cd $(INSTALL_WORK) && $(INSTALL_VENV)/bin/python -c "import dsq_cli, sys; \
+		sys.exit('dsq_cli imported from the source tree' if '$(CURDIR)' in dsq_cli.__file__ else 0)"
+	cd $(INSTALL_WORK) && WANDB_MODE=offline $(INSTALL_VENV)/bin/dsq train task=demo \
+		train.max_updates=20 logger=none run.dir=$(INSTALL_WORK)/demo
+	cd $(INSTALL_WORK) && $(INSTALL_VENV)/bin/python $(CURDIR)/examples/hf_causal_lm.py \
+		--steps 4 --eval-every 2 --out $(INSTALL_WORK)/hf-causal-lm
+	@echo "check-install: the installed wheel trained the demo and ran the HF example"
+

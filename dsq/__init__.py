@@ -1,5 +1,6 @@
 """dsq: Dynamic Stashing Quantization (Yang, Lo, Mullins, Zhao, EMNLP Findings 2023) for any
-PyTorch model. It depends on torch only (Triton optional, ``dsq[hf]`` adds transformers).
+PyTorch model. It imports torch only (Triton optional, ``dsq[hf]`` adds transformers); its CPU
+kernels build on first use with ninja, setuptools and oneDNN's headers (pyproject.toml).
 
     >>> import dsq
     >>> cfg = dsq.QuantConfig.from_preset("dsq")     # the paper's DSQ (dsq.presets names them)
