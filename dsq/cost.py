@@ -48,7 +48,7 @@ DRAM_SWITCHES = ("stash_write_when_q1_equals_q0", "flush_activation_grads", "act
 ARITHMETIC_MODELS = ("bit_product", "additive")
 
 # The coefficients of conf/cost/default.yaml, where each is justified (docs/cost-model.md
-# derives them); tests/test_cost_library.py checks that the two agree.
+# derives them); tests/dsq_cli/cost/test_cost_library.py checks that the two agree.
 DEFAULT_COEFFICIENTS: Mapping = MappingProxyType(
     {
         "arithmetic": MappingProxyType({"model": "bit_product", "scale": 1024}),

@@ -7,7 +7,7 @@ each.
 
 A new preset is one call, ``register_preset(NAME, QuantSpec(...))``, in this file (the suite's
 ``dsq train quant=NAME`` also needs conf/quant/NAME.yaml, Hydra's config group; the test
-tests/test_presets.py fails until the file and the registered value hold the same mapping, so
+tests/dsq/test_presets.py fails until the file and the registered value hold the same mapping, so
 the library owns the values). ``preset_differences`` says how a run's quant record differs from
 its preset: a run with differences is not a run of the preset (its own row in Table 1).
 

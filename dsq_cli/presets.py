@@ -1,6 +1,6 @@
 """The quant presets (docs/spec.md §6) as the suite names and orders them. Their values are the
 library's (``dsq.presets``); conf/quant/NAME.yaml holds the same mapping for Hydra's composition
-(tests/test_presets.py keeps the two equal)."""
+(tests/dsq/test_presets.py keeps the two equal)."""
 
 from __future__ import annotations
 

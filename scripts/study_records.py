@@ -7,8 +7,8 @@ results/table1-cpu, results/ablations and the convergence study's roots (scripts
 that has an outcome (completed or diverged; `dsq sweep`
 runs the others again), and rewrites
 each fenced block of docs/results.md that follows a marker ``<!-- dsq table ARGS -->`` to the
-output of ``dsq table ARGS`` run from the repository root (tests/test_results_records.py checks
-that every such block agrees with its command).
+output of ``dsq table ARGS`` run from the repository root
+(tests/scripts/test_results_records.py checks that every such block agrees with its command).
 
 Usage: python scripts/study_records.py CLONE      (from the repository root)
 """
@@ -72,7 +72,7 @@ def copy_runs(clone: Path, repo: Path) -> list[Path]:
 
 
 # a marker naming `dsq table`'s arguments, then the fenced block of its output; group 1 is the
-# arguments, group 2 the table (tests/test_results_records.py reads them)
+# arguments, group 2 the table (tests/scripts/test_results_records.py reads them)
 BLOCK = re.compile(r"<!-- dsq table ([^\n]*?) -->\n```\n(.*?)```\n", re.DOTALL)
 ANY_MARKER = re.compile(r"<!-- dsq table\b[^\n]*")  # also one BLOCK would not match
 WRITES = ("--plot", "--out", "--wandb")  # options that write files or runs, not the block

@@ -7,8 +7,8 @@ dropout's where the value was kept. PyTorch saves that mask as a full tensor, Re
 on a GPU). These functions compute the same outputs with the same operators, save the mask
 packed eight values to a byte, and rebuild in the backward pass exactly what PyTorch's would
 have read: values and gradients are bit for bit those of ``torch.relu`` and ``F.dropout``,
-under every stash scope and format (tests/test_masks.py). A patched model uses them wherever its
-layers call ReLU or dropout (`dsq.engine.patch`, `dsq.integrations`).
+under every stash scope and format (tests/dsq/engine/test_masks.py). A patched model uses them
+wherever its layers call ReLU or dropout (`dsq.engine.patch`, `dsq.integrations`).
 
 Dropout follows ``F.dropout``'s own dispatch so that it draws the same random numbers: on the
 CPU, ATen's ``_dropout_impl`` (a float noise tensor ``bernoulli_(1 - p)`` divided by ``1 - p``,

@@ -1,5 +1,6 @@
 """BERT weights (``transformers.BertModel`` names) on fairseq's post-LN RoBERTa encoder, so that
-the last hidden states equal ``transformers.BertModel``'s (tests/test_encoders.py measures it).
+the last hidden states equal ``transformers.BertModel``'s
+(tests/dsq_cli/models/test_encoders.py measures it).
 
 * Dictionary (``minilm_dictionary``): fairseq's four specials are BERT's (bos ``[CLS]``, pad
   ``[PAD]``, eos ``[SEP]``, unk ``[UNK]``: indices 0-3), then the rest of vocab.txt in order.

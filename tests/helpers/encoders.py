@@ -1,4 +1,5 @@
-"""The GLUE encoders' test inputs, shared by tests/test_encoders.py and tests/test_hf.py."""
+"""The GLUE encoders' test inputs, shared by tests/dsq_cli/models/test_encoders.py and
+tests/dsq/integrations/test_hf.py."""
 
 from __future__ import annotations
 

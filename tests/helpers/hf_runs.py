@@ -1,5 +1,6 @@
 """A ``DSQCallback`` as a short Trainer run leaves it, without a Trainer: shared by
-tests/test_hf_result.py in its own process and in a fresh one (imports the library only)."""
+tests/dsq/integrations/test_hf_result.py in its own process and in a fresh one (imports the
+library only)."""
 
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ from dsq.presets import (
     register_preset,
 )
 
-QUANT_DIR = Path(__file__).resolve().parents[1] / "dsq_cli" / "conf" / "quant"
+QUANT_DIR = Path(__file__).resolve().parents[2] / "dsq_cli" / "conf" / "quant"
 YAML_PRESETS = sorted(p.stem for p in QUANT_DIR.glob("*.yaml"))
 
 

@@ -159,7 +159,8 @@ def test_cell_trains_resumes_and_is_priced(family, preset, scope, shared, tmp_pa
     assert f"continue with: dsq train resume={run_dir}" in stopped.output
     interrupted = json.loads((run_dir / "result.json").read_text())
     assert interrupted["status"] == "interrupted" and interrupted["updates"] == 1
-    assert (run_dir / runs.LOCK_NAME).is_file()  # held while it trained (tests/test_run_lock.py)
+    # held while it trained (tests/dsq_cli/test_run_lock.py)
+    assert (run_dir / runs.LOCK_NAME).is_file()
     state = load_checkpoint(run_dir / "checkpoints" / "checkpoint_last.pt")
     assert state["num_updates"] == 1 and state["progress"]["validations"] == 0
     assert all(s["level"] == 0 and s["best"] == math.inf for s in state["dsq_schedule"].values())

@@ -516,8 +516,9 @@ def _exact_sums(monkeypatch):
 # in float32 in any order (each block of 32 has its own power of two), and the next quantizer
 # turns last-bit differences into whole steps (at its ties, and where a block's maximum crosses
 # a power of two), so two valid summation orders give steps further apart than the distance
-# from float32 to exact sums that the tolerance is measured by. tests/test_mx_gemm_units.py
-# checks each of their bf16 GEMMs in a step against float32's summation bound instead.
+# from float32 to exact sums that the tolerance is measured by.
+# tests/dsq/engine/test_mx_gemm_units.py checks each of their bf16 GEMMs in a step against
+# float32's summation bound instead.
 STEP_PRESETS = [p for p in PRESETS if p not in ("mx_dsq", "mxfp8", "nvfp4_dsq")]
 
 

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from dsq_cli.cli import app
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # the block scripts/study_records.py writes, found by its own pattern
 _spec = importlib.util.spec_from_file_location(
     "study_records", REPO / "scripts" / "study_records.py"

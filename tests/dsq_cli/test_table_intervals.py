@@ -18,7 +18,7 @@ from dsq_cli.cli import app
 from dsq_cli.intervals import mean_interval, paired_interval, t_quantile
 
 runner = CliRunner()
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CONVERGENCE = REPO / "results" / "convergence"
 
 

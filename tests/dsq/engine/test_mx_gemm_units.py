@@ -85,9 +85,10 @@ def test_a_gemm_of_such_an_operand_runs_in_float32_and_equals_it(spec):
 def test_every_bf16_gemm_of_an_mx_step_is_within_float32s_summation_bound(monkeypatch, preset):
     """A training step of an MX preset on ``auto`` runs its linear GEMMs on bf16, each within
     gamma_K * (|A| |B|) of the exact sums, the bound float32's own GEMM obeys. (The end-to-end
-    comparison of tests/test_gemm_units.py leaves the MX presets out: a block's E8M0 scale jumps
-    by a factor of two where a sum's last bit moves its maximum across a power of two, so a
-    whole block downstream changes, beyond any summation-order tolerance of a whole step.)"""
+    comparison of tests/dsq/engine/test_gemm_units.py leaves the MX presets out: a block's E8M0
+    scale jumps by a factor of two where a sum's last bit moves its maximum across a power of two,
+    so a whole block downstream changes, beyond any summation-order tolerance of a whole
+    step.)"""
     from test_gemm_units import U, demo_batch, demo_transformer, quantized_copy, train_step
 
     checked = []

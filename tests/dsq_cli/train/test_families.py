@@ -19,7 +19,7 @@ from dsq_cli.run_config import FAMILY_NAMES
 from dsq_cli.run_result import RunResult
 from dsq_cli.train.families import FAMILIES, Glue, TaskFamily, Translation, register
 
-CLI = Path(__file__).resolve().parents[1] / "dsq_cli" / "cli.py"
+CLI = Path(__file__).resolve().parents[3] / "dsq_cli" / "cli.py"
 
 
 def _declared(group: str) -> dict[str, object]:

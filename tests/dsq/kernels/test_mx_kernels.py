@@ -1,7 +1,7 @@
 """The C kernels of the MX formats and NVFP4 (dsq/kernels/mx_cpu.c, docs/formats.md "The C
 kernels"): bit for bit the reference at every float32 binade, on 1 and 2 threads, their ops
 checked at the boundary with fake kernels for torch.compile, and built apart per source text.
-tests/test_mx_formats.py compares every backend with the reference on its edge cases."""
+tests/dsq/formats/test_mx_formats.py compares every backend with the reference on its edge cases."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The CPU backends against the reference, bit for bit: quantize, the packed bytes themselves,
 and unpack; every test runs twice, on the c backend (the C kernels where they hold the format)
-and on the compile backend (the torch.compile kernels alone); tests/test_c_kernels.py covers the
-C kernels' edges."""
+and on the compile backend (the torch.compile kernels alone);
+tests/dsq/kernels/test_c_kernels.py covers the C kernels' edges."""
 
 from __future__ import annotations
 

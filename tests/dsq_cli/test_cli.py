@@ -15,7 +15,7 @@ from dsq.formats import parse_format
 from dsq_cli.cli import app
 
 runner = CliRunner()
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_help_lists_the_commands():
