@@ -180,7 +180,9 @@ class Trainer(ABC):
 
     def precision_context(self) -> contextlib.AbstractContextManager:
         """``torch.autocast`` in the config's 16-bit float under the autocast engine (amp_bf16),
-        around training and validation; nothing under the dsq engine."""
+        around each update and each validation; nothing under the dsq engine. Never around the
+        whole loop: autocast keeps its 16-bit copies of the weights until its outermost context
+        exits, so one context over many updates would run every forward on the first weights."""
         dtype = self.quant.autocast_dtype
         if dtype is None:
             return contextlib.nullcontext()
@@ -214,7 +216,7 @@ class Trainer(ABC):
         self.quant.start(self.budget.total_updates, self.updates)
         window: list[float] = []
         try:
-            with self.training_context(), self.precision_context():
+            with self.training_context():
                 for batch, end_of_epoch in self.batches():
                     loss, extra = self._recorded_step(batch)
                     self._count_update()
@@ -236,7 +238,7 @@ class Trainer(ABC):
 
     def _recorded_step(self, batch) -> tuple[float, dict]:
         """`train_step`; the first one of a process records the GEMMs that price the run."""
-        with self.history.first_update():
+        with self.history.first_update(), self.precision_context():
             return self.train_step(batch)
 
     def _count_update(self) -> None:
@@ -290,7 +292,8 @@ class Trainer(ABC):
         """Book a validation: best/last loss, the DSQ schedule step (the new formats apply from
         the next update), the metrics line, one schedule.jsonl line per precision change, and
         the early stop when ``train.stop_patience`` validations in a row did not improve."""
-        valid_loss, record = self.validation_loss()
+        with self.precision_context():
+            valid_loss, record = self.validation_loss()
         check_finite("validation loss", valid_loss, self.updates)
         best = self.progress["best_valid_loss"]
         if best is None or valid_loss < best:  # improved: strictly below the best so far

@@ -169,3 +169,34 @@ def test_dsq_train_runs_the_baselines_to_a_result(tmp_path, overrides):
         assert "not patched" in record["patch"]["summary"]
     else:
         assert "layers checkpointed" in record["patch"]["summary"]
+
+
+def test_the_autocast_engine_sees_each_updates_weights(tmp_path):
+    """Autocast keeps its bf16 copies of the weights until its outermost context exits: the
+    trainer enters it around each update (and validation), so every forward runs on the weights
+    the last update left. One context around the whole loop would train on the first weights
+    forever, the loss of a fixed batch never moving."""
+    from helpers.scripted import Scripted
+
+    class Regression(Scripted):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.05)
+            self.seen: list[tuple[bool, float]] = []
+
+        def train_step(self, batch):
+            self.optimizer.zero_grad()
+            x = torch.linspace(-1, 1, 64).reshape(4, 16)
+            loss = (self.model(x) - 1).pow(2).mean()
+            loss.backward()
+            self.optimizer.step()
+            self.seen.append((torch.is_autocast_enabled("cpu"), loss.item()))
+            self._updates += 1
+            return loss.item(), {}
+
+    trainer = Regression.standalone(tmp_path, [5.0] * 10, quant=load_quant_preset("amp_bf16"),
+                                    max_updates=6, validate_every=3)  # fmt: skip
+    trainer.run()
+    assert [autocast for autocast, _ in trainer.seen] == [True] * 6
+    losses = [loss for _, loss in trainer.seen]
+    assert all(later < earlier for earlier, later in zip(losses, losses[1:])), losses
