@@ -3,7 +3,8 @@
 The Table 1 study (scripts/table1_cpu.sh) is best run in a clone of its own, so that code
 edits in this checkout cannot change a run in the middle. This copies, from CLONE, the small
 records (result.json, metrics.jsonl, schedule.jsonl, config.yaml) of every run under
-results/table1-cpu, results/ablations and the convergence study's roots (scripts/convergence.sh)
+results/table1-cpu, results/ablations, the convergence study's roots (scripts/convergence.sh),
+the MX study's (scripts/mx_formats.sh) and the baselines' (scripts/baselines_multi30k.sh)
 that has an outcome (completed or diverged; `dsq sweep`
 runs the others again), and rewrites
 each fenced block of docs/results.md that follows a marker ``<!-- dsq table ARGS -->`` to the
@@ -30,7 +31,8 @@ RECORDS = ("result.json", "metrics.jsonl", "schedule.jsonl", "config.yaml")
 OUTCOMES = ("completed", "diverged")
 ROOTS = ("results/table1-cpu", "results/ablations", "results/convergence-budget",
          "results/convergence", "results/convergence-en-de-budget",
-         "results/convergence-en-de", "results/mx-formats-multi30k")  # fmt: skip
+         "results/convergence-en-de", "results/mx-formats-multi30k",
+         "results/baselines-multi30k")  # fmt: skip
 MARKER = "<!-- dsq table results/table1-cpu -->"  # the one block docs/results.md must hold
 
 
