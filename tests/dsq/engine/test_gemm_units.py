@@ -21,14 +21,14 @@ import math
 
 import pytest
 import torch
+from helpers.preset_cells import PRESETS, accepted_cells
 
 from dsq.engine import QuantConfig, dsq_linear, dsq_matmul, units
 from dsq.formats import parse_format
 from dsq.formats.base import COMPUTE_DTYPES
 from dsq.integrations import quantize_model
-from dsq_cli.presets import CONF_DIR, at_first_level, load_quant_preset
+from dsq_cli.presets import at_first_level, load_quant_preset
 
-PRESETS = sorted(p.stem for p in (CONF_DIR / "quant").glob("*.yaml"))
 U = 2.0**-24  # float32's unit roundoff
 
 
@@ -524,8 +524,7 @@ STEP_PRESETS = [p for p in PRESETS if p not in ("mx_dsq", "mxfp8", "nvfp4_dsq")]
 
 @needs_bf16
 @pytest.mark.slow
-@pytest.mark.parametrize("scope", ["gemm", "all"])
-@pytest.mark.parametrize("preset", STEP_PRESETS)
+@pytest.mark.parametrize(("preset", "scope"), accepted_cells(STEP_PRESETS))
 def test_a_training_step_on_auto_equals_one_on_fp32(monkeypatch, preset, scope):
     """The tolerance is float32's own summation order, measured on the same step: a step on
     ``auto`` may differ from one on ``fp32`` by at most twice what the fp32 step differs from one
