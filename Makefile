@@ -10,6 +10,10 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.dsq-setup-stamp
 PYTEST_ARGS ?=
+# pytest-xdist workers: most tests are small tensors whose time is Python and one core's work, so
+# a worker per core nearly halves the suite on 2 cores (docs/benchmarks.md, "The test suite and
+# the demo"); 0 runs in this process, e.g. to debug a test with pdb
+TEST_WORKERS ?= auto
 
 .PHONY: setup test test-fast demo bench lint clean help check-library check-install
 
@@ -42,13 +46,13 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 test: setup
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 # The quick tier for the edit-test loop: everything but the tests marked slow (training runs,
 # compiles, spawned processes, anything over about a second; the rule is the marker's, in
 # pyproject.toml). About a minute on 2 cores. CI runs the full `make test`.
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not slow" $(PYTEST_ARGS)
 
 # The main job on the embedded offline default: DSQ training on the generated demo corpus, then
 # test BLEU beside the copy-the-source baseline. WANDB_MODE=offline unless you have a login.
