@@ -199,6 +199,55 @@ def plan(overrides: Sequence[str]) -> tuple[Path, str, dict, list[Job]]:
     return root, launcher, options, jobs
 
 
+def other_settings(job: Job) -> str | None:
+    """Where the run already in ``job``'s directory was made with settings other than the job's
+    overrides ("quant=amp_bf16 where the job sets dsq"), else None. Two sweeps into one root
+    whose jobs share a name (a sweep of one job is named ``job``) would otherwise skip or
+    continue the other's run as their own. Only the overridden keys are compared, and of a group
+    (``quant=dsq``) only the keys both configs hold, so a run made before a key was added
+    still counts as the job's."""
+    from omegaconf import OmegaConf
+
+    from dsq_cli.config import ConfigError, compose
+
+    stored_file = job.run_dir / "config.yaml"
+    if not stored_file.is_file():
+        return None
+    try:
+        wanted, stored = compose(job.overrides), OmegaConf.load(stored_file)
+    except (ConfigError, ValueError):
+        return None  # an invalid override fails the job itself (_check_job); a torn file, its run
+    for override in job.overrides:
+        key = override.partition("=")[0].lstrip("+~")
+        found = _difference(
+            key, _plain(OmegaConf.select(wanted, key)), _plain(OmegaConf.select(stored, key))
+        )
+        if found:
+            where, want, have = found
+            return f"{where}={have} (the job sets {want}, from {override})"
+    return None
+
+
+def _plain(node):
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
+    if isinstance(node, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(node, resolve=True)
+    return node
+
+
+def _difference(key: str, want, have) -> tuple[str, object, object] | None:
+    """The first key under ``key`` where two configs differ, with both values; of two groups,
+    only the keys both hold."""
+    if isinstance(want, dict) and isinstance(have, dict):
+        for sub in sorted(want.keys() & have.keys()):
+            found = _difference(f"{key}.{sub}", want[sub], have[sub])
+            if found:
+                return found
+        return None
+    return (key, want, have) if want != have else None
+
+
 def _check_job(job: Job) -> bool:
     """Compose the job's config here, in this process: an invalid override fails this job only,
     before anything is launched."""
@@ -317,6 +366,13 @@ def run(
     is then reported ``failed`` with that reason, left as it is (`unresumable`). A job whose run
     another live process trains (`runs.in_use`) is left to it: ``busy``."""
     root, launcher, options, jobs = plan(overrides)
+    for job in jobs:
+        other = other_settings(job)
+        if other:
+            raise ValueError(
+                f"{job.run_dir} holds a run made with {other}, not this sweep's job; give the "
+                "sweep its own run.root (a job is named by the overrides that vary in its sweep)"
+            )
     root.mkdir(parents=True, exist_ok=True)
     todo = []
     for job in jobs:

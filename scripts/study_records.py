@@ -32,7 +32,7 @@ OUTCOMES = ("completed", "diverged")
 ROOTS = ("results/table1-cpu", "results/ablations", "results/convergence-budget",
          "results/convergence", "results/convergence-en-de-budget",
          "results/convergence-en-de", "results/mx-formats-multi30k",
-         "results/baselines-multi30k")  # fmt: skip
+         "results/baselines-multi30k", "results/checkpointed-multi30k")  # fmt: skip
 MARKER = "<!-- dsq table results/table1-cpu -->"  # the one block docs/results.md must hold
 
 

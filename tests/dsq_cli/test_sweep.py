@@ -64,6 +64,39 @@ def test_dry_run_lists_the_jobs_without_running(tmp_path):
     assert f"1 job under {tmp_path}" in one.output and f"run.dir={tmp_path}/job" in one.output
 
 
+def test_a_sweep_never_takes_another_sweeps_run_for_its_job(tmp_path):
+    """Two one-job sweeps into one root both name their job ``job``: the second finds the first's
+    run there and refuses (exit 2, one line naming the key that differs, nothing written) instead
+    of skipping or continuing it as its own. The same sweep finds its run its own, also one made
+    before a key was added to the config."""
+    from omegaconf import OmegaConf
+
+    from dsq_cli.config import compose
+
+    run_dir = tmp_path / "job"
+    run_dir.mkdir()
+    stored = OmegaConf.create(OmegaConf.to_container(compose(["task=demo", "quant=amp_bf16"])))
+    OmegaConf.save(stored, run_dir / "config.yaml")
+    (run_dir / "result.json").write_text(json.dumps({"status": "completed"}))
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+
+    refused = RUNNER.invoke(app, ["sweep", "task=demo", "quant=dsq", f"run.root={tmp_path}"])
+    assert refused.exit_code == 2, refused.output
+    assert refused.output.startswith(f"dsq: error: {run_dir} holds a run made with quant.q0=bf16")
+    assert "(the job sets bfp8, from quant=dsq)" in refused.output
+    assert refused.output.count("\n") == 1
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before
+
+    (job,) = sweep.plan(["task=demo", "quant=amp_bf16", f"run.root={tmp_path}"])[3]
+    assert sweep.other_settings(job) is None
+    del stored.quant["engine"]  # a key this run's code did not have yet
+    OmegaConf.save(stored, run_dir / "config.yaml")
+    assert sweep.other_settings(job) is None
+    stored.quant["q0"] = "bfp8"
+    OmegaConf.save(stored, run_dir / "config.yaml")
+    assert sweep.other_settings(job) == "quant.q0=bfp8 (the job sets bf16, from quant=amp_bf16)"
+
+
 @pytest.mark.parametrize(
     "bad, message",
     [
