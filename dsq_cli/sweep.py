@@ -205,7 +205,7 @@ def other_settings(job: Job) -> str | None:
     whose jobs share a name (a sweep of one job is named ``job``) would otherwise skip or
     continue the other's run as their own. Only the overridden keys are compared, and of a group
     (``quant=dsq``) only the keys both configs hold, so a run made before a key was added
-    still counts as the job's."""
+    still counts as the job's (as one whose config lacks an overridden key altogether)."""
     from omegaconf import OmegaConf
 
     from dsq_cli.config import ConfigError, compose
@@ -219,13 +219,17 @@ def other_settings(job: Job) -> str | None:
         return None  # an invalid override fails the job itself (_check_job); a torn file, its run
     for override in job.overrides:
         key = override.partition("=")[0].lstrip("+~")
-        found = _difference(
-            key, _plain(OmegaConf.select(wanted, key)), _plain(OmegaConf.select(stored, key))
-        )
+        have = OmegaConf.select(stored, key, default=_ABSENT)
+        if have is _ABSENT:  # a key this run's code did not have
+            continue
+        found = _difference(key, _plain(OmegaConf.select(wanted, key)), _plain(have))
         if found:
             where, want, have = found
             return f"{where}={have} (the job sets {want}, from {override})"
     return None
+
+
+_ABSENT = object()
 
 
 def _plain(node):

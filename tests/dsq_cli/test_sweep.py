@@ -95,6 +95,8 @@ def test_a_sweep_never_takes_another_sweeps_run_for_its_job(tmp_path):
     stored.quant["q0"] = "bfp8"
     OmegaConf.save(stored, run_dir / "config.yaml")
     assert sweep.other_settings(job) == "quant.q0=bfp8 (the job sets bf16, from quant=amp_bf16)"
+    (run_dir / "config.yaml").write_text("seed: 1\n")  # no quant key at all
+    assert sweep.other_settings(job) is None
 
 
 @pytest.mark.parametrize(
