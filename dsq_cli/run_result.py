@@ -146,6 +146,20 @@ class RunResult:
         return cls.from_dict(record)
 
     @staticmethod
+    def checkpointed(run_dir: Path) -> bool:
+        """Whether the run recomputed its layers' activations in the backward pass
+        (``train.activation_checkpointing``, read from the run's config.yaml): the same numbers,
+        other memory and time, so a table keeps such runs in a row of their own."""
+        import yaml
+
+        try:
+            config = yaml.safe_load((Path(run_dir) / "config.yaml").read_text())
+        except (OSError, UnicodeDecodeError, yaml.YAMLError):
+            return False
+        train = config.get("train") if isinstance(config, Mapping) else None
+        return isinstance(train, Mapping) and train.get("activation_checkpointing") is True
+
+    @staticmethod
     def status_of(run_dir: Path) -> str | None:
         """The status a run directory's result.json records (None: none, or unreadable). Only
         the status is read: a finished run is finished even if other fields are malformed."""

@@ -301,7 +301,8 @@ def read_runs(
             Run(
                 path=path,
                 result=result,
-                row=row_name(result.quant),
+                row=row_name(result.quant)
+                + (" (checkpointed)" if RunResult.checkpointed(path.parent) else ""),
                 task=result.task,
                 model=result.model,
                 metric=result.metric,

@@ -638,3 +638,15 @@ def test_checkpoint_option_on_runs_written_before_checkpoints(tmp_path):
             "final_dev": {"accuracy": 0.85, "value": 0.85}}  # fmt: skip
     old = RunResult.from_dict(glue)
     assert (old.value_of("best"), old.value_of("last"), old.value_of(None)) == (0.86, 0.85, 0.86)
+
+
+def test_checkpointed_runs_get_a_row_of_their_own(tmp_path):
+    """train.activation_checkpointing recomputes the same numbers at other memory and time: a
+    checkpointed run of a preset is never averaged with the preset's own runs."""
+    root = tmp_path / "runs"
+    write_run(root, result_json("dsq", "multi30k", 1, "completed", 28.71, 0.05, 0.37, 2.5))
+    run = write_run(root, result_json("dsq", "multi30k", 2, "completed", 28.31, 0.05, 0.37, 2.5))
+    (run / "config.yaml").write_text("seed: 2\ntrain:\n  activation_checkpointing: true\n")
+    _, rows = parse_markdown(invoke("table", root).stdout)
+    assert list(rows) == ["dsq", "dsq (checkpointed)"]
+    assert rows["dsq"][0] == "28.71" and rows["dsq (checkpointed)"][0] == "28.31"
