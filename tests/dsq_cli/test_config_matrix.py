@@ -28,7 +28,7 @@ from dsq.engine import QuantConfig
 from dsq.engine.config import STASH_SCOPES
 from dsq_cli import runs
 from dsq_cli.cli import app
-from dsq_cli.presets import TABLE1_ORDER, load_quant_preset
+from dsq_cli.presets import TABLE1_ORDER, at_first_level, load_quant_preset
 from dsq_cli.run_result import RunResult
 from dsq_cli.train import recorder, stop
 from dsq_cli.train.recorder import load_checkpoint
@@ -153,8 +153,32 @@ def test_a_scope_a_preset_refuses_is_a_usage_error(preset, scope, shared, tmp_pa
     assert not run_dir.exists()
 
 
-@pytest.mark.parametrize(("preset", "scope"), accepted_cells())
-@pytest.mark.parametrize("family", FAMILIES)
+# The translation family runs every preset at every scope it accepts. The GLUE family, whose
+# trainer shares the engine and differs only in the model and its data, runs one preset of each
+# kind of engine and format family: fp32 (nothing quantized), amp_bf16 (autocast), bf16 and dsq
+# (BFP and fixed point, a rising stash), mx_dsq and nvfp4_dsq (the MX and NVFP4 families). The
+# other presets are the same code at other widths.
+GLUE_PRESETS = ("fp32", "amp_bf16", "bf16", "dsq", "mx_dsq", "nvfp4_dsq")
+CELLS = [("translation", preset, scope) for preset, scope in accepted_cells()] + [
+    ("glue", preset, scope) for preset, scope in accepted_cells(GLUE_PRESETS)
+]
+
+
+def test_the_glue_cells_cover_every_engine_and_format_family():
+    from dsq.formats import parse_format
+
+    def families(preset):
+        quant = load_quant_preset(preset)
+        points = at_first_level(quant)
+        return {type(parse_format(points[p])).__name__ for p in ("q0", "q1", "q2", "q3")} | {
+            quant.get("engine", "dsq")
+        }
+
+    covered = set().union(*(families(p) for p in GLUE_PRESETS))
+    assert set().union(*(families(p) for p in PRESETS)) <= covered
+
+
+@pytest.mark.parametrize(("family", "preset", "scope"), CELLS)
 def test_cell_trains_resumes_and_is_priced(family, preset, scope, shared, tmp_path,
                                            sigterm_after_update_1):  # fmt: skip
     run_dir = tmp_path / "run"
