@@ -448,5 +448,8 @@ def to_yaml(cfg: DictConfig) -> str:
     return OmegaConf.to_yaml(cfg, resolve=True)
 
 
-def to_plain(cfg: DictConfig | ListConfig) -> dict:
-    return OmegaConf.to_container(cfg, resolve=True)
+def to_plain(cfg):
+    """A config node as plain, resolved Python (dicts and lists); any other value as it is."""
+    if isinstance(cfg, DictConfig | ListConfig):
+        return OmegaConf.to_container(cfg, resolve=True)
+    return cfg

@@ -208,7 +208,7 @@ def other_settings(job: Job) -> str | None:
     still counts as the job's (as one whose config lacks an overridden key altogether)."""
     from omegaconf import OmegaConf
 
-    from dsq_cli.config import ConfigError, compose
+    from dsq_cli.config import ConfigError, compose, to_plain
 
     stored_file = job.run_dir / "config.yaml"
     if not stored_file.is_file():
@@ -222,7 +222,7 @@ def other_settings(job: Job) -> str | None:
         have = OmegaConf.select(stored, key, default=_ABSENT)
         if have is _ABSENT:  # a key this run's code did not have
             continue
-        found = _difference(key, _plain(OmegaConf.select(wanted, key)), _plain(have))
+        found = _difference(key, to_plain(OmegaConf.select(wanted, key)), to_plain(have))
         if found:
             where, want, have = found
             return f"{where}={have} (the job sets {want}, from {override})"
@@ -230,14 +230,6 @@ def other_settings(job: Job) -> str | None:
 
 
 _ABSENT = object()
-
-
-def _plain(node):
-    from omegaconf import DictConfig, ListConfig, OmegaConf
-
-    if isinstance(node, (DictConfig, ListConfig)):
-        return OmegaConf.to_container(node, resolve=True)
-    return node
 
 
 def _difference(key: str, want, have) -> tuple[str, object, object] | None:
