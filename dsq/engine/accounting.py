@@ -74,6 +74,10 @@ class GemmRecorder:
 
 
 _ACTIVE: list[GemmRecorder] = []
+# Depth of forward passes run again for activation checkpointing: the GEMMs of a step are its
+# forward pass's, counted once, so a recomputation notes nothing (docs/dsq.md, "What the
+# backward pass holds").
+_RECOMPUTING = [0]
 
 
 @contextlib.contextmanager
@@ -87,8 +91,19 @@ def record_gemms():
         _ACTIVE.remove(recorder)
 
 
+@contextlib.contextmanager
+def recomputation():
+    """A forward pass run again inside the backward pass (activation checkpointing): its GEMMs
+    are those of the forward pass already noted, so none is noted again."""
+    _RECOMPUTING[0] += 1
+    try:
+        yield
+    finally:
+        _RECOMPUTING[0] -= 1
+
+
 def note(kind: str, batch: int, n: int, k: int, m: int, cfg, stash_bytes: int, plans=()) -> None:
-    if not _ACTIVE:
+    if not _ACTIVE or _RECOMPUTING[0]:
         return
     formats = tuple(sorted(cfg.current().items()))
     units = tuple(p.unit for p in plans)

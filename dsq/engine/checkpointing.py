@@ -5,7 +5,8 @@ backward pass and runs its forward again there, holding its activations for the 
 own backward. ``torch.utils.checkpoint`` in its non-reentrant form does this and works with any
 layer, patched by DSQ or not, under ``torch.autocast`` or not. A DSQ layer run again packs its
 stash again: with nearest rounding the values are those of the first forward (the formats in
-force do not change between a forward and its backward). Stochastic rounding would draw new
+force do not change between a forward and its backward). The run's records count each GEMM once,
+as its first forward ran it (`accounting.recomputation`). Stochastic rounding would draw new
 noise for the second forward, so its stash would not be the one the loss was computed with:
 `checkpoint_layers` refuses it.
 """
@@ -18,6 +19,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from . import accounting
 from .config import QuantConfig
 
 
@@ -40,7 +42,17 @@ def checkpoint_layers(layers: Iterable[nn.Module], cfg: QuantConfig | None = Non
         def checkpointed(*args, _forward=forward, **kwargs):
             if not torch.is_grad_enabled():
                 return _forward(*args, **kwargs)
-            return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
+            calls = 0
+
+            def run(*args, **kwargs):  # the first call is the forward pass, the rest recompute
+                nonlocal calls
+                calls += 1
+                if calls == 1:
+                    return _forward(*args, **kwargs)
+                with accounting.recomputation():
+                    return _forward(*args, **kwargs)
+
+            return checkpoint(run, *args, use_reentrant=False, **kwargs)
 
         layer.forward = checkpointed
         count += 1

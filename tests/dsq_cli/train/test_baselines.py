@@ -115,6 +115,39 @@ def test_checkpointing_refuses_stochastic_rounding():
     assert x.grad is not None
 
 
+@pytest.mark.parametrize("preset", ["dsq", "amp_bf16"])
+def test_checkpointing_records_each_gemm_once(preset):
+    """A checkpointed layer runs its forward again in the backward pass; the step's records
+    (the cost model's GEMMs, the stash bytes) are those of the uncheckpointed step."""
+    pytest.importorskip("fairseq")
+    from dsq.engine.checkpointing import checkpoint_layers
+    from dsq.integrations import observe_model, quantize_model
+    from dsq_cli.bench.step import Batch, build_model
+
+    cfg = QuantConfig.from_dict(load_quant_preset(preset))
+    batch = Batch.random(4, 8, 500, CPU)
+
+    def step_records(checkpointed: bool):
+        torch.manual_seed(0)
+        model = build_model(2, 64, 500).train()
+        if preset == "amp_bf16":
+            observe_model(model, cfg)
+        else:
+            model = quantize_model(model, cfg)
+        layers = [*model.encoder.layers, *model.decoder.layers]
+        if checkpointed:
+            assert checkpoint_layers(layers, cfg) == len(layers) == 4
+        autocast = torch.autocast("cpu", torch.bfloat16, enabled=preset == "amp_bf16")
+        with record_gemms() as record, autocast:
+            out = model(batch.src, batch.lengths, batch.prev)[0]
+            out.float().sum().backward()
+        return record.gemms
+
+    plain, checkpointed = step_records(False), step_records(True)
+    assert len(plain) == 2 * (6 + 10) + 1 + 2 * 2 * 3
+    assert checkpointed == plain
+
+
 @pytest.mark.parametrize(
     "override, says",
     [
