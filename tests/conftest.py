@@ -15,6 +15,16 @@ CUDA = torch.cuda.is_available()
 if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist each worker takes its share of the cores, and so do the processes it starts
+# (OMP_NUM_THREADS): workers of as many threads as there are cores would oversubscribe them, and
+# PyTorch processes that share cores that way slow each other down several times over
+# (docs/benchmarks.md, "Runs that share the cores").
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
+    _THREADS = max(1, (os.cpu_count() or 1) // _WORKERS)
+    torch.set_num_threads(_THREADS)
+    os.environ["OMP_NUM_THREADS"] = str(_THREADS)
+
 
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``cuda`` skip, with the reason, where no CUDA device is present."""
