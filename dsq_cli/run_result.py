@@ -259,8 +259,10 @@ def memory_record(gemm_shapes: list[dict] | None, cuda_peak_allocated: int | Non
     * ``cuda_peak_allocated_mib``: ``cuda_peak_allocated`` in MiB, the CUDA allocator's peak of
       bytes in tensors on the run's device (``torch.cuda.max_memory_allocated``; the caching
       allocator's reserve and the CUDA context not included); None without CUDA.
-    * ``stash_bytes_per_step``: the bytes the recorded training step held in DSQ stashes for the
-      backward pass: the sum of ``stash_bytes`` over ``gemm_shapes``, the GEMMs of the first
+    * ``stash_bytes_per_step``: the bytes the recorded training step packs into DSQ stashes for
+      the backward pass, each GEMM counted once (with activation checkpointing a layer holds its
+      own only around its backward; docs/dsq.md, "What the backward pass holds"): the sum of
+      ``stash_bytes`` over ``gemm_shapes``, the GEMMs of the first
       update the process recorded (docs/spec.md §4; one rank's batch); None when no update was
       recorded.
     """

@@ -21,7 +21,7 @@ if not CUDA:
 # (docs/benchmarks.md, "Runs that share the cores").
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
-    _THREADS = max(1, (os.cpu_count() or 1) // _WORKERS)
+    _THREADS = max(1, len(os.sched_getaffinity(0)) // _WORKERS)  # the cores this process may use
     torch.set_num_threads(_THREADS)
     os.environ["OMP_NUM_THREADS"] = str(_THREADS)
 

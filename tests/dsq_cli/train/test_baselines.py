@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from dsq.engine import QuantConfig
+from dsq.engine import QuantConfig, accounting
 from dsq.engine.accounting import record_gemms
 from dsq_cli.presets import load_quant_preset
 
@@ -146,6 +146,7 @@ def test_checkpointing_records_each_gemm_once(preset):
     plain, checkpointed = step_records(False), step_records(True)
     assert len(plain) == 2 * (6 + 10) + 1 + 2 * 2 * 3
     assert checkpointed == plain
+    assert accounting._RECOMPUTING == [0]  # the recomputations are over, and nothing leaked
 
 
 @pytest.mark.parametrize(
