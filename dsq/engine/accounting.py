@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,10 +75,16 @@ class GemmRecorder:
 
 
 _ACTIVE: list[GemmRecorder] = []
-# Depth of forward passes run again for activation checkpointing: the GEMMs of a step are its
-# forward pass's, counted once, so a recomputation notes nothing (docs/dsq.md, "What the
-# backward pass holds").
-_RECOMPUTING = [0]
+# Depth of forward passes run again for activation checkpointing, per thread (the autograd
+# engine may run a backward pass, and so its recomputations, on a thread of its own): the GEMMs
+# of a step are its forward pass's, counted once, so a recomputation notes nothing (docs/dsq.md,
+# "What the backward pass holds").
+_RECOMPUTING = threading.local()
+
+
+def recomputing() -> bool:
+    """Whether this thread is inside `recomputation`."""
+    return getattr(_RECOMPUTING, "depth", 0) > 0
 
 
 @contextlib.contextmanager
@@ -95,15 +102,15 @@ def record_gemms():
 def recomputation():
     """A forward pass run again inside the backward pass (activation checkpointing): its GEMMs
     are those of the forward pass already noted, so none is noted again."""
-    _RECOMPUTING[0] += 1
+    _RECOMPUTING.depth = getattr(_RECOMPUTING, "depth", 0) + 1
     try:
         yield
     finally:
-        _RECOMPUTING[0] -= 1
+        _RECOMPUTING.depth -= 1
 
 
 def note(kind: str, batch: int, n: int, k: int, m: int, cfg, stash_bytes: int, plans=()) -> None:
-    if not _ACTIVE or _RECOMPUTING[0]:
+    if not _ACTIVE or recomputing():
         return
     formats = tuple(sorted(cfg.current().items()))
     units = tuple(p.unit for p in plans)
