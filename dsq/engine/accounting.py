@@ -98,14 +98,16 @@ def record_gemms():
         _ACTIVE.remove(recorder)
 
 
-@contextlib.contextmanager
-def recomputation():
+class recomputation:  # noqa: N801 (used as a function: ``with recomputation():``)
     """A forward pass run again inside the backward pass (activation checkpointing): its GEMMs
-    are those of the forward pass already noted, so none is noted again."""
-    _RECOMPUTING.depth = getattr(_RECOMPUTING, "depth", 0) + 1
-    try:
-        yield
-    finally:
+    are those of the forward pass already noted, so none is noted again. Reusable: torch's
+    checkpoint enters one instance for every recomputation of its layer (a second backward
+    pass through a retained graph recomputes again)."""
+
+    def __enter__(self):
+        _RECOMPUTING.depth = getattr(_RECOMPUTING, "depth", 0) + 1
+
+    def __exit__(self, *exc):
         _RECOMPUTING.depth -= 1
 
 

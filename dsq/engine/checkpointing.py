@@ -13,6 +13,7 @@ noise for the second forward, so its stash would not be the one the loss was com
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 
 import torch
@@ -21,6 +22,12 @@ from torch.utils.checkpoint import checkpoint
 
 from . import accounting
 from .config import QuantConfig
+
+
+def _contexts():
+    """torch.utils.checkpoint's contexts of the forward pass and of its recomputation: the
+    recomputation notes no GEMM, the forward pass already did."""
+    return contextlib.nullcontext(), accounting.recomputation()
 
 
 def checkpoint_layers(layers: Iterable[nn.Module], cfg: QuantConfig | None = None) -> int:
@@ -42,17 +49,8 @@ def checkpoint_layers(layers: Iterable[nn.Module], cfg: QuantConfig | None = Non
         def checkpointed(*args, _forward=forward, **kwargs):
             if not torch.is_grad_enabled():
                 return _forward(*args, **kwargs)
-            calls = 0
-
-            def run(*args, **kwargs):  # the first call is the forward pass, the rest recompute
-                nonlocal calls
-                calls += 1
-                if calls == 1:
-                    return _forward(*args, **kwargs)
-                with accounting.recomputation():
-                    return _forward(*args, **kwargs)
-
-            return checkpoint(run, *args, use_reentrant=False, **kwargs)
+            return checkpoint(_forward, *args, use_reentrant=False,
+                              context_fn=_contexts, **kwargs)  # fmt: skip
 
         layer.forward = checkpointed
         count += 1
