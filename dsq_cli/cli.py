@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import re
 import sys
 from pathlib import Path
 
@@ -506,6 +507,14 @@ def table_cmd(
         help="Confidence level of every interval (Student t over seeds); 0.90 gives the "
         "intervals of two one-sided equivalence tests at 5%.",
     ),
+    rows: str = typer.Option(
+        None,
+        "--rows",
+        help="Only these rows, comma-separated without spaces (e.g. dsq,dsq_stash_bfp3), and "
+        "--against's; "
+        "--frontier is then the frontier among them.",
+        show_default=False,
+    ),
 ):
     """Table 1 (docs/spec.md §6) from runs' result.json: presets as rows, tasks as columns
     (docs/table.md).
@@ -526,7 +535,15 @@ def table_cmd(
                 f"{flag} adds a list to markdown or json; drop it or use --format markdown or "
                 f"json, not {fmt}"
             )
-    result_table = table.collect(paths or ["runs"], checkpoint, level=level, against=against)
+    chosen_rows = None
+    if rows is not None:
+        # a comma followed by a space belongs to a row's name: "dsq* (q1=bfp3, q3=bfp8)"
+        chosen_rows = [row.strip() for row in re.split(r",(?! )", rows) if row.strip()]
+        if not chosen_rows:
+            raise ValueError("--rows names no row; give them comma-separated, e.g. --rows fp32,dsq")
+    result_table = table.collect(
+        paths or ["runs"], checkpoint, level=level, against=against, rows=chosen_rows
+    )
     for warning in result_table.warnings:
         typer.echo(f"dsq: warning: {warning}", err=True)
     if fmt == "json":

@@ -449,16 +449,32 @@ def collect(
     *,
     level: float = 0.95,
     against: str | None = None,
+    rows: Iterable[str] | None = None,
 ) -> Table:
     """The table of the runs under ``paths``; ``level``: of its intervals; ``against``: a row
-    the others are compared with seed by seed (`Table.difference`)."""
+    the others are compared with seed by seed (`Table.difference`); ``rows``: only these rows
+    (and ``against``), in the table's order, so that the frontier is the one among them."""
     if not 0 < level < 1:
         raise ValueError(f"--level is a confidence level between 0 and 1, got {level}")
     found, warnings = read_runs(paths, checkpoint)
     table = build_table(found, warnings)
-    if against is not None and against not in table.rows:
-        raise ValueError(f"--against {against!r} is no row of this table; its rows: "
-                         + ", ".join(table.rows))  # fmt: skip
+    wanted = [*(rows or ()), *([against] if against is not None else [])]
+    unknown = [row for row in wanted if row not in table.rows]
+    if unknown:
+        flag = "--against" if unknown == [against] else "--rows"
+        named = ", ".join(map(repr, unknown))
+        raise ValueError(f"{flag} {named} {'is no row' if len(unknown) == 1 else 'are no rows'} "
+                         "of this table; its rows: " + ", ".join(table.rows))  # fmt: skip
+    if rows is not None:
+        kept = [row for row in table.rows if row in wanted]
+        cells = {key: cell for key, cell in table.cells.items() if key[0] in kept}
+        table = replace(
+            table,
+            rows=kept,
+            cells=cells,
+            columns=[c for c in table.columns if any(key[1] == c.label for key in cells)],
+            row_quant={row: table.row_quant[row] for row in kept},
+        )
     return replace(table, level=level, against=against)
 
 

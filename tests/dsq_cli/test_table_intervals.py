@@ -202,6 +202,23 @@ def test_bad_against_or_level_is_a_one_line_usage_error(paired_root):
     assert bad.exit_code == 2 and "--level is a confidence level between 0 and 1" in bad.output
 
 
+def test_rows_keeps_the_named_rows_and_the_against_row(paired_root):
+    found = table.collect([paired_root], against="fp32", rows=["bfp6"])
+    assert found.rows == ["fp32", "bfp6"]  # the table's order, with the row compared against
+    assert {row for row, _ in found.cells} == {"fp32", "bfp6"}
+    # the frontier is the one among the rows kept: without bfp8, bfp6 dominates fp32
+    (arithmetic,) = [r for r in table.frontier_records(found) if r["cost"] == "arithmetic"]
+    assert arithmetic["on_frontier"] == ["bfp6"]
+    result = invoke(paired_root, "--against", "fp32", "--rows", "bfp6", "--format", "json")
+    assert result.exit_code == 0, result.output
+    assert [row["name"] for row in json.loads(result.stdout)["rows"]] == ["fp32", "bfp6"]
+    unknown = invoke(paired_root, "--rows", "bfp6,fp16")
+    assert unknown.exit_code == 2
+    assert "--rows 'fp16' is no row of this table; its rows: fp32, bfp8, bfp6" in unknown.output
+    empty = invoke(paired_root, "--rows", ",")
+    assert empty.exit_code == 2 and "--rows names no row" in empty.output
+
+
 def test_two_runs_of_one_seed_are_not_paired_and_are_named(paired_root):
     extra = paired_root / "again"
     _run(extra, "bfp8", {p: "bfp8" for p in ("q0", "q1", "q2", "q3")}, 1, 30.0, 5.0, 0.06, 0.27)
