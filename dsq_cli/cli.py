@@ -507,6 +507,14 @@ def table_cmd(
         help="Confidence level of every interval (Student t over seeds); 0.90 gives the "
         "intervals of two one-sided equivalence tests at 5%.",
     ),
+    margin: str = typer.Option(
+        None,
+        "--margin",
+        help="With --against: equivalence margins stated in advance, the metric's and the best "
+        "validation loss's (e.g. 0.5,0.02); each paired interval inside ± its margin reads "
+        "'equivalent' (two one-sided tests; --level 0.90 for 5% each), else 'not shown'.",
+        show_default=False,
+    ),
     rows: str = typer.Option(
         None,
         "--rows",
@@ -541,8 +549,22 @@ def table_cmd(
         chosen_rows = [row.strip() for row in re.split(r",(?! )", rows) if row.strip()]
         if not chosen_rows:
             raise ValueError("--rows names no row; give them comma-separated, e.g. --rows fp32,dsq")
+    margins = None
+    if margin is not None:
+        try:
+            margins = tuple(float(m) for m in margin.split(","))
+        except ValueError:
+            raise ValueError(
+                "--margin is two positive numbers, the metric's and the best validation loss's, "
+                f"e.g. --margin 0.5,0.02; got {margin!r}"
+            ) from None
     result_table = table.collect(
-        paths or ["runs"], checkpoint, level=level, against=against, rows=chosen_rows
+        paths or ["runs"],
+        checkpoint,
+        level=level,
+        against=against,
+        rows=chosen_rows,
+        margins=margins,
     )
     for warning in result_table.warnings:
         typer.echo(f"dsq: warning: {warning}", err=True)

@@ -71,6 +71,10 @@ CSV_COLUMNS = (
     "loss_diff_mean",
     "loss_diff_low",
     "loss_diff_high",
+    "margin",
+    "diff_equivalent",
+    "loss_margin",
+    "loss_diff_equivalent",
     "arith_ratio",
     "dram_ratio",
     "arith_reduction",
@@ -209,9 +213,23 @@ class Table:
     warnings: list[str]
     level: float = 0.95  # of every interval the table shows
     against: str | None = None  # the row every other row's paired differences are from
+    # measure -> the equivalence margin stated in advance (docs/table.md, "Intervals")
+    margins: dict[str, float] | None = None
 
     def cell(self, row: str, column: Column) -> Cell | None:
         return self.cells.get((row, column.label))
+
+    def equivalent(self, row: str, column: Column, measure: str) -> bool | None:
+        """Whether ``row``'s paired difference from ``against`` in ``measure`` has its interval
+        inside ± the margin: two one-sided tests at (1 - level) / 2 each. None where there is
+        no margin, no interval (under two pairs) or the row is ``against`` itself."""
+        if self.against is None or not self.margins or row == self.against:
+            return None
+        diff = self.difference(row, self.against, column, measure)
+        if diff is None or diff.low is None:
+            return None
+        margin = self.margins[measure]
+        return -margin < diff.low and diff.high < margin
 
     def difference(self, row: str, other: str, column: Column, measure: str) -> Interval | None:
         """``row`` minus ``other`` in ``measure``, seed by seed, with its interval at the table's
@@ -450,12 +468,23 @@ def collect(
     level: float = 0.95,
     against: str | None = None,
     rows: Iterable[str] | None = None,
+    margins: tuple[float, float] | None = None,
 ) -> Table:
     """The table of the runs under ``paths``; ``level``: of its intervals; ``against``: a row
     the others are compared with seed by seed (`Table.difference`); ``rows``: only these rows
-    (and ``against``), in the table's order, so that the frontier is the one among them."""
+    (and ``against``), in the table's order, so that the frontier is the one among them;
+    ``margins``: the equivalence margins in the metric and in best validation loss
+    (`Table.equivalent`)."""
     if not 0 < level < 1:
         raise ValueError(f"--level is a confidence level between 0 and 1, got {level}")
+    if margins is not None:
+        if against is None:
+            raise ValueError("--margin tests equivalence to a row: give --against ROW with it")
+        if len(margins) != 2 or not all(m > 0 for m in margins):
+            raise ValueError(
+                "--margin is two positive numbers, the metric's and the best validation "
+                f"loss's, e.g. --margin 0.5,0.02; got {','.join(map(str, margins))}"
+            )
     found, warnings = read_runs(paths, checkpoint)
     table = build_table(found, warnings)
     wanted = [*(rows or ()), *([against] if against is not None else [])]
@@ -475,7 +504,8 @@ def collect(
             columns=[c for c in table.columns if any(key[1] == c.label for key in cells)],
             row_quant={row: table.row_quant[row] for row in kept},
         )
-    return replace(table, level=level, against=against)
+    measure_margins = dict(zip(MEASURES, margins)) if margins is not None else None
+    return replace(table, level=level, against=against, margins=measure_margins)
 
 
 # -- rendering ------------------------------------------------------------------------------
@@ -611,11 +641,21 @@ def render_markdown(table: Table) -> str:
 
 
 def against_heading(table: Table) -> str:
+    equivalence = ""
+    if table.margins:
+        equivalence = (
+            "; equivalent: the interval lies inside ± the margin, i.e. two one-sided tests at "
+            f"{_level_text((1 - table.level) / 2)} each, and not shown where it does not"
+        )
     return (
         f"Paired differences from {table.against} (each row minus {table.against}, seed by "
         f"seed; mean, {_level_text(table.level)} interval, n pairs; a higher metric is better, "
-        "a lower loss is better):"
+        f"a lower loss is better{equivalence}):"
     )
+
+
+def _equivalence_text(verdict: bool | None) -> str:
+    return "-" if verdict is None else "equivalent" if verdict else "not shown"
 
 
 def against_grid(table: Table) -> tuple[list[str], list[list[str]]]:
@@ -629,6 +669,11 @@ def against_grid(table: Table) -> tuple[list[str], list[list[str]]]:
             f"{label} - {table.against}",
             f"loss - {table.against}",
         ]
+        if table.margins:
+            header += [
+                f"{label} within ±{table.margins[METRIC]:g}",
+                f"loss within ±{table.margins[LOSS]:g}",
+            ]
     rows = []
     for row in table.rows:
         texts = [row]
@@ -643,6 +688,8 @@ def against_grid(table: Table) -> tuple[list[str], list[list[str]]]:
                 diff = table.difference(row, table.against, column, measure)
                 digits = _decimals(column.metric, measure)
                 texts.append(interval_text(diff, digits, signed=True) if diff else "-")
+            if table.margins:
+                texts += [_equivalence_text(table.equivalent(row, column, m)) for m in MEASURES]
         rows.append(texts)
     return header, rows
 
@@ -738,6 +785,9 @@ def measure_records(table: Table, row: str, column: Column, cell: Cell) -> dict:
                 "level": table.level,
                 **(diff.as_dict() if diff else {**_interval_fields(None), "sd": None}),
             }
+            if table.margins:
+                record["difference"]["margin"] = table.margins[measure]
+                record["difference"]["equivalent"] = table.equivalent(row, column, measure)
         records[column.metric if measure == METRIC else LOSS] = record
     return records
 
@@ -775,6 +825,9 @@ def _cell_record(table: Table, row: str, column: Column, cell: Cell) -> dict:
             diff = table.difference(row, table.against, column, measure)
         for key, value in _interval_fields(diff).items():
             record[f"{prefix}_{key}"] = value
+        record[f"{prefix}_equivalent"] = table.equivalent(row, column, measure)
+    record["margin"] = table.margins[METRIC] if table.margins else None
+    record["loss_margin"] = table.margins[LOSS] if table.margins else None
     record.update(
         {
             "arith_ratio": arith,
@@ -875,6 +928,10 @@ def as_json(table: Table) -> dict:
         ],
         "level": table.level,
         "against": table.against,
+        # the metric's margin is in each column's metric (BLEU points, a GLUE fraction)
+        "margins": {"metric": table.margins[METRIC], LOSS: table.margins[LOSS]}
+        if table.margins
+        else None,
         "cells": cells,
         "baselines": table.baselines,
         "reference": {"paper": dict(PAPER_REFERENCE), "ours": table.rebased()},

@@ -202,6 +202,45 @@ def test_bad_against_or_level_is_a_one_line_usage_error(paired_root):
     assert bad.exit_code == 2 and "--level is a confidence level between 0 and 1" in bad.output
 
 
+def test_margin_says_which_rows_are_shown_equivalent(paired_root):
+    # bfp8 - fp32: +1.1, +0.9, +1.1, +0.9 in BLEU and -0.1 in loss on every seed
+    diffs = [1.1, 0.9, 1.1, 0.9]
+    half = t_quantile(0.95, 3) * statistics.stdev(diffs) / math.sqrt(4)
+    assert 1.1 < 1.0 + half < 1.2  # inside a margin of 1.2, past one of 1.1
+    found = table.collect([paired_root], level=0.9, against="fp32", margins=(1.2, 0.2))
+    column = found.columns[0]
+    assert found.equivalent("bfp8", column, table.METRIC) is True
+    assert found.equivalent("bfp8", column, table.LOSS) is True
+    assert found.equivalent("bfp6", column, table.METRIC) is False  # +0.20 [-1.09, +1.49]
+    assert found.equivalent("fp32", column, table.METRIC) is None
+    tighter = table.collect([paired_root], level=0.9, against="fp32", margins=(1.1, 0.2))
+    assert tighter.equivalent("bfp8", column, table.METRIC) is False
+    result = invoke(paired_root, "--against", "fp32", "--level", "0.9", "--margin", "1.2,0.2")
+    assert result.exit_code == 0, result.output
+    assert "two one-sided tests at 5% each" in result.stdout
+    line = next(x for x in result.stdout.splitlines() if x.startswith("| bfp8 |") and "±" not in x
+                and x.count("|") > 6)  # fmt: skip
+    assert line.endswith("| equivalent | equivalent |")
+    records = json.loads(
+        invoke(paired_root, "--against", "fp32", "--margin", "1.2,0.2", "--format", "json").stdout
+    )
+    bfp8 = records["cells"]["bfp8"]["multi30k"]["measures"]["bleu"]["difference"]
+    assert (bfp8["margin"], bfp8["equivalent"]) == (1.2, True)  # at 95% too: +1.00 [0.82, 1.18]
+    assert records["margins"] == {"metric": 1.2, "best_valid_loss": 0.2}
+    csv_text = invoke(paired_root, "--against", "fp32", "--margin", "1.2,0.2", "--format", "csv")
+    header, *lines = csv_text.stdout.splitlines()
+    fields = dict(zip(header.split(","), next(x for x in lines if ",bfp8," in x).split(",")))
+    assert (fields["margin"], fields["diff_equivalent"], fields["loss_diff_equivalent"]) == (
+        "1.2",
+        "True",
+        "True",
+    )
+    alone = invoke(paired_root, "--margin", "0.5,0.02")
+    assert alone.exit_code == 2 and "give --against ROW with it" in alone.output
+    bad = invoke(paired_root, "--against", "fp32", "--margin", "0.5")
+    assert bad.exit_code == 2 and "--margin is two positive numbers" in bad.output
+
+
 def test_rows_keeps_the_named_rows_and_the_against_row(paired_root):
     found = table.collect([paired_root], against="fp32", rows=["bfp6"])
     assert found.rows == ["fp32", "bfp6"]  # the table's order, with the row compared against
