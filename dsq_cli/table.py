@@ -913,6 +913,7 @@ def as_json(table: Table) -> dict:
                 "dram_ratio": run.result.cost["dram_ratio"],
                 "stash_bits_mean": run.result.stash_bits_mean,
                 "updates": run.result.updates,
+                "wall_seconds": run.result.wall_seconds,
             }
             for run in cell.runs
         ]

@@ -283,6 +283,7 @@ def test_json_cells_and_runs_equal_result_json(root, tmp_path):
             run = by_seed[seed]
             assert (run["status"], run["value"], run["arith_ratio"]) == (status, value, arith)
             assert (run["dram_ratio"], run["stash_bits_mean"]) == (dram, bits)
+            assert run["wall_seconds"] == 845.876  # what a study's CPU hours are summed from
     assert dsq["metric_std"] == statistics.stdev([26.4149, 26.0312])
     assert data["cells"]["dsq"]["iwslt17"]["status"] == "running"
 
