@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import re
 import sys
 from pathlib import Path
 
@@ -545,8 +544,7 @@ def table_cmd(
             )
     chosen_rows = None
     if rows is not None:
-        # a comma followed by a space belongs to a row's name: "dsq* (q1=bfp3, q3=bfp8)"
-        chosen_rows = [row.strip() for row in re.split(r",(?! )", rows) if row.strip()]
+        chosen_rows = table.split_rows(rows)
         if not chosen_rows:
             raise ValueError("--rows names no row; give them comma-separated, e.g. --rows fp32,dsq")
     margins = None
@@ -555,8 +553,8 @@ def table_cmd(
             margins = tuple(float(m) for m in margin.split(","))
         except ValueError:
             raise ValueError(
-                "--margin is two positive numbers, the metric's and the best validation loss's, "
-                f"e.g. --margin 0.5,0.02; got {margin!r}"
+                "--margin is two finite positive numbers, the metric's and the best validation "
+                f"loss's, e.g. --margin 0.5,0.02; got {margin!r}"
             ) from None
     result_table = table.collect(
         paths or ["runs"],

@@ -12,7 +12,9 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
 import os
+import re
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -413,9 +415,8 @@ def _column_key(run: Run) -> tuple:
 
 
 def build_table(found: list[Run], warnings: list[str] | None = None) -> Table:
-    """Group runs into rows (quant, and the budget where it differs: `budget_rows`) and columns
+    """Group runs, each already named after its row (`budget_rows`), into rows and columns
     (task; model and metric too where a task has runs of several)."""
-    found = budget_rows(found)
     models: dict[str, set] = {}
     metrics: dict[str, set] = {}
     for run in found:
@@ -461,6 +462,13 @@ def build_table(found: list[Run], warnings: list[str] | None = None) -> Table:
     )
 
 
+def split_rows(text: str) -> list[str]:
+    """``--rows``' row names: split at each comma not followed by a space, since one followed by
+    a space belongs to a row's name (``dsq* (q1=bfp3, q3=bfp8)``, ``dsq (updates=640,
+    validate_every=40)``)."""
+    return [row.strip() for row in re.split(r",(?! )", text) if row.strip()]
+
+
 def collect(
     paths: Iterable[str | os.PathLike],
     checkpoint: str | None = None,
@@ -480,29 +488,35 @@ def collect(
     if margins is not None:
         if against is None:
             raise ValueError("--margin tests equivalence to a row: give --against ROW with it")
-        if len(margins) != 2 or not all(m > 0 for m in margins):
+        if len(margins) != 2 or not all(math.isfinite(m) and m > 0 for m in margins):
             raise ValueError(
-                "--margin is two positive numbers, the metric's and the best validation "
-                f"loss's, e.g. --margin 0.5,0.02; got {','.join(map(str, margins))}"
+                "--margin is two finite positive numbers, the metric's and the best "
+                "validation loss's, e.g. --margin 0.5,0.02"
             )
-    found, warnings = read_runs(paths, checkpoint)
-    table = build_table(found, warnings)
-    wanted = [*(rows or ()), *([against] if against is not None else [])]
-    unknown = [row for row in wanted if row not in table.rows]
-    if unknown:
-        flag = "--against" if unknown == [against] else "--rows"
-        named = ", ".join(map(repr, unknown))
-        raise ValueError(f"{flag} {named} {'is no row' if len(unknown) == 1 else 'are no rows'} "
-                         "of this table; its rows: " + ", ".join(table.rows))  # fmt: skip
+    found, read_warnings = read_runs(paths, checkpoint)
+    # rows are named among all the runs found (a budget row is named against its column's
+    # usual budget), then --rows keeps some: the table, its warnings and baselines, of those
+    found = budget_rows(found)
+    table = build_table(found, read_warnings)
+    for flag, names in (("--against", [against] if against else []), ("--rows", rows or [])):
+        unknown = list(dict.fromkeys(row for row in names if row not in table.rows))
+        if unknown:
+            hint = ""
+            if any(", " in row for row in unknown):
+                hint = " (a comma followed by a space is read as part of a row's name)"
+            raise ValueError(
+                f"{flag} {', '.join(map(repr, unknown))} "
+                f"{'is no row' if len(unknown) == 1 else 'are no rows'} of this table{hint}; "
+                "its rows: " + ", ".join(table.rows)
+            )
     if rows is not None:
-        kept = [row for row in table.rows if row in wanted]
-        cells = {key: cell for key, cell in table.cells.items() if key[0] in kept}
-        table = replace(
-            table,
-            rows=kept,
-            cells=cells,
-            columns=[c for c in table.columns if any(key[1] == c.label for key in cells)],
-            row_quant={row: table.row_quant[row] for row in kept},
+        kept = {*rows, *([against] if against else [])}
+        table = build_table([run for run in found if run.row in kept], read_warnings)
+    if margins is not None and len({c.metric for c in table.columns}) > 1:
+        raise ValueError(
+            "--margin is in one metric's units, and this table has several ("
+            + ", ".join(sorted({c.metric for c in table.columns}))
+            + "); keep one with --rows or paths of one task"
         )
     measure_margins = dict(zip(MEASURES, margins)) if margins is not None else None
     return replace(table, level=level, against=against, margins=measure_margins)

@@ -237,25 +237,84 @@ def test_margin_says_which_rows_are_shown_equivalent(paired_root):
     )
     alone = invoke(paired_root, "--margin", "0.5,0.02")
     assert alone.exit_code == 2 and "give --against ROW with it" in alone.output
-    bad = invoke(paired_root, "--against", "fp32", "--margin", "0.5")
-    assert bad.exit_code == 2 and "--margin is two positive numbers" in bad.output
+    for bad_margin in ("0.5", "a,b", "inf,0.02", "0.5,-1"):
+        bad = invoke(paired_root, "--against", "fp32", "--margin", bad_margin)
+        assert bad.exit_code == 2, bad_margin
+        assert "--margin is two finite positive numbers" in bad.output, bad.output
+    latex = invoke(paired_root, "--against", "fp32", "--margin", "1.2,0.2", "--format", "latex")
+    assert r"BLEU within $\pm$1.2 & loss within $\pm$0.2 \\" in latex.stdout
 
 
 def test_rows_keeps_the_named_rows_and_the_against_row(paired_root):
+    # a second bfp8 run of seed 1: the full table warns of it, a table without bfp8 does not
+    _run(paired_root / "again", "bfp8", {p: "bfp8" for p in ("q0", "q1", "q2", "q3")}, 1, 30.0,
+         5.0, 0.06, 0.27)  # fmt: skip
+    full = table.collect([paired_root], against="fp32")
+    assert any(w.startswith("bfp8,") for w in full.warnings)
+    (everything,) = [r for r in table.frontier_records(full) if r["cost"] == "arithmetic"]
+    (fp32,) = everything["dominated"]
+    assert {by["row"] for by in fp32["by"]} == {"bfp8", "bfp6"}
+
     found = table.collect([paired_root], against="fp32", rows=["bfp6"])
     assert found.rows == ["fp32", "bfp6"]  # the table's order, with the row compared against
     assert {row for row, _ in found.cells} == {"fp32", "bfp6"}
-    # the frontier is the one among the rows kept: without bfp8, bfp6 dominates fp32
+    assert not any(w.startswith("bfp8,") for w in found.warnings)
+    # the frontier is the one among the rows kept: fp32 is dominated by bfp6 alone
     (arithmetic,) = [r for r in table.frontier_records(found) if r["cost"] == "arithmetic"]
     assert arithmetic["on_frontier"] == ["bfp6"]
+    (fp32,) = arithmetic["dominated"]
+    assert [by["row"] for by in fp32["by"]] == ["bfp6"]
+    alone = table.collect([paired_root], rows=["fp32"])
+    (arithmetic,) = [r for r in table.frontier_records(alone) if r["cost"] == "arithmetic"]
+    assert arithmetic["on_frontier"] == ["fp32"]
+    # naming the row compared against in --rows as well changes nothing
+    both = table.collect([paired_root], against="fp32", rows=["fp32", "bfp6"])
+    assert both.rows == found.rows
+
     result = invoke(paired_root, "--against", "fp32", "--rows", "bfp6", "--format", "json")
     assert result.exit_code == 0, result.output
     assert [row["name"] for row in json.loads(result.stdout)["rows"]] == ["fp32", "bfp6"]
-    unknown = invoke(paired_root, "--rows", "bfp6,fp16")
+    unknown = invoke(paired_root, "--rows", "bfp6,fp16,fp16")
     assert unknown.exit_code == 2
     assert "--rows 'fp16' is no row of this table; its rows: fp32, bfp8, bfp6" in unknown.output
+    spaced = invoke(paired_root, "--rows", "bfp6, fp32")
+    assert spaced.exit_code == 2
+    assert "'bfp6, fp32' is no row of this table (a comma followed by a space" in spaced.output
     empty = invoke(paired_root, "--rows", ",")
     assert empty.exit_code == 2 and "--rows names no row" in empty.output
+
+
+def test_split_rows_keeps_a_comma_and_space_inside_a_name():
+    assert table.split_rows("fp32,dsq* (q1=bfp3, q3=bfp8),bfp6") == [
+        "fp32",
+        "dsq* (q1=bfp3, q3=bfp8)",
+        "bfp6",
+    ]
+    assert table.split_rows("dsq (updates=640, validate_every=40)") == [
+        "dsq (updates=640, validate_every=40)"
+    ]
+    assert table.split_rows(",,") == []
+
+
+def test_rows_drops_the_tasks_the_kept_rows_did_not_run(tmp_path):
+    root = tmp_path / "runs"
+    for preset, task in (("fp32", "multi30k"), ("bfp8", "multi30k"), ("bf16", "sst2")):
+        points = {p: preset for p in ("q0", "q1", "q2", "q3")}
+        _run(root / task, preset, points, 1, 27.0, 5.0, 1.0, 1.0)
+        if task == "sst2":
+            path = root / task / f"{preset}-seed1" / "result.json"
+            record = json.loads(path.read_text())
+            record.update(task="sst2", metric="accuracy", value=0.9, accuracy=0.9)
+            path.write_text(json.dumps(record))
+    assert [c.task for c in table.collect([root]).columns] == ["multi30k", "sst2"]
+    assert [c.task for c in table.collect([root], rows=["fp32", "bfp8"]).columns] == ["multi30k"]
+    several = invoke(root, "--against", "fp32", "--margin", "0.5,0.02")
+    assert several.exit_code == 2
+    assert "--margin is in one metric's units, and this table has several" in several.output
+    one = invoke(root, "--against", "fp32", "--rows", "bfp8", "--margin", "0.5,0.02")
+    assert one.exit_code == 0, one.output
+    # one seed: no interval, so no verdict
+    assert one.stdout.splitlines()[-1].endswith("| - | - |")
 
 
 def test_two_runs_of_one_seed_are_not_paired_and_are_named(paired_root):
