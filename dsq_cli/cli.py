@@ -486,6 +486,13 @@ def table_cmd(
         "what dominates each other row, and whether that holds within the seeds' intervals "
         "(markdown; json: under frontier).",
     ),
+    every_run: bool = typer.Option(
+        False,
+        "--runs",
+        help="After the table, one line per run: its stash moves, best validation loss and "
+        "update, the metric of its best checkpoint and last model, its cost (markdown; json "
+        "carries each run under cells).",
+    ),
     checkpoint: str = typer.Option(
         None,
         "--checkpoint",
@@ -534,6 +541,11 @@ def table_cmd(
 
     if fmt not in table.FORMATS:
         raise ValueError(f"--format must be one of {', '.join(table.FORMATS)}, got {fmt!r}")
+    if every_run and fmt != "markdown":
+        raise ValueError(
+            f"--runs adds a list to markdown; json carries each run under cells, and {fmt} "
+            "has no place for it: drop --runs or use --format markdown"
+        )
     if plot is not None and not plot.lower().endswith(".png"):
         raise ValueError(f"--plot writes a PNG; {plot!r} does not end in .png")
     for flag, given in (("--moves", moves), ("--frontier", frontier)):
@@ -583,6 +595,10 @@ def table_cmd(
     if frontier and fmt == "markdown":
         lines = table.frontier_lines(result_table)
         text += f"\n{table.FRONTIER_HEADING}\n\n" + "".join(f"- {m}\n" for m in lines)
+    if every_run:
+        header, rows = table.run_grid(result_table)
+        grid = table.markdown_grid(header, rows)
+        text += f"\n{table.RUNS_HEADING}\n\n" + "".join(f"{line}\n" for line in grid)
     if out is None:
         typer.echo(text, nl=False)
     else:

@@ -618,7 +618,7 @@ def _md_escape(text: str) -> str:
     return text.replace("|", "\\|")
 
 
-def _markdown_grid(header: list[str], rows: list[list[str]]) -> list[str]:
+def markdown_grid(header: list[str], rows: list[list[str]]) -> list[str]:
     return [
         "| " + " | ".join(_md_escape(h) for h in header) + " |",
         "|" + "---|" + "---:|" * (len(header) - 1),
@@ -641,13 +641,13 @@ def render_markdown(table: Table) -> str:
         for column in table.columns:
             texts += cell_texts(table.cell(row, column), table.level)
         rows.append(texts)
-    lines = _markdown_grid(header, rows)
+    lines = markdown_grid(header, rows)
     lines.append("")
     lines += [f"- {_md_escape(line)}" for line in legend_lines(table)]
     if table.against is not None:
         lines += ["", against_heading(table), ""]
         header, rows = against_grid(table)
-        lines += _markdown_grid(header, rows)
+        lines += markdown_grid(header, rows)
     return "\n".join(lines) + "\n"
 
 
@@ -997,6 +997,78 @@ def stash_moves(table: Table) -> list[str]:
     return lines
 
 
+RUNS_HEADING = (
+    "Every run (the stash's format, and where a schedule moved it: after which update, to "
+    "what; the best validation loss and the update it came at; the metric of that best "
+    "checkpoint and of the last model; cost ratios to the baseline, as above):"
+)
+
+
+def _moves_text(run: Run, row_quant: Mapping) -> str:
+    """``bfp2e8b16, 800: bfp3e8b16, 960: bfp4e8b16`` for a scheduled stash (the format it
+    started in, then each move: after which update, to what), ``cycles bfp2e8b16 .. bfp8e8b16
+    every 35 updates`` for a periodic one, the stash's format for a static one. Other
+    scheduled points are named before their own moves."""
+    scheduled = [p for p in POINTS if isinstance(row_quant.get(p), Mapping)]
+    segments = run.result.precision_segments or []
+    if not any(int(s["updates"]) for s in segments):  # nothing trained, or not recorded
+        stash = row_quant.get("q1")
+        return stash if isinstance(stash, str) else "-"
+    texts = []
+    for point in scheduled or ["q1"]:
+        stretches = point_stretches(segments, point)
+        span = periodic_span(stretches)
+        if span is not None and span[0] == 0 and span[1] == len(stretches):
+            period = span[2]
+            levels = [fmt for fmt, _, _ in stretches[:period]]
+            length = stretches[period - 1][2]
+            text = f"cycles {levels[0]} .. {levels[-1]} every {length} updates"
+        else:
+            moves = [f"{first - 1}: {fmt}" for fmt, first, _ in stretches[1:]]
+            text = ", ".join([stretches[0][0], *moves])
+        texts.append(text if point == "q1" else f"{point} {text}")
+    return "; ".join(texts)
+
+
+def _number(value: float | None, decimals: int) -> str:
+    return "-" if value is None else f"{value:.{decimals}f}"
+
+
+def run_grid(table: Table) -> tuple[list[str], list[list[str]]]:
+    """One line per run, in the table's order of rows and then by seed: a header and the texts
+    (`RUNS_HEADING`). A run that did not complete shows its status for its numbers."""
+    header = ["row", "task", "seed", "stash (moves)", "best valid loss (update)"]
+    metrics = {_metric_label(c.metric) for c in table.columns}
+    label = metrics.pop() if len(metrics) == 1 else "metric"
+    header += [f"{label}, best checkpoint", "last valid loss", f"{label}, last model"]
+    header += ["arith", "DRAM"]
+    rows = []
+    for row, column, cell in _filled_cells(table):
+        digits = metric_decimals(column.metric)
+        for run in cell.runs:
+            result = run.result
+            seed = str(result.seed) if result.seed is not None else run.path.parent.name
+            texts = [row, column.label, seed, _moves_text(run, table.row_quant[row])]
+            if run.status != "completed":
+                rows.append(texts + [run.status] + ["-"] * (len(header) - len(texts) - 1))
+                continue
+            entries = result.evaluation.get("checkpoints")
+            entries = entries if isinstance(entries, Mapping) else {}
+            best, last = entries.get("best") or {}, entries.get("last") or {}
+            best_loss = best.get("valid_loss", result.best_valid_loss)
+            at = f" ({best['update']})" if "update" in best else ""
+            texts += [
+                _number(best_loss, 3) + (at if best_loss is not None else ""),
+                _number(result.value_of("best"), digits),
+                _number(last.get("valid_loss"), 3),
+                _number(result.value_of("last"), digits),
+                _fmt_ratio(result.cost["arith_ratio"]),
+                _fmt_ratio(result.cost["dram_ratio"]),
+            ]
+            rows.append(texts)
+    return header, rows
+
+
 def _point_stretches(segments: list[Mapping], point: str) -> str:
     """``q1 bfp2e8b16 for all 640 updates`` or ``q1 bfp2e8b16 1-240, bfp3e8b16 241-640 (moved
     after update 240)``: consecutive segments with the same format at ``point`` merged, segments
@@ -1004,19 +1076,9 @@ def _point_stretches(segments: list[Mapping], point: str) -> str:
     cyclic policy's) is one phrase, ``cycles bfp2e8b16 .. bfp8e8b16 (5 levels) every 35
     updates, 32 periods (updates 1-1120)`` (`periodic_span`). ``segments`` record at least one
     update."""
-    stretches: list[tuple[str, int, int]] = []  # (format, first update, last update)
-    done = 0
-    for segment in segments:
-        fmt, count = segment["points"][point], int(segment["updates"])
-        if count == 0:
-            continue
-        if stretches and stretches[-1][0] == fmt:
-            stretches[-1] = (fmt, stretches[-1][1], done + count)
-        else:
-            stretches.append((fmt, done + 1, done + count))
-        done += count
+    stretches = point_stretches(segments, point)
     if len(stretches) == 1:
-        return f"{point} {stretches[0][0]} for all {done} updates"
+        return f"{point} {stretches[0][0]} for all {stretches[0][2]} updates"
     span = periodic_span(stretches)
     if span is None:
         parts = ", ".join(f"{fmt} {first}-{last}" for fmt, first, last in stretches)
@@ -1033,6 +1095,24 @@ def _point_stretches(segments: list[Mapping], point: str) -> str:
     before = [f"{fmt} {a}-{b}" for fmt, a, b in stretches[:start]]
     after = [f"{fmt} {a}-{b}" for fmt, a, b in stretches[stop:]]
     return f"{point} " + ", ".join([*before, cycle, *after])
+
+
+def point_stretches(segments: list[Mapping], point: str) -> list[tuple[str, int, int]]:
+    """(format, first update, last update) of each stretch of updates over which ``point`` kept
+    one format: consecutive segments with the same format merged, segments of no update left
+    out."""
+    stretches: list[tuple[str, int, int]] = []
+    done = 0
+    for segment in segments:
+        fmt, count = segment["points"][point], int(segment["updates"])
+        if count == 0:
+            continue
+        if stretches and stretches[-1][0] == fmt:
+            stretches[-1] = (fmt, stretches[-1][1], done + count)
+        else:
+            stretches.append((fmt, done + 1, done + count))
+        done += count
+    return stretches
 
 
 def periodic_span(stretches: Sequence[tuple[str, int, int]]) -> tuple[int, int, int] | None:

@@ -356,3 +356,52 @@ def test_moves_prints_one_short_line_per_cyclic_run():
     for line in cyclic:
         assert len(line) < 200, line
         assert "cycles bfp2e8b16 .. bfp8e8b16 (5 levels) every 35 updates, 32 periods" in line
+
+
+# -- --runs: one line per run -------------------------------------------------------------------
+
+
+def test_runs_lists_every_run_from_its_result_json():
+    result = invoke(CONVERGENCE, "--runs")
+    assert result.exit_code == 0, result.output
+    grid = result.stdout.split(table.RUNS_HEADING)[1].strip().splitlines()
+    lines = {tuple(x.strip() for x in line.strip("|").split("|")[:3]): line for line in grid[2:]}
+    assert len(lines) == len(list(CONVERGENCE.glob("seed*/*/result.json")))
+    for path in CONVERGENCE.glob("seed*/*/result.json"):
+        record = json.loads(path.read_text())
+        row = table.row_name(record["quant"])
+        cells = [x.strip() for x in lines[(row, "multi30k", str(record["seed"]))].split("|")[1:-1]]
+        best, last = record["checkpoints"]["best"], record["checkpoints"]["last"]
+        assert cells[4] == f"{best['valid_loss']:.3f} ({best['update']})"
+        assert cells[5:8] == [f"{best['bleu']:.2f}", f"{last['valid_loss']:.3f}",
+                              f"{last['bleu']:.2f}"]  # fmt: skip
+        assert cells[8].startswith(f"{record['cost']['arith_ratio']:.3g} (")
+    # the stash column: a static stash, a rising one with its moves, a cyclic one
+    dsq_seed1 = json.loads((CONVERGENCE / "seed1" / "quant-dsq" / "result.json").read_text())
+    expected, current, done = [], None, 0  # the moves, read from the segments by hand
+    for segment in dsq_seed1["precision_segments"]:
+        fmt = segment["points"]["q1"]
+        if segment["updates"] and fmt != current:
+            expected.append(fmt if current is None else f"{done}: {fmt}")
+            current = fmt
+        done += segment["updates"]
+    assert ", ".join(expected) == "bfp2e8b16, 800: bfp3e8b16, 960: bfp4e8b16, 1040: bfp6e8b16"
+    assert lines[("dsq", "multi30k", "1")].split(" | ")[3] == ", ".join(expected)
+    assert lines[("stash_bfp", "multi30k", "1")].split(" | ")[3] == "bfp4e8b16"
+    cyclic = lines[("dsq* (q1.policy=cyclic)", "multi30k", "1")].split(" | ")[3]
+    assert cyclic == "cycles bfp2e8b16 .. bfp8e8b16 every 35 updates"
+
+
+def test_runs_shows_the_status_of_a_run_that_did_not_complete(paired_root):
+    run_dir = paired_root / "bfp8-seed9"
+    _run(paired_root, "bfp8", {p: "bfp8" for p in ("q0", "q1", "q2", "q3")}, 9, 0.0, 9.9, 0.06,
+         0.27)  # fmt: skip
+    record = json.loads((run_dir / "result.json").read_text())
+    record.update(status="diverged", value=None, bleu=None)
+    (run_dir / "result.json").write_text(json.dumps(record))
+    result = invoke(paired_root, "--runs")
+    assert result.exit_code == 0, result.output
+    (line,) = [x for x in result.stdout.splitlines() if x.startswith("| bfp8 | multi30k | 9 |")]
+    assert line == "| bfp8 | multi30k | 9 | bfp8 | diverged | - | - | - | - | - |"
+    refused = invoke(paired_root, "--runs", "--format", "csv")
+    assert refused.exit_code == 2 and "--runs adds a list to markdown" in refused.output
