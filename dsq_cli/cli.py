@@ -525,8 +525,7 @@ def table_cmd(
         None,
         "--rows",
         help="Only these rows, comma-separated without spaces (e.g. dsq,dsq_stash_bfp3), and "
-        "--against's; "
-        "--frontier is then the frontier among them.",
+        "--against's; --frontier is then the frontier among them.",
         show_default=False,
     ),
 ):

@@ -1019,10 +1019,8 @@ def _moves_text(run: Run, row_quant: Mapping) -> str:
         stretches = point_stretches(segments, point)
         span = periodic_span(stretches)
         if span is not None and span[0] == 0 and span[1] == len(stretches):
-            period = span[2]
-            levels = [fmt for fmt, _, _ in stretches[:period]]
-            length = stretches[period - 1][2]
-            text = f"cycles {levels[0]} .. {levels[-1]} every {length} updates"
+            cycle, length = _cycle_phrase(stretches, span)
+            text = f"{cycle} every {length} updates"
         else:
             moves = [f"{first - 1}: {fmt}" for fmt, first, _ in stretches[1:]]
             text = ", ".join([stretches[0][0], *moves])
@@ -1086,15 +1084,25 @@ def _point_stretches(segments: list[Mapping], point: str) -> str:
         return f"{point} {parts} (moved after update {moves})"
     start, stop, period = span
     first, last = stretches[start][1], stretches[stop - 1][2]
-    length = stretches[start + period - 1][2] - first + 1
-    levels = [fmt for fmt, _, _ in stretches[start : start + period]]
+    cycle, length = _cycle_phrase(stretches, span)
     cycle = (
-        f"cycles {levels[0]} .. {levels[-1]} ({period} levels) every {length} updates, "
+        f"{cycle} ({period} levels) every {length} updates, "
         f"{(last - first + 1) / length:.3g} periods (updates {first}-{last})"
     )
     before = [f"{fmt} {a}-{b}" for fmt, a, b in stretches[:start]]
     after = [f"{fmt} {a}-{b}" for fmt, a, b in stretches[stop:]]
     return f"{point} " + ", ".join([*before, cycle, *after])
+
+
+def _cycle_phrase(
+    stretches: Sequence[tuple[str, int, int]], span: tuple[int, int, int]
+) -> tuple[str, int]:
+    """``cycles bfp2e8b16 .. bfp8e8b16`` for the periodic ``span`` of ``stretches``
+    (`periodic_span`), and the updates of one period."""
+    start, _, period = span
+    levels = [fmt for fmt, _, _ in stretches[start : start + period]]
+    length = stretches[start + period - 1][2] - stretches[start][1] + 1
+    return f"cycles {levels[0]} .. {levels[-1]}", length
 
 
 def point_stretches(segments: list[Mapping], point: str) -> list[tuple[str, int, int]]:
