@@ -10,15 +10,17 @@ and on runs copied from elsewhere. docs/table.md describes the conventions.
 from __future__ import annotations
 
 import csv
+import functools
 import io
 import json
 import math
 import os
 import re
 import statistics
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from dsq.engine.config import POINTS
 from dsq.presets import preset_differences
@@ -149,19 +151,24 @@ class Cell:
         values = self.metric_values
         return statistics.stdev(values) if len(values) > 1 else None
 
-    def by_seed(self, measure: str) -> dict[int, float]:
-        """A measure (`MEASURES`) of each completed run, by seed: what `paired_interval` pairs.
-        Runs without a seed, or that record no such measure, are left out; `Table.warnings` names
-        a cell with two runs of one seed, which pairs none."""
+    @property
+    def runs_by_seed(self) -> dict[int, Run]:
+        """The completed runs by seed, which pair with another row's runs of the same seed. Runs
+        without a seed are left out; a cell with two runs of one seed pairs none (`Table.warnings`
+        names it)."""
         seeds = [r.result.seed for r in self.completed]
         if len(set(seeds)) != len(seeds):
             return {}
-        out = {}
-        for run in self.completed:
-            value = measure_of(run, measure)
-            if run.result.seed is not None and value is not None:
-                out[run.result.seed] = value
-        return out
+        return {r.result.seed: r for r in self.completed if r.result.seed is not None}
+
+    def by_seed(self, measure: str) -> dict[int, float]:
+        """A measure (`MEASURES`) of each run of `runs_by_seed`, by seed: what `paired_interval`
+        pairs. Runs that record no such measure are left out."""
+        return {
+            seed: value
+            for seed, run in self.runs_by_seed.items()
+            if (value := measure_of(run, measure)) is not None
+        }
 
     def interval(self, measure: str, level: float) -> Interval | None:
         """The Student t interval of a measure's mean over the completed runs (None: no run
@@ -1154,44 +1161,70 @@ def periodic_span(stretches: Sequence[tuple[str, int, int]]) -> tuple[int, int, 
 # (cost key in result.json's `cost`, its name in the frontier's lines)
 COSTS = (("arith_ratio", "arithmetic"), ("dram_ratio", "DRAM"))
 FRONTIER_HEADING = (
-    "Pareto frontier (each row's mean metric against each cost ratio; a row is dominated when "
-    "another is at least as good and at least as cheap, and better or cheaper; beside each "
-    "dominator, its metric minus the dominated row's, seed by seed, with its interval: the "
-    "dominance holds where that interval lies above 0, else it is unresolved at this n):"
+    "Pareto frontier (rows compared two by two, by their mean metric and cost ratio over the "
+    "seeds both completed; a row is dominated when another is at least as good and at least as "
+    "cheap, and better or cheaper; beside each dominator, its metric minus the dominated row's, "
+    "seed by seed, with its interval: the dominance holds where that interval lies above 0, else "
+    "it is unresolved at this n):"
 )
 
+# a row's (mean metric, mean cost ratio): higher metric is better, lower cost is cheaper
+Point = tuple[float, float]
 
-def dominators(points: Mapping[str, tuple[float, float]]) -> dict[str, list[str]]:
-    """For rows' (quality, cost) points, quality higher is better and cost lower is cheaper:
-    each row's dominators, the rows at least as good and as cheap and better or cheaper (in
-    ``points``' order). A row with none sits on the Pareto frontier; two equal points do not
-    dominate each other."""
-    return {
-        row: [
-            other
-            for other, (q2, c2) in points.items()
-            if other != row and q2 >= q and c2 <= c and (q2 > q or c2 < c)
-        ]
-        for row, (q, c) in points.items()
-    }
+
+def dominators(
+    rows: Mapping[str, Any], points: Callable[[Any, Any], tuple[Point, Point]]
+) -> dict[str, list[str]]:
+    """Each row's dominators, in ``rows``' order: the rows at least as good and as cheap, and
+    better or cheaper. ``points(mine, theirs)`` gives two rows' points on one footing (for
+    `frontier_records`, the seeds both completed). A row with none sits on the Pareto frontier;
+    two equal points do not dominate each other."""
+    beaten: dict[str, list[str]] = {}
+    for row, mine in rows.items():
+        beaten[row] = []
+        for other, theirs in rows.items():
+            if other == row:
+                continue
+            (q, c), (q2, c2) = points(mine, theirs)
+            if q2 >= q and c2 <= c and (q2 > q or c2 < c):
+                beaten[row].append(other)
+    return beaten
+
+
+def shared_seed_points(mine: Cell, theirs: Cell, key: str) -> tuple[Point, Point]:
+    """Two cells' (mean metric, mean cost ratio ``key``) over the seeds both completed, so that
+    neither row's mean gains or loses by a seed the other did not run; over all their completed
+    runs where they share no seed. Over shared seeds the metric's gap is the mean of the paired
+    differences that `frontier_records` shows beside each dominance."""
+    a, b = mine.runs_by_seed, theirs.runs_by_seed
+    shared = sorted(a.keys() & b.keys())
+    if not shared:
+        return (mine.metric_mean, mine.cost_mean(key)), (theirs.metric_mean, theirs.cost_mean(key))
+
+    def point(runs: Mapping[int, Run]) -> Point:
+        return (
+            statistics.fmean(runs[seed].result.value for seed in shared),
+            statistics.fmean(runs[seed].result.cost[key] for seed in shared),
+        )
+
+    return point(a), point(b)
 
 
 def frontier_records(table: Table) -> list[dict]:
     """Per column and cost ratio: the rows on the Pareto frontier of the column's metric (every
-    metric of the table is higher-is-better) against that ratio by the rows' means, and each
-    dominated row with the rows that dominate it. Each dominance carries the paired difference
-    (dominator minus dominated, seed by seed, at the table's level) and whether it ``holds``:
-    that interval lies above 0. Otherwise it is unresolved at the seeds there are. Rows with no
-    completed run are left out."""
+    metric of the table is higher-is-better) against that ratio, each pair of rows compared by
+    `shared_seed_points`, and each dominated row with the rows that dominate it. Each dominance
+    carries the paired difference (dominator minus dominated, seed by seed, at the table's level)
+    and whether it ``holds``: that interval lies above 0. Otherwise it is unresolved at the
+    seeds there are. Rows with no completed run are left out."""
     records = []
     for column in table.columns:
         cells = {row: cell for row in table.rows if (cell := table.cell(row, column))}
         done = {row: cell for row, cell in cells.items() if cell.completed}
         for key, name in COSTS:
-            points = {row: (cell.metric_mean, cell.cost_mean(key)) for row, cell in done.items()}
-            beaten = dominators(points)
+            beaten = dominators(done, functools.partial(shared_seed_points, key=key))
             dominated = []
-            for row in points:
+            for row in done:
                 if not beaten[row]:
                     continue
                 by = []
@@ -1207,7 +1240,7 @@ def frontier_records(table: Table) -> list[dict]:
                     "metric": column.metric,
                     "cost": name,
                     "level": table.level,
-                    "on_frontier": [row for row in points if not beaten[row]],
+                    "on_frontier": [row for row in done if not beaten[row]],
                     "dominated": dominated,
                 }
             )

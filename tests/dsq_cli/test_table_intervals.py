@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import statistics
 from pathlib import Path
 
@@ -175,6 +176,33 @@ def test_frontier_says_which_dominances_hold_and_which_are_unresolved(paired_roo
     assert "bfp6 (+0.20 [" in line and "unresolved at n=4" in line
     as_json = json.loads(invoke(paired_root, "--frontier", "--format", "json").stdout)
     assert as_json["frontier"] == table.frontier_records(found)
+
+
+def test_frontier_compares_two_rows_over_the_seeds_both_completed(tmp_path):
+    # fp32 scores 27, 28 and 24 on seeds 1-3; bfp6, cheaper, ran seeds 1 and 2 only and scores
+    # 0.5 below fp32 on each. By its own mean (27.0) bfp6 would beat fp32's (26.33) at lower
+    # cost, though it scores lower on every seed the two share.
+    fp32 = {p: "fp32" for p in ("q0", "q1", "q2", "q3")}
+    bfp6 = {p: "bfp6" for p in fp32}
+    for seed, bleu in {1: 27.0, 2: 28.0, 3: 24.0}.items():
+        _run(tmp_path, "fp32", fp32, seed, bleu, 5.2, 1.0, 1.0)
+        if seed < 3:
+            _run(tmp_path, "bfp6", bfp6, seed, bleu - 0.5, 5.2, 0.035, 0.2)
+    found = table.collect([tmp_path])
+    mine, theirs = found.cell("fp32", found.columns[0]), found.cell("bfp6", found.columns[0])
+    assert theirs.metric_mean > mine.metric_mean
+    assert table.shared_seed_points(mine, theirs, "arith_ratio") == ((27.5, 1.0), (27.0, 0.035))
+    for record in table.frontier_records(found):
+        assert record["on_frontier"] == ["fp32", "bfp6"] and record["dominated"] == []
+    # with no seed in common the rows' own means are compared
+    for run_dir in tmp_path.glob("fp32-seed[12]"):
+        shutil.rmtree(run_dir)
+    alone = table.collect([tmp_path])
+    (arithmetic, _dram) = table.frontier_records(alone)
+    assert arithmetic["on_frontier"] == ["bfp6"]
+    assert arithmetic["dominated"] == [
+        {"row": "fp32", "by": [{"row": "bfp6", "difference": None, "holds": False}]}
+    ]
 
 
 def test_against_markdown_and_level(paired_root):
