@@ -24,7 +24,7 @@ from typing import Any
 
 from dsq.engine.config import POINTS
 from dsq.presets import preset_differences
-from dsq_cli.intervals import Interval, mean_interval, paired_interval
+from dsq_cli.intervals import Interval, mean_interval, paired_differences, paired_interval
 from dsq_cli.presets import BASELINE_PRESET, PRESET_ORDER
 from dsq_cli.run_config import EVAL_CHECKPOINTS
 from dsq_cli.run_result import RunResult, metric_decimals
@@ -1168,52 +1168,51 @@ FRONTIER_HEADING = (
     "it is unresolved at this n):"
 )
 
-# a row's (mean metric, mean cost ratio): higher metric is better, lower cost is cheaper
-Point = tuple[float, float]
-
 
 def dominators(
-    rows: Mapping[str, Any], points: Callable[[Any, Any], tuple[Point, Point]]
+    rows: Mapping[str, Any], gains: Callable[[Any, Any], tuple[float, float]]
 ) -> dict[str, list[str]]:
     """Each row's dominators, in ``rows``' order: the rows at least as good and as cheap, and
-    better or cheaper. ``points(mine, theirs)`` gives two rows' points on one footing (for
+    better or cheaper. ``gains(mine, theirs)`` gives how much better (metric, higher is better)
+    and how much cheaper (cost) the other row is than this one, on one footing (for
     `frontier_records`, the seeds both completed). A row with none sits on the Pareto frontier;
-    two equal points do not dominate each other."""
+    two equal rows do not dominate each other."""
     beaten: dict[str, list[str]] = {}
     for row, mine in rows.items():
         beaten[row] = []
         for other, theirs in rows.items():
             if other == row:
                 continue
-            (q, c), (q2, c2) = points(mine, theirs)
-            if q2 >= q and c2 <= c and (q2 > q or c2 < c):
+            better, cheaper = gains(mine, theirs)
+            if better >= 0 and cheaper >= 0 and (better > 0 or cheaper > 0):
                 beaten[row].append(other)
     return beaten
 
 
-def shared_seed_points(mine: Cell, theirs: Cell, key: str) -> tuple[Point, Point]:
-    """Two cells' (mean metric, mean cost ratio ``key``) over the seeds both completed, so that
-    neither row's mean gains or loses by a seed the other did not run; over all their completed
-    runs where they share no seed. Over shared seeds the metric's gap is the mean of the paired
-    differences that `frontier_records` shows beside each dominance."""
-    a, b = mine.runs_by_seed, theirs.runs_by_seed
-    shared = sorted(a.keys() & b.keys())
-    if not shared:
-        return (mine.metric_mean, mine.cost_mean(key)), (theirs.metric_mean, theirs.cost_mean(key))
-
-    def point(runs: Mapping[int, Run]) -> Point:
+def shared_seed_gains(mine: Cell, theirs: Cell, key: str) -> tuple[float, float]:
+    """How much better (metric) and cheaper (cost ratio ``key``) ``theirs`` is than ``mine``:
+    the means of the per-seed differences over the seeds both completed, so that neither row
+    gains or loses by a seed the other did not run. The metric's is the paired difference that
+    `frontier_records` prints beside each dominance, computed alike. Rows that share no seed
+    (or a cell that repeats one, which pairs none) are compared by their own means."""
+    better = paired_differences(theirs.by_seed(METRIC), mine.by_seed(METRIC))
+    if not better:
         return (
-            statistics.fmean(runs[seed].result.value for seed in shared),
-            statistics.fmean(runs[seed].result.cost[key] for seed in shared),
+            theirs.metric_mean - mine.metric_mean,
+            mine.cost_mean(key) - theirs.cost_mean(key),
         )
 
-    return point(a), point(b)
+    def costs(cell: Cell) -> dict[int, float]:
+        return {seed: run.result.cost[key] for seed, run in cell.runs_by_seed.items()}
+
+    cheaper = paired_differences(costs(mine), costs(theirs))
+    return statistics.fmean(better), statistics.fmean(cheaper)
 
 
 def frontier_records(table: Table) -> list[dict]:
     """Per column and cost ratio: the rows on the Pareto frontier of the column's metric (every
     metric of the table is higher-is-better) against that ratio, each pair of rows compared by
-    `shared_seed_points`, and each dominated row with the rows that dominate it. Each dominance
+    `shared_seed_gains`, and each dominated row with the rows that dominate it. Each dominance
     carries the paired difference (dominator minus dominated, seed by seed, at the table's level)
     and whether it ``holds``: that interval lies above 0. Otherwise it is unresolved at the
     seeds there are. Rows with no completed run are left out."""
@@ -1222,7 +1221,7 @@ def frontier_records(table: Table) -> list[dict]:
         cells = {row: cell for row in table.rows if (cell := table.cell(row, column))}
         done = {row: cell for row, cell in cells.items() if cell.completed}
         for key, name in COSTS:
-            beaten = dominators(done, functools.partial(shared_seed_points, key=key))
+            beaten = dominators(done, functools.partial(shared_seed_gains, key=key))
             dominated = []
             for row in done:
                 if not beaten[row]:

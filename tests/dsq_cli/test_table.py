@@ -540,7 +540,9 @@ def test_dominators_need_one_strictly_better_side_and_equal_points_tie():
         "d": (27.0, 0.5),
         "e": (29.0, 2.0),
     }
-    assert table.dominators(points, lambda mine, theirs: (mine, theirs)) == {
+    assert table.dominators(
+        points, lambda mine, theirs: (theirs[0] - mine[0], mine[1] - theirs[1])
+    ) == {
         "a": ["b"],  # as good, cheaper
         "b": [],
         "c": ["b"],  # b is better at the same cost; d, its equal, does not dominate it

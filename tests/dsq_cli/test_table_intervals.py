@@ -191,7 +191,8 @@ def test_frontier_compares_two_rows_over_the_seeds_both_completed(tmp_path):
     found = table.collect([tmp_path])
     mine, theirs = found.cell("fp32", found.columns[0]), found.cell("bfp6", found.columns[0])
     assert theirs.metric_mean > mine.metric_mean
-    assert table.shared_seed_points(mine, theirs, "arith_ratio") == ((27.5, 1.0), (27.0, 0.035))
+    better, cheaper = table.shared_seed_gains(mine, theirs, "arith_ratio")
+    assert better == pytest.approx(-0.5) and cheaper == pytest.approx(0.965)
     for record in table.frontier_records(found):
         assert record["on_frontier"] == ["fp32", "bfp6"] and record["dominated"] == []
     # with no seed in common the rows' own means are compared
@@ -203,6 +204,40 @@ def test_frontier_compares_two_rows_over_the_seeds_both_completed(tmp_path):
     assert arithmetic["dominated"] == [
         {"row": "fp32", "by": [{"row": "bfp6", "difference": None, "holds": False}]}
     ]
+
+
+def test_a_tie_over_shared_seeds_and_a_cheaper_row_is_a_dominance_of_zero(tmp_path):
+    # bfp6 - fp32: +0.01 and -0.01, an exact tie; the dominance test and the printed paired
+    # difference are one computation, so the tie shows as +0.00, never as -0.00
+    fp32 = {p: "fp32" for p in ("q0", "q1", "q2", "q3")}
+    for seed, (a, b) in {1: (24.05, 24.06), 2: (22.53, 22.52)}.items():
+        _run(tmp_path, "fp32", fp32, seed, a, 5.2, 1.0, 1.0)
+        _run(tmp_path, "bfp6", {p: "bfp6" for p in fp32}, seed, b, 5.2, 0.035, 0.2)
+    found = table.collect([tmp_path])
+    (arithmetic, _dram) = table.frontier_records(found)
+    (fp32_row,) = arithmetic["dominated"]
+    (by,) = fp32_row["by"]
+    assert by["row"] == "bfp6" and by["difference"]["mean"] >= 0 and not by["holds"]
+    assert "fp32 by bfp6 (+0.00 [" in table.frontier_lines(found)[0]
+
+
+def test_pairwise_dominance_over_unequal_seeds_can_leave_no_row_undominated(tmp_path):
+    # three rows at one cost, each pair sharing one seed: fp32 beats bf16 on seed 1, bf16 beats
+    # bfp6 on seed 3, bfp6 beats fp32 on seed 2. Each is dominated, and the frontier is empty.
+    scores = {"fp32": {1: 28.0, 2: 27.0}, "bfp6": {2: 28.0, 3: 27.0}, "bf16": {1: 27.0, 3: 28.0}}
+    for preset, by_seed in scores.items():
+        for seed, bleu in by_seed.items():
+            _run(tmp_path, preset, {p: preset for p in ("q0", "q1", "q2", "q3")}, seed, bleu,
+                 5.2, 0.5, 0.5)  # fmt: skip
+    found = table.collect([tmp_path])
+    for record in table.frontier_records(found):
+        assert record["on_frontier"] == []
+        assert {d["row"]: [by["row"] for by in d["by"]] for d in record["dominated"]} == {
+            "fp32": ["bfp6"],
+            "bfp6": ["bf16"],
+            "bf16": ["fp32"],
+        }
+    assert "on the frontier -;" in table.frontier_lines(found)[0]
 
 
 def test_against_markdown_and_level(paired_root):
