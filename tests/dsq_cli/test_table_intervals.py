@@ -206,19 +206,26 @@ def test_frontier_compares_two_rows_over_the_seeds_both_completed(tmp_path):
     ]
 
 
-def test_a_tie_over_shared_seeds_and_a_cheaper_row_is_a_dominance_of_zero(tmp_path):
-    # bfp6 - fp32: +0.01 and -0.01, an exact tie; the dominance test and the printed paired
-    # difference are one computation, so the tie shows as +0.00, never as -0.00
+def test_a_dominance_is_judged_by_the_paired_difference_it_prints(tmp_path):
     fp32 = {p: "fp32" for p in ("q0", "q1", "q2", "q3")}
-    for seed, (a, b) in {1: (24.05, 24.06), 2: (22.53, 22.52)}.items():
-        _run(tmp_path, "fp32", fp32, seed, a, 5.2, 1.0, 1.0)
-        _run(tmp_path, "bfp6", {p: "bfp6" for p in fp32}, seed, b, 5.2, 0.035, 0.2)
-    found = table.collect([tmp_path])
-    (arithmetic, _dram) = table.frontier_records(found)
-    (fp32_row,) = arithmetic["dominated"]
-    (by,) = fp32_row["by"]
-    assert by["row"] == "bfp6" and by["difference"]["mean"] >= 0 and not by["holds"]
-    assert "fp32 by bfp6 (+0.00 [" in table.frontier_lines(found)[0]
+
+    def frontier(scores: dict[int, tuple[float, float]], root: Path) -> dict:
+        for seed, (a, b) in scores.items():
+            _run(root, "fp32", fp32, seed, a, 5.2, 1.0, 1.0)
+            _run(root, "bfp6", {p: "bfp6" for p in fp32}, seed, b, 5.2, 0.035, 0.2)
+        found = table.collect([root])
+        return table.frontier_records(found)[0], table.frontier_lines(found)[0]
+
+    # bfp6 - fp32: +0.25 and -0.25, a tie in binary floating point; bfp6 is cheaper, so it
+    # dominates by a difference of +0.00
+    record, line = frontier({1: (24.0, 24.25), 2: (22.5, 22.25)}, tmp_path / "tie")
+    ((by,),) = [d["by"] for d in record["dominated"] if d["row"] == "fp32"]
+    assert by["row"] == "bfp6" and by["difference"]["mean"] == 0.0 and not by["holds"]
+    assert "fp32 by bfp6 (+0.00 [" in line
+    # +0.01 and -0.01 in decimal are -3.6e-15 in binary: the difference printed is negative, so
+    # bfp6 is no dominator, although the two rows' means over the seeds are equal to print
+    record, line = frontier({1: (24.05, 24.06), 2: (22.53, 22.52)}, tmp_path / "near")
+    assert record["on_frontier"] == ["fp32", "bfp6"] and "-0.00" not in line
 
 
 def test_pairwise_dominance_over_unequal_seeds_can_leave_no_row_undominated(tmp_path):
