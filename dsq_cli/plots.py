@@ -220,8 +220,8 @@ def _log_ratio_axis(ax, low: float, high: float) -> None:
 
 
 def frontier_points(table: Table) -> list[dict]:
-    """One point per (row, column) with completed runs: the metric's mean and spread and the
-    mean cost ratios."""
+    """One point per (row, column) with completed runs: the metric's mean and spread over its n
+    completed runs and the mean cost ratios."""
     points = []
     for row in table.rows:
         for column in table.columns:
@@ -234,11 +234,23 @@ def frontier_points(table: Table) -> list[dict]:
                     "column": column,
                     "metric_mean": cell.metric_mean,
                     "metric_std": cell.metric_std,
+                    "n": len(cell.completed),
                     "arith_ratio": cell.cost_mean("arith_ratio"),
                     "dram_ratio": cell.cost_mean("dram_ratio"),
                 }
             )
     return points
+
+
+def point_labels(points: list[dict]) -> list[str]:
+    """Each point's label: its row, and its n where the points beside it (one column's) do not
+    all have the same number of runs. A point is a mean over its own seeds, so two points of
+    unequal n are not compared over the same seeds (``dsq table --frontier`` compares rows over
+    the seeds both completed); the label says so where it matters."""
+    counts = {point["n"] for point in points}
+    if len(counts) <= 1:
+        return [point["row"] for point in points]
+    return [f"{point['row']} (n={point['n']})" for point in points]
 
 
 def row_styles(rows: list[str]) -> dict[str, tuple]:
@@ -327,8 +339,13 @@ def plot_frontier(
             if missing:
                 ax.text(0.99, 0.02, f"not shown: {missing}", transform=ax.transAxes,
                         ha="right", va="bottom", fontsize=7, color="0.3")  # fmt: skip
-            labelled[ax] = [(p["row"], p[key], p["metric_mean"]) for p in mine]
-    fig.suptitle("Table 1 trade-off: metric against cost (mean over seeds)", fontsize=11)
+            labelled[ax] = [
+                (label, p[key], p["metric_mean"])
+                for label, p in zip(point_labels(mine), mine, strict=True)
+            ]
+    fig.suptitle(
+        "Table 1 trade-off: metric against cost (each row's mean over its seeds)", fontsize=11
+    )
     _place_labels(fig, labelled)
     return _save(fig, out)
 
@@ -342,9 +359,9 @@ def _not_shown(table: Table, column) -> str:
     )
 
 
-# Where a point's label may go, in offset points: right, then left, above, below; the first
-# that overlaps no other label or marker wins.
-LABEL_SPOTS = (
+# Where a label may sit, in points from its marker, nearest first; past the first ring a thin
+# leader line ties the label to its point, so a dense cluster still has every label readable.
+_NEAR_SPOTS = (
     (6, 3, "left", "bottom"),
     (6, -3, "left", "top"),
     (-6, 3, "right", "bottom"),
@@ -354,10 +371,20 @@ LABEL_SPOTS = (
     (6, 14, "left", "bottom"),
     (6, -14, "left", "top"),
 )
+_FAR_SPOTS = tuple(
+    (side * 12, up * dy, "left" if side > 0 else "right", "bottom" if up > 0 else "top")
+    for dy in (26, 38, 50, 62)
+    for side in (1, -1)
+    for up in (1, -1)
+)
+LABEL_SPOTS = _NEAR_SPOTS + _FAR_SPOTS
+LEADER = {"arrowstyle": "-", "color": "0.5", "linewidth": 0.6, "shrinkA": 0, "shrinkB": 3}
 
 
 def _place_labels(fig, labelled: dict) -> None:
-    """Label each point beside it without covering another point's label or marker."""
+    """Label each point beside it without covering another point's label or marker: the nearest
+    free spot of ``LABEL_SPOTS`` inside the panel, with a leader line past the first ring; where
+    none is free, the nearest spot."""
     fig.draw_without_rendering()  # lay the figure out, so that pixel positions hold
     renderer = fig.canvas.get_renderer()
     for ax, items in labelled.items():
@@ -365,17 +392,28 @@ def _place_labels(fig, labelled: dict) -> None:
         taken = [(cx - 4, cy - 4, cx + 4, cy + 4) for cx, cy in centres]
         frame = ax.get_window_extent(renderer)
         for text, x, y in items:
-            for dx, dy, ha, va in LABEL_SPOTS:
-                label = ax.annotate(text, (x, y), xytext=(dx, dy), textcoords="offset points",
-                                    ha=ha, va=va, fontsize=8)  # fmt: skip
-                box = label.get_window_extent(renderer)
-                bounds = (box.x0, box.y0, box.x1, box.y1)
-                inside = frame.x0 <= box.x0 and box.x1 <= frame.x1 and box.y1 <= frame.y1
+            for spot in LABEL_SPOTS:
+                label, bounds = _annotate(ax, renderer, text, (x, y), spot)
+                inside = frame.x0 <= bounds[0] and bounds[2] <= frame.x1 and bounds[3] <= frame.y1
                 if inside and not any(_overlap(bounds, other) for other in taken):
                     break
-                if (dx, dy, ha, va) != LABEL_SPOTS[-1]:
-                    label.remove()
+                label.remove()
+            else:  # no free spot: the nearest one, overlapping
+                _, bounds = _annotate(ax, renderer, text, (x, y), LABEL_SPOTS[0])
             taken.append(bounds)
+
+
+def _annotate(ax, renderer, text: str, xy: tuple, spot: tuple) -> tuple:
+    """``text`` at ``spot`` from the point ``xy``: the annotation and its pixel bounds."""
+    from matplotlib.text import Text
+
+    dx, dy, ha, va = spot
+    leader = LEADER if spot in _FAR_SPOTS else None
+    label = ax.annotate(text, xy, xytext=(dx, dy), textcoords="offset points", ha=ha, va=va,
+                        fontsize=8, arrowprops=leader)  # fmt: skip
+    label.update_positions(renderer)
+    box = Text.get_window_extent(label, renderer)  # the text's own box, without its leader
+    return label, (box.x0, box.y0, box.x1, box.y1)
 
 
 def _overlap(a: tuple, b: tuple) -> bool:

@@ -430,6 +430,19 @@ def test_frontier_rows_keep_their_own_colour_and_variants_are_diamonds():
     assert {row for row, (_, marker) in styles.items() if marker == "D"} == set(rows[9:11])
 
 
+def test_frontier_labels_give_n_only_where_a_columns_points_differ_in_runs():
+    """A point is its row's mean over its own seeds: where one column's points do not all have
+    the same n, each label carries its n, so a reader does not compare means over unequal seed
+    sets unawares; where they do, the labels are the rows alone."""
+    from dsq_cli.plots import point_labels
+
+    equal = [{"row": "fp32", "n": 5}, {"row": "dsq", "n": 5}]
+    assert point_labels(equal) == ["fp32", "dsq"]
+    unequal = [*equal, {"row": "dsq_bfp3", "n": 2}]
+    assert point_labels(unequal) == ["fp32 (n=5)", "dsq (n=5)", "dsq_bfp3 (n=2)"]
+    assert point_labels([]) == []
+
+
 @pytest.mark.slow  # starts wandb's service process
 def test_wandb_logs_the_table_offline(root, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
