@@ -301,6 +301,7 @@ def plot_frontier(
     paper_x = paper_dsq_ratios(one_baseline, cost_model)
     for row_index, column in enumerate(columns):
         mine = [p for p in points if p["column"] == column]
+        labels = point_labels(mine)  # one column's labels serve both its panels
         for col_index, (key, name) in enumerate(
             (("arith_ratio", "arithmetic"), ("dram_ratio", "DRAM traffic"))
         ):
@@ -340,8 +341,7 @@ def plot_frontier(
                 ax.text(0.99, 0.02, f"not shown: {missing}", transform=ax.transAxes,
                         ha="right", va="bottom", fontsize=7, color="0.3")  # fmt: skip
             labelled[ax] = [
-                (label, p[key], p["metric_mean"])
-                for label, p in zip(point_labels(mine), mine, strict=True)
+                (label, p[key], p["metric_mean"]) for label, p in zip(labels, mine, strict=True)
             ]
     fig.suptitle(
         "Table 1 trade-off: metric against cost (each row's mean over its seeds)", fontsize=11
