@@ -114,6 +114,9 @@ register_preset(
 register_preset("bfp6_stash_bfp3", QuantSpec("bfp6", "bfp3", "bfp6", "bfp6"))
 register_preset("bfp6_stash_bfp4", QuantSpec("bfp6", "bfp4", "bfp6", "bfp6"))
 register_preset("dsq_stash_bfp3", QuantSpec("bfp8", "bfp3", "bfp8", "fixed16"))
+# dsq's clean control: its points with the stash held at its first level, bfp2, for the whole run,
+# so that it differs from dsq in the schedule alone (docs/results.md, "Protocol")
+register_preset("dsq_stash_bfp2", QuantSpec("bfp8", "bfp2", "bfp8", "fixed16"))
 # DSQ on the formats hardware runs (docs/formats.md, "MX formats", "NVFP4"): MXFP8 GEMM inputs
 # and E5M2 gradients with a stash rising mxfp4 -> mxfp6 -> mxfp8; its static control, MXFP8
 # everywhere (the recipe torchao and TransformerEngine train with); and NVFP4 forward.

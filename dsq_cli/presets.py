@@ -37,6 +37,7 @@ BEYOND_TABLE1 = (
     "bfp6_stash_bfp3",
     "bfp6_stash_bfp4",
     "dsq_stash_bfp3",
+    "dsq_stash_bfp2",
     "mx_dsq",
     "mxfp8",
     "nvfp4_dsq",

@@ -15,6 +15,8 @@
 #   en-de-budget  en->de: its budget, found as for de->en
 #   more-seeds    de->en seeds 3-5 of the eight rows compared by seed, and en->de seeds 1-3 of
 #                 its six rows, interleaved
+#   clean-control dsq's clean control, dsq_stash_bfp2 (dsq's points, the stash static at bfp2):
+#                 de->en seeds 1-5 and en->de seeds 1-3 (docs/results.md, "Protocol")
 #   all           every stage above, in that order
 #
 # STUDY_LANES (default 2) runs the stages in that many processes at once, one thread each
@@ -67,14 +69,14 @@ de_en() {  # de_en SEED QUANTS [OVERRIDES...]: rows of the de->en setting on one
     dsq sweep --resume-unfinished "seed=$seed" "${task[@]}" "train.max_updates=$budget" \
         "run.root=results/convergence/seed$seed" "quant=$quants" "$@"
 }
-en_de_rows_of() {  # en_de_rows_of SEED: the en->de rows on one seed, once its budget is known
-    local budget
+en_de_rows_of() {  # en_de_rows_of SEED [ROWS]: en->de rows on one seed, once its budget is known
+    local budget rows=${2:-$en_de_rows}
     if ! budget=$(budget_of results/convergence-en-de-budget 2>/dev/null); then
         echo "convergence.sh: en->de seed $1 waits for the en->de budget run" >&2
         return 0
     fi
     dsq sweep --resume-unfinished "seed=$1" "${task[@]}" "${en_de[@]}" \
-        "train.max_updates=$budget" "run.root=results/convergence-en-de/seed$1" "quant=$en_de_rows"
+        "train.max_updates=$budget" "run.root=results/convergence-en-de/seed$1" "quant=$rows"
 }
 first_rows() {  # first_rows SEED: the study's first nine rows
     de_en "$1" fp32,dsq,bfp6,bfp6_rising_stash,dsq_bfp3,stash_bfp,bf16
@@ -85,10 +87,10 @@ stages=("$@")
 [[ ${#stages[@]} -gt 0 ]] || stages=(all)
 for stage in "${stages[@]}"; do
     case $stage in
-    budget | seed1 | seed2 | controls | en-de-budget | more-seeds | all) ;;
+    budget | seed1 | seed2 | controls | en-de-budget | more-seeds | clean-control | all) ;;
     *)
         echo "convergence.sh: unknown stage '$stage'; choose budget, seed1, seed2, controls," \
-            "en-de-budget, more-seeds or all" >&2
+            "en-de-budget, more-seeds, clean-control or all" >&2
         exit 2
         ;;
     esac
@@ -111,6 +113,12 @@ lane() {  # every stage asked for, in order
         for seed in 3 4 5; do
             en_de_rows_of $((seed - 2))
             de_en "$seed" "$paired_rows"
+        done
+    fi
+    if wants clean-control; then
+        for seed in 1 2 3 4 5; do
+            de_en "$seed" dsq_stash_bfp2
+            if ((seed <= 3)); then en_de_rows_of "$seed" dsq_stash_bfp2; fi
         done
     fi
     return $failed
