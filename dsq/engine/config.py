@@ -56,11 +56,13 @@ class QuantConfig:
         seed: int = 0,
         gemm_unit: str = "auto",
         engine: str = "dsq",
+        attention: str = "tiled",
     ):
         given = dict(zip(POINTS, (q0, q1, q2, q3)))
         self.spec = QuantSpec(
-            **given, stash_scope=stash_scope, rounding=rounding, gemm_unit=gemm_unit, engine=engine
-        )
+            **given, stash_scope=stash_scope, rounding=rounding, gemm_unit=gemm_unit,
+            engine=engine, attention=attention,
+        )  # fmt: skip
         self.schedules: dict[str, Schedule] = self.spec.schedules()
         self.schedules |= {p: v for p, v in given.items() if isinstance(v, Schedule)}
         self.seed = int(seed)
@@ -107,6 +109,10 @@ class QuantConfig:
     @property
     def engine(self) -> str:
         return self.spec.engine
+
+    @property
+    def attention(self) -> str:
+        return self.spec.attention
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:

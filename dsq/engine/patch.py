@@ -191,14 +191,14 @@ def make_dsq_linear(module: nn.Module, cfg: QuantConfig, mixin: type | None = No
     if mixin is None and type(module) is nn.Linear:
         module.__class__ = DSQLinear
     else:
-        module.__class__ = _dsq_subclass(module, mixin or DSQLinear)
+        module.__class__ = dsq_subclass(module, mixin or DSQLinear)
     module.dsq_cfg = cfg
 
 
 _SUBCLASSES: dict[type, type] = {}
 
 
-def _dsq_subclass(module: nn.Module, mixin: type) -> type:
+def dsq_subclass(module: nn.Module, mixin: type) -> type:
     """``mixin`` (its DSQ forward) over the module's own class, which it keeps for isinstance
     checks: a Linear subclass, or ``transformers``' Conv1D."""
     cls = type(module)
@@ -238,6 +238,7 @@ def stash_all_hooks(cfg: QuantConfig):
             or t.dim() == 0
             or t.shape[-1] < STASH_ALL_MIN_ROW
             or _a_parameter(t)
+            or getattr(t, "dsq_packed", False)  # a stash already in its format (engine.attention)
         ):
             return t
         fmt = cfg.format("q1")

@@ -38,7 +38,11 @@ ENGINES = ("dsq", "autocast")
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # the keys of a quant config (a conf/quant preset, result.json's quant): the points, the stash
 # scope, the rounding of each point, where its GEMMs run and the engine that trains
-QUANT_KEYS = (*POINTS, "stash_scope", "rounding", "gemm_unit", "engine")
+QUANT_KEYS = (*POINTS, "stash_scope", "rounding", "gemm_unit", "engine", "attention")
+# How the attention products run (docs/dsq.md, "Attention in tiles"): ``tiled``, a block of query
+# rows at a time, holding nothing sequence x sequence; ``explicit``, the definition, with the
+# scores and probabilities whole. The same values up to float32 summation order.
+ATTENTION_KERNELS = ("tiled", "explicit")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,8 +121,14 @@ class QuantSpec:
     rounding: Mapping[str, str] | None = None
     gemm_unit: str = "auto"
     engine: str = "dsq"
+    attention: str = "tiled"
 
     def __post_init__(self) -> None:
+        if self.attention not in ATTENTION_KERNELS:
+            raise ValueError(
+                f"quant.attention={self.attention!r} is not an attention kernel; choose one of "
+                f"{ATTENTION_KERNELS}"
+            )
         if self.engine not in ENGINES:
             raise ValueError(
                 f"quant.engine={self.engine!r} is not an engine; choose one of {ENGINES}"
@@ -171,7 +181,7 @@ class QuantSpec:
         if unknown:
             raise ValueError(
                 f"unknown quantization point(s) {sorted(unknown)}; the points are {POINTS} "
-                "(plus stash_scope, rounding, gemm_unit and engine)"
+                "(plus stash_scope, rounding, gemm_unit, engine and attention)"
             )
         return cls(**{k: v for k, v in config.items() if k != "name"})
 
@@ -187,6 +197,8 @@ class QuantSpec:
             out["gemm_unit"] = self.gemm_unit
         if self.engine != "dsq":
             out["engine"] = self.engine
+        if self.attention != "tiled":
+            out["attention"] = self.attention
         return out
 
     def __reduce__(self):  # pickle and deepcopy (a read-only mapping is neither): rebuilt anew
@@ -196,7 +208,8 @@ class QuantSpec:
     def __hash__(self) -> int:
         points = tuple(getattr(self, p) for p in POINTS)
         rounding = tuple(self.rounding.items())
-        return hash((points, self.stash_scope, rounding, self.gemm_unit, self.engine))
+        return hash((points, self.stash_scope, rounding, self.gemm_unit, self.engine,
+                     self.attention))  # fmt: skip
 
     def __repr__(self) -> str:
         fields = [f"{p}={getattr(self, p)!r}" for p in POINTS]

@@ -52,6 +52,10 @@ class Format:
     #: The operand width w of the cost model's c(fa, fb) (docs/cost-model.md): the bits of the
     #: multiplier an operand of this format needs, without the shared scale (added once per block).
     cost_width: int
+    #: Whether a value's quantization depends on the largest magnitude of the whole tensor (a scale
+    #: spanning it), not only on its block: quantizing a part of the tensor alone then differs
+    #: from quantizing the whole (docs/dsq.md, "Attention in tiles").
+    whole_tensor_scale: ClassVar[bool] = False
 
     @property
     def exact_in(self) -> frozenset[str]:

@@ -53,6 +53,10 @@ class BFP(Format):
         # the m-bit mantissas multiply; the shared exponents add, once per block (left out)
         self.cost_width = man_bits
 
+    @property
+    def whole_tensor_scale(self) -> bool:  # no block: one exponent spans the tensor (fixed<w>)
+        return self.block is None
+
     @classmethod
     def from_match(cls, spec, match):
         m = check_int_range(spec, "m", int(match[1]), 2, 24)

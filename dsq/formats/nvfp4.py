@@ -141,6 +141,7 @@ class NVFP4(mx.BlockScaledPairs, Format):
     pattern = re.compile("nvfp4")
     grammar = "nvfp4"
     family = "nvfp4"
+    whole_tensor_scale = True  # its float32 scale spans the tensor
 
     def __init__(self) -> None:
         self.spec = "nvfp4"

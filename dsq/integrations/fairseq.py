@@ -3,9 +3,11 @@
 Its fast path hands the q/k/v/out projection weights to ``F.multi_head_attention_forward``, where
 swapped Linear modules would never run. Patching forces its slow path
 (``_set_skip_embed_dim_check``), where the projections are module calls (patched as Linear layers)
-and the two products are ``torch.bmm(q, k^T)`` and ``torch.bmm(P, v)``; those ``bmm`` calls are
-routed to ``dsq_matmul`` while a patched attention module runs (a proxy for ``torch`` in fairseq's
-module namespace, active only inside patched modules).
+and the two products run as `dsq_attention`, in tiles of query rows (``quant.attention=tiled``,
+the default; `DSQMultiheadAttention` says when). Otherwise they are fairseq's
+``torch.bmm(q, k^T)`` and ``torch.bmm(P, v)``, routed to ``dsq_matmul`` while a patched attention
+module runs (a proxy for ``torch`` in fairseq's module namespace, active only inside patched
+modules): the explicit path.
 """
 
 from __future__ import annotations
@@ -18,10 +20,11 @@ from fairseq.modules import fairseq_dropout, multihead_attention, transformer_la
 from torch import nn
 
 from dsq.engine.accounting import note
+from dsq.engine.attention import dsq_attention
 from dsq.engine.config import QuantConfig
 from dsq.engine.functions import dsq_matmul
 from dsq.engine.masks import dsq_dropout, dsq_relu
-from dsq.engine.patch import PatchReport
+from dsq.engine.patch import PatchReport, dsq_subclass
 
 from . import register_patcher
 
@@ -60,6 +63,51 @@ def _exit_attention(module, args, output):
     _ACTIVE_ATTENTION.reset(_ATTENTION_TOKENS[id(module)].pop())
 
 
+class DSQMultiheadAttention(nn.Module):
+    """Mixed into fairseq's ``MultiheadAttention`` by re-classing: in training's case (no
+    incremental state, no attention weights asked for, no extra key/value bias or zero
+    attention), its two products run as `dsq_attention`, in tiles, when ``quant.attention`` is
+    ``tiled``: fairseq's own projections (patched Linear layers), ``q`` scaled as fairseq scales
+    it, its additive ``attn_mask`` and its ``key_padding_mask``, dropout at its module's
+    probability. Every other case is fairseq's own forward with its ``bmm`` products routed to
+    ``dsq_matmul`` (the explicit path): among them the last decoder layer's cross-attention,
+    whose head-averaged weights fairseq's decoder returns (its alignment layer), and decoding
+    with an incremental state."""
+
+    dsq_cfg: QuantConfig
+
+    def forward(self, query, key, value, key_padding_mask=None, incremental_state=None,
+                need_weights=True, static_kv=False, attn_mask=None, before_softmax=False,
+                need_head_weights=False):  # fmt: skip
+        explicit = (
+            self.dsq_cfg.attention != "tiled" or incremental_state is not None or need_weights
+            or need_head_weights or before_softmax or self.bias_k is not None
+            or self.add_zero_attn or self.onnx_trace
+            or (attn_mask is not None and not attn_mask.is_floating_point())
+            or (key is not None and key.shape[1] != query.shape[1])
+        )  # fmt: skip
+        if explicit:
+            return super().forward(query, key, value, key_padding_mask, incremental_state,
+                                   need_weights, static_kv, attn_mask, before_softmax,
+                                   need_head_weights)  # fmt: skip
+        tgt_len, bsz, _ = query.shape
+        source = query if self.self_attention else key
+        q = self.q_proj(query) * self.scaling
+        k = self.k_proj(source)
+        v = self.v_proj(source if self.self_attention or self.encoder_decoder_attention else value)
+
+        def heads(x):  # [T, B, C] -> [B, H, T, C / H]
+            return x.view(x.shape[0], bsz, self.num_heads, self.head_dim).permute(1, 2, 0, 3)
+
+        attn = dsq_attention(
+            heads(q), heads(k), heads(v), self.dsq_cfg, scaling=1.0, mask=attn_mask,
+            key_padding=key_padding_mask, dropout=self.dropout_module.p,
+            training=self.training or self.dropout_module.apply_during_inference,
+        )  # fmt: skip
+        attn = attn.permute(2, 0, 1, 3).reshape(tgt_len, bsz, self.embed_dim)
+        return self.out_proj(attn), None
+
+
 class MultiheadAttentionPatcher:
     """fairseq's MultiheadAttention: its slow path, and its two ``bmm`` products routed to
     ``dsq_matmul`` (its projections are Linear layers, patched by the engine's rule)."""
@@ -69,6 +117,8 @@ class MultiheadAttentionPatcher:
 
     def patch(self, name: str, module: nn.Module, cfg: QuantConfig, report: PatchReport) -> None:
         module._set_skip_embed_dim_check()  # the slow path: projections run as modules
+        module.__class__ = dsq_subclass(module, DSQMultiheadAttention)
+        module.dsq_cfg = cfg
         module.register_forward_pre_hook(_enter_attention(cfg))
         module.register_forward_hook(_exit_attention, always_call=True)
         report.attention.append(name)

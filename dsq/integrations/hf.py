@@ -7,15 +7,17 @@ and the SDPA attention implementations; and ``DSQCallback``, the precision sched
 ``config._attn_implementation``, and build their masks through ``ALL_MASK_ATTENTION_FUNCTIONS``
 under the same name. Patching registers two implementations, ``dsq_eager`` and ``dsq_sdpa``, and
 switches the model to the one matching what it used: each receives the masks its original would
-(eager's additive float mask, SDPA's boolean mask or none with a causal flag) and computes
+(eager's additive float mask, SDPA's boolean mask or none with a causal flag) and computes DSQ's
+attention (`dsq.engine.attention`, docs/dsq.md, "Attention in tiles"):
 
     scores = dsq_matmul(q, k^T) * scaling  (+ mask, or a causal mask)
     out    = dsq_matmul(dropout(softmax(scores)), v)
 
-with grouped-query attention expanded first (``repeat_kv``). An SDPA model is thus computed
-explicitly, with SDPA's masking, causal flag, scaling and dropout probability (not its fused
-kernel, nor its dropout's random stream); the report says so. Other implementations (flash, flex)
-cannot be replicated and are reported as left unquantized.
+in tiles of query rows (``quant.attention=tiled``, the default; no probabilities are returned,
+as under SDPA) or explicitly (``explicit``), with grouped-query attention read from the shared
+key/value heads. An SDPA model thus gets SDPA's masking, causal flag, scaling and dropout
+probability, not its fused kernel nor its dropout's random stream; the report says so. Other
+implementations (flash, flex) cannot be replicated and are reported as left unquantized.
 
 ``Conv1D`` (``y = x W + b`` with ``W [in, out]``) is the linear layer ``dsq_linear(x, W^T, b)``:
 the same GEMMs and block axes as ``DSQLinearFunction``, on the transposed weight.
@@ -38,8 +40,9 @@ from transformers.pytorch_utils import Conv1D
 
 from dsq import cost
 from dsq.atomic_files import atomic_path, write_atomic
+from dsq.engine.attention import dsq_attention, explicit_attention
 from dsq.engine.config import POINTS, QuantConfig
-from dsq.engine.functions import dsq_linear, dsq_matmul
+from dsq.engine.functions import dsq_linear
 from dsq.engine.history import PrecisionHistory
 from dsq.engine.patch import PatchReport, make_dsq_linear
 from dsq.presets import COST_BASELINE, preset_differences
@@ -79,37 +82,38 @@ def _attention(sdpa: bool):
             return sdpa_forward(module, query, key, value, attention_mask, dropout=dropout,
                                 scaling=scaling, is_causal=is_causal, **kwargs)  # fmt: skip
         # an excluded module under eager: the same computation in plain torch.matmul
-        matmul = torch.matmul if cfg is None else (lambda a, b: dsq_matmul(a, b, cfg))
-        # grouped-query attention: keys and values expanded to the query heads, as eager does
-        repeat_kv = transformers.integrations.sdpa_attention.repeat_kv
-        n_rep = getattr(module, "num_key_value_groups", 1)
-        key, value = repeat_kv(key, n_rep), repeat_kv(value, n_rep)
         if scaling is None:
             scaling = query.shape[-1] ** -0.5
-        scores = matmul(query, key.transpose(-1, -2)) * scaling
         q_len, kv_len = query.shape[-2], key.shape[-2]
-        keep = None  # where a boolean mask (SDPA's, or its causal rule) lets a query attend
-        if attention_mask is not None:
-            mask = attention_mask[..., :kv_len]
-            if mask.dtype == torch.bool:
-                keep = mask
-            else:  # eager's additive mask
-                scores = scores + mask
-        elif sdpa:
-            # SDPA's own rule: causal when the module is, with no mask and more than one query
-            causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-            if causal and q_len > 1:
-                keep = torch.ones(q_len, kv_len, dtype=torch.bool, device=scores.device).tril()
-        if keep is not None:
-            # as SDPA: a query with nothing to attend to (a padded row) gets zeros, not NaN
-            nothing = ~keep.any(-1, keepdim=True)
-            scores = scores.masked_fill(~keep, -torch.inf).masked_fill(nothing, 0.0)
-        probs = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-        if keep is not None:
-            probs = probs.masked_fill(nothing, 0.0)
-        probs = nn.functional.dropout(probs, p=dropout, training=module.training)
-        out = matmul(probs, value).transpose(1, 2).contiguous()
-        return out, (None if sdpa else probs)
+        mask = None if attention_mask is None else attention_mask[..., :kv_len]
+        # SDPA's own rule: causal when the module is, with no mask and more than one query
+        causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        causal = sdpa and mask is None and causal and q_len > 1
+        if cfg is not None and cfg.attention == "tiled":
+            out = dsq_attention(
+                query,
+                key,
+                value,
+                cfg,
+                scaling=scaling,
+                mask=mask,
+                causal=causal,
+                dropout=dropout,
+                training=module.training,
+            )
+            return out.transpose(1, 2).contiguous(), None  # no probabilities are kept
+        out, probs = explicit_attention(
+            query,
+            key,
+            value,
+            cfg,
+            scaling=scaling,
+            mask=mask,
+            causal=causal,
+            dropout=dropout,
+            training=module.training,
+        )
+        return out.transpose(1, 2).contiguous(), (None if sdpa else probs)
 
     return attention
 
@@ -166,10 +170,10 @@ def route_attention(model: nn.Module, cfg: QuantConfig, exclude) -> tuple[list, 
             routed.append(name)
     model.set_attn_implementation(REPLACED[implementation])
     how = "as written" if implementation == "eager" else (
-        "explicitly, with SDPA's masking, causal flag, scaling and dropout probability (not its "
-        "fused kernel)"
+        "with SDPA's masking, causal flag, scaling and dropout probability (not its fused kernel)"
     )  # fmt: skip
-    note = f"attention: {implementation} -> {REPLACED[implementation]}, computed {how}"
+    kernel = "in tiles of query rows" if cfg.attention == "tiled" else "explicitly"
+    note = f"attention: {implementation} -> {REPLACED[implementation]}, computed {kernel}, {how}"
     return routed, excluded, note
 
 

@@ -13,6 +13,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from dsq.engine import QuantConfig
+from dsq.engine.attention import DSQAttentionFunction
 from dsq.engine.functions import DSQLinearFunction, DSQMatmulFunction
 from dsq.integrations import quantize_model
 
@@ -98,8 +99,9 @@ def test_the_report_names_every_layer_and_attention_module(kind, implementation)
     assert len(report.attention) == 2 and report.attention_products == 4
     assert report.unquantized == []
     assert f"{implementation} -> dsq_{implementation}" in report.notes[0]
+    assert "computed in tiles of query rows" in report.summary()  # quant.attention's default
     if implementation == "sdpa":
-        assert "computed explicitly" in report.summary()
+        assert "not its fused kernel" in report.summary()
 
 
 class GemmSpy(TorchFunctionMode):
@@ -119,7 +121,7 @@ class GemmSpy(TorchFunctionMode):
         for block in blocks:
             block.register_forward_pre_hook(lambda *_: self._enter("block"))
             block.register_forward_hook(lambda *_: self._leave("block"))
-        for function in (DSQLinearFunction, DSQMatmulFunction):
+        for function in (DSQLinearFunction, DSQMatmulFunction, DSQAttentionFunction):
             original = function.apply
 
             def apply(*args, _original=original):

@@ -1,0 +1,399 @@
+"""DSQ's attention products in tiles of query rows (docs/dsq.md, "Attention in tiles").
+
+The definition is the explicit path, `explicit_attention`: per head, with ``q [B, H, N, d]``,
+``k [B, Hkv, M, d]``, ``v [B, Hkv, M, e]`` (grouped-query attention: query head ``h`` reads
+key/value head ``h // (H / Hkv)``)
+
+    S  = dsq_matmul(Q, K^T) * scaling      + an additive mask, or -inf where a boolean mask
+                                            (or the causal rule j <= i) forbids
+    P  = softmax(S) in float32             a row with nothing to attend to is all zeros
+    Pd = dropout(P)
+    O  = dsq_matmul(Pd, V)
+
+so its backward pass holds ``P`` and the stash of ``Pd``, each ``H x N x M``: memory that grows
+with the square of the sequence.
+
+`dsq_attention` computes the same values a block of query rows at a time (a *tile*: every key of
+some rows, of some sequences of the batch), and holds nothing ``N x M`` beyond one tile:
+
+* forward: ``q0(Q)``, ``q0(K)`` (blocks along ``d``) and ``q0(V)`` (blocks along the keys) are
+  quantized whole, as the explicit path does, and per tile the rows of ``S``, ``P`` (torch's
+  softmax over whole rows, so the same values) and ``Pd`` are formed, ``Pd`` quantized in q0
+  with blocks along the keys and multiplied by ``q0(V)``;
+* saved for the backward pass: ``Q`` and ``K`` packed in q0 (to form ``S`` again) and the
+  explicit path's stashes of ``Q`` (q1, blocks along the queries), ``K`` (q1, along the keys) and
+  ``V`` (q1, along ``d``): ``(H + Hkv) d (b0 + b1) + Hkv e b1`` bits a token and layer, b0 and b1
+  q0's and q1's bits a value; nothing of ``P``;
+* backward, per tile: ``S``, ``P`` and ``Pd`` again (the forward's values), then the explicit
+  path's gradient GEMMs on the tile: ``dPd = q2(g_O) q1(V)^T``, ``dV += q1(Pd)^T g_O`` (q1 with
+  blocks along the queries), softmax's backward over whole rows, ``g = q3(dS * scaling)`` (along
+  the queries) and ``q2(g)`` (along the keys), ``dQ = q2(g) q1(K)``, ``dK += g^T q1(Q)``.
+
+Tiles start at multiples of every format's block, so a block along the queries never straddles
+two tiles, and a format whose scale spans the tensor (``fixed<w>``, NVFP4: ``whole_tensor_scale``)
+is given the whole tensor's largest magnitude, found by a pass over the tiles first, so each
+quantized value equals the explicit path's. What differs is the order of float32 sums: a GEMM
+over a tile's rows instead of all rows, ``dK`` and ``dV`` summed tile by tile and over a group's
+query heads. tests/dsq/engine/test_attention.py states the tolerance.
+
+Dropout draws its keep mask from a counter-based hash of (seed, sequence, head, query, key), so
+the mask, and the result, do not depend on the tiling; its stream is not ``F.dropout``'s. A
+stochastic rounding draws its noise tile by tile, and ``q1(Pd)`` in the backward pass: equal in
+distribution to the explicit path's, not value for value.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dsq.formats import PackedTensor
+
+from . import accounting, units
+from .config import QuantConfig
+from .functions import _Point, _points, dsq_matmul
+
+# the elements of one tile's [rows x keys] tensors across its sequences and heads: a few such
+# tensors are alive at once, about 8 MiB each, whatever the batch
+TILE_ELEMENTS = 2**21
+
+
+# -- the definition -----------------------------------------------------------------------------
+def repeat_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """``x [B, Hkv, M, e]`` with each key/value head repeated for its ``heads / Hkv`` query
+    heads (``transformers``' ``repeat_kv``)."""
+    rep = heads // x.shape[1]
+    if rep == 1:
+        return x
+    b, hkv, m, e = x.shape
+    return x[:, :, None].expand(b, hkv, rep, m, e).reshape(b, hkv * rep, m, e)
+
+
+def keep_mask(mask, causal: bool, key_padding, n: int, m: int, device) -> torch.Tensor | None:
+    """Where a query may attend: a boolean ``mask``, or the causal rule ``j <= i`` when there is
+    no mask, and not a padded key (``key_padding [B, M]``, True where padded); None when
+    nothing is forbidden but by an additive mask."""
+    keep = None
+    if mask is not None:
+        keep = mask if mask.dtype == torch.bool else None
+    elif causal:
+        keep = torch.ones(n, m, dtype=torch.bool, device=device).tril()
+    if key_padding is not None:
+        real = ~key_padding.bool()[:, None, None, :]
+        keep = real if keep is None else keep & real
+    return keep
+
+
+def explicit_attention(q, k, v, cfg: QuantConfig | None, *, scaling: float, mask=None,
+                       causal: bool = False, key_padding=None, dropout: float = 0.0,
+                       training: bool = False, dropout_fn=None):  # fmt: skip
+    """The definition (module docstring), with ``S x S`` tensors: returns ``(O, Pd)``.
+    ``cfg`` None computes it in ``torch.matmul``; ``dropout_fn(P)`` replaces ``F.dropout``."""
+    matmul = torch.matmul if cfg is None else (lambda a, b: dsq_matmul(a, b, cfg))
+    heads = q.shape[1]
+    k, v = repeat_heads(k, heads), repeat_heads(v, heads)
+    scores = matmul(q, k.transpose(-1, -2)) * scaling
+    keep = keep_mask(mask, causal, key_padding, q.shape[-2], k.shape[-2], q.device)
+    if mask is not None and mask.dtype != torch.bool:
+        scores = scores + mask
+    if keep is not None:
+        nothing = ~keep.any(-1, keepdim=True)
+        scores = scores.masked_fill(~keep, -torch.inf).masked_fill(nothing, 0.0)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    if keep is not None:
+        probs = probs.masked_fill(nothing, 0.0)
+    if dropout_fn is not None:
+        probs = dropout_fn(probs)
+    else:
+        probs = torch.nn.functional.dropout(probs, p=dropout, training=training)
+    return matmul(probs, v), probs
+
+
+# -- dropout that does not depend on the tiling ---------------------------------------------------
+_GOLDEN, _MIX1, _MIX2 = (c - 2**64 for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9,
+                                             0x94D049BB133111EB))  # fmt: skip
+
+
+def _shr(z: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 values (torch's ``>>`` is arithmetic)."""
+    return (z >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def dropout_noise(seed: int, p: float, index: torch.Tensor) -> torch.Tensor:
+    """``keep / (1 - p)`` (float32) at the int64 counters ``index``: keep where the top 24 bits
+    of splitmix64(seed + index) are at least ``p * 2^24``."""
+    z = index + (seed + _GOLDEN)
+    z = (z ^ _shr(z, 30)) * _MIX1
+    z = (z ^ _shr(z, 27)) * _MIX2
+    z = z ^ _shr(z, 31)
+    keep = _shr(z, 40) >= round(p * 2**24)
+    return keep.to(torch.float32).div_(1 - p)
+
+
+def dropout_index(shape, heads: int, n: int, m: int, b0: int, i0: int, device) -> torch.Tensor:
+    """The counter of each element of a tile ``[bc, Hkv, rep, rows, keys]`` (sequences from
+    ``b0``, rows from ``i0``): ``((b H + h) N + i) M + j``, its place in ``[B, H, N, M]``."""
+    bc, hkv, rep, rows, keys = shape
+    b = torch.arange(b0, b0 + bc, device=device).view(-1, 1, 1, 1, 1)
+    h = (torch.arange(hkv, device=device).view(1, -1, 1, 1, 1) * rep
+         + torch.arange(rep, device=device).view(1, 1, -1, 1, 1))  # fmt: skip
+    i = torch.arange(i0, i0 + rows, device=device).view(1, 1, 1, -1, 1)
+    j = torch.arange(keys, device=device).view(1, 1, 1, 1, -1)
+    return ((b * heads + h) * n + i) * m + j
+
+
+# -- quantizing a part of a tensor as the whole tensor would ---------------------------------------
+def quantize_part(point: _Point, x: torch.Tensor, axis: int, amax) -> torch.Tensor:
+    """``point.quantize(x, axis)`` where ``x`` is part of a tensor whose largest magnitude is
+    ``amax`` (a 0-dim tensor; None where the format's scale does not span the tensor): one more
+    slice holding ``amax`` rides along, across ``axis`` so that it forms blocks of its own, and
+    the format sees the whole tensor's scale."""
+    if amax is None:
+        return point.quantize(x, axis)
+    across = -2 if axis in (-1, x.dim() - 1) else -1
+    shape = list(x.shape)
+    shape[across] = 1
+    extra = torch.zeros(shape, dtype=x.dtype, device=x.device)
+    extra.view(-1)[0] = amax
+    out = point.quantize(torch.cat([x, extra], dim=across), axis)
+    return out.narrow(across, 0, x.shape[across])
+
+
+def _amax(x: torch.Tensor) -> torch.Tensor:
+    return torch.where(torch.isfinite(x), x.abs(), 0.0).amax()
+
+
+# -- the tiled kernel ---------------------------------------------------------------------------
+class _Tiles:
+    """The tiles of one call: rows ``tile_rows`` at a time (a multiple of every block), and as
+    many sequences as keep a tile within `TILE_ELEMENTS`."""
+
+    def __init__(self, b, heads, n, m, formats, tile_rows=None):
+        multiple = 1
+        for fmt in formats:
+            block = getattr(fmt, "block", None)
+            multiple = math.lcm(multiple, block or 1)
+        if tile_rows is None:
+            tile_rows = max(1, TILE_ELEMENTS // max(1, heads * m))
+        # a tile of fewer rows than the sequence starts and ends on block boundaries
+        self.rows = min(n, max(multiple, tile_rows // multiple * multiple))
+        self.seqs = max(1, TILE_ELEMENTS // max(1, heads * self.rows * m))
+        self.b, self.n = b, n
+
+    def __iter__(self):
+        for b0 in range(0, self.b, self.seqs):
+            for i0 in range(0, self.n, self.rows):
+                yield slice(b0, min(b0 + self.seqs, self.b)), slice(i0, min(i0 + self.rows, self.n))
+
+
+class _Call:
+    """What a forward pass fixed for its backward pass: shapes, masks, points, plans, the
+    dropout seed and the largest magnitudes of the tensors a whole-tensor scale spans."""
+
+    def __init__(self, q, k, v, cfg, scaling, mask, causal, key_padding, dropout, tile_rows):
+        self.batch, self.heads, self.n, self.d = q.shape
+        self.kv_heads, self.m, self.e = k.shape[1], k.shape[2], v.shape[-1]
+        self.rep = self.heads // self.kv_heads
+        self.scaling, self.dropout = scaling, dropout
+        self.points = _points(cfg, q.device)
+        f0, f1, f2, f3 = (p.fmt for p in self.points)
+        self.tiles = _Tiles(self.batch, self.heads, self.n, self.m, (f0, f1, f2, f3), tile_rows)
+        # each of the three GEMMs of a product is planned as the explicit path plans it
+        plan = lambda a, b, macs: units.plan(a, b, q.device, cfg.gemm_unit, macs)  # noqa: E731
+        qk, pv = self.n * self.d * self.m, self.n * self.m * self.e
+        self.plans_qk = (plan(f0, f0, qk), plan(f2, f1, qk), plan(f1, f3, qk))
+        self.plans_pv = (plan(f0, f0, pv), plan(f2, f1, pv), plan(f1, f3, pv))
+        # a boolean or an additive mask as [B, Hkv, rep, N, M] views; the causal rule is formed
+        # tile by tile, never N x M
+        boolean = mask is not None and mask.dtype == torch.bool
+        self.additive = None if mask is None or boolean else self._five(mask)
+        self.keep = self._five(mask) if boolean else None
+        self.causal = causal and mask is None
+        self.real_keys = None if key_padding is None else ~key_padding.bool()[:, None, None, None]
+        self.seed = None
+        if dropout > 0:
+            self.seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
+        self.amax_pd = None
+
+    def _five(self, mask):
+        """``mask`` (broadcastable to [B, H, N, M]) as a view [B, Hkv, rep, N, M]."""
+        full = mask.expand(self.batch, self.heads, self.n, self.m)
+        return full.view(self.batch, self.kv_heads, self.rep, self.n, self.m)
+
+    def rows_of(self, x, bs, rows):
+        """Rows ``rows`` of sequences ``bs`` of a per-query-head tensor ``[B, H, N, c]`` as the
+        GEMM layout ``[bc, Hkv, rep * rows, c]``."""
+        part = x.view(self.batch, self.kv_heads, self.rep, self.n, x.shape[-1])[bs, :, :, rows]
+        return part.reshape(part.shape[0], self.kv_heads, -1, x.shape[-1])
+
+    def probs(self, q0, k0, bs, rows):
+        """(P, Pd, noise, nothing) of a tile, [bc, Hkv, rep, rows, M]: the forward's values."""
+        plan = self.plans_qk[0]
+        s = units.gemm(self.rows_of(q0, bs, rows), k0[bs].transpose(-1, -2), plan,
+                       "matmul.forward")  # fmt: skip
+        s = s.view(s.shape[0], self.kv_heads, self.rep, -1, self.m) * self.scaling
+        nothing = keep = None
+        if self.additive is not None:
+            s = s + self.additive[bs, :, :, rows]
+        if self.causal:
+            i = torch.arange(rows.start, rows.start + s.shape[-2], device=s.device)
+            keep = torch.arange(self.m, device=s.device) <= i[:, None]
+        elif self.keep is not None:
+            keep = self.keep[bs, :, :, rows]
+        if self.real_keys is not None:
+            real = self.real_keys[bs]
+            keep = real if keep is None else keep & real
+        if keep is not None:
+            nothing = ~keep.any(-1, keepdim=True)
+            s = s.masked_fill(~keep, -torch.inf).masked_fill(nothing, 0.0)
+        p = torch.softmax(s, dim=-1, dtype=torch.float32)
+        if nothing is not None:
+            p = p.masked_fill(nothing, 0.0)
+        noise = None
+        if self.seed is not None:
+            index = dropout_index(p.shape, self.heads, self.n, self.m, bs.start, rows.start,
+                                  p.device)  # fmt: skip
+            noise = dropout_noise(self.seed, self.dropout, index)
+        pd = p if noise is None else p * noise
+        return p, pd, noise, keep, nothing
+
+    def merged(self, x):
+        """A tile [bc, Hkv, rep, rows, c] in the GEMM layout [bc, Hkv, rep * rows, c]."""
+        return x.reshape(x.shape[0], self.kv_heads, -1, x.shape[-1])
+
+
+def _whole_scale(point: _Point) -> bool:
+    return point.fmt.whole_tensor_scale
+
+
+def _forward(call: _Call, q0, k0, v0):
+    """O [B, H, N, e] from the q0-quantized operands (``v0`` [B, Hkv, M, e])."""
+    f0, f1 = call.points[0], call.points[1]
+    if _whole_scale(f0) or _whole_scale(f1):  # q0(Pd) or its stash needs Pd's largest value
+        call.amax_pd = torch.stack([_amax(call.probs(q0, k0, bs, rows)[1])
+                                    for bs, rows in call.tiles]).amax()  # fmt: skip
+    out = q0.new_empty(call.batch, call.heads, call.n, call.e)
+    five = out.view(call.batch, call.kv_heads, call.rep, call.n, call.e)
+    amax = call.amax_pd if _whole_scale(f0) else None
+    for bs, rows in call.tiles:
+        pd = call.probs(q0, k0, bs, rows)[1]
+        pd0 = quantize_part(f0, pd, -1, amax)
+        o = units.gemm(call.merged(pd0), v0[bs], call.plans_pv[0], "matmul.forward")
+        five[bs, :, :, rows] = o.view(o.shape[0], call.kv_heads, call.rep, -1, call.e)
+    return out
+
+
+class DSQAttentionFunction(torch.autograd.Function):
+    """`dsq_attention` with a backward pass (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cfg, scaling, mask, causal, key_padding, dropout, tile_rows):
+        call = _Call(q, k, v, cfg, scaling, mask, causal, key_padding, dropout, tile_rows)
+        f0, f1 = call.points[0], call.points[1]
+        q_packed, k_packed = f0.pack(q, -1), f0.pack(k, -1)
+        q0, k0 = q_packed.unpack(), k_packed.unpack()
+        v0 = f0.quantize(v, -2)
+        out = _forward(call, q0, k0, v0)
+        stashes = (q_packed, k_packed, f1.pack(q, -2), f1.pack(k, -2), f1.pack(v, -1))
+        ctx.call = call
+        ctx.headers, tensors = [], []
+        for packed in stashes:
+            names = tuple(packed.payload)
+            header = (packed.fmt, packed.shape, packed.dtype, packed.axis, names, len(names))
+            ctx.headers.append(header)
+            tensors += [packed.payload[name] for name in names]
+        for t in tensors:  # already in their formats: a stash_scope=all hook leaves them be
+            t.dsq_packed = True
+        ctx.save_for_backward(*tensors)  # the masks stay with ctx.call, shared by every layer
+        stash_bytes = sum(t.numel() * t.element_size() for t in tensors)
+        b, h, n, d = q.shape
+        # the two products the explicit path notes, priced alike by the cost model
+        accounting.note("matmul", b * h, n, d, call.m, cfg, stash_bytes, call.plans_qk)
+        accounting.note("matmul", b * h, n, call.m, call.e, cfg, 0, call.plans_pv)
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        call = ctx.call
+        saved = list(ctx.saved_tensors)
+        unpacked = []
+        for fmt, shape, dtype, axis, names, count in ctx.headers:
+            payload = dict(zip(names, saved[:count]))
+            del saved[:count]
+            unpacked.append(PackedTensor(fmt, shape, dtype, axis, payload).unpack())
+        q0, k0, q1, k1, v1 = unpacked
+        f0, f1, f2, f3 = call.points
+        # g_O = q3(dO) along the queries and q2(g_O) along e: whole, as the explicit path
+        g_out, g2_out = f3.quantize_chain(d_out.contiguous(), -2, f2, -1)
+        d_scores_of = _tile_gradients(call, q0, k0, v1, g2_out)
+        amax_dz = amax_g = None
+        if _whole_scale(f3):
+            amax_dz = torch.stack([_amax(d_scores_of(bs, rows)[0]) for bs, rows in call.tiles])
+            amax_dz = amax_dz.amax()
+        if _whole_scale(f2):
+            amax_g = torch.stack([
+                _amax(quantize_part(f3, d_scores_of(bs, rows)[0], -2, amax_dz))
+                for bs, rows in call.tiles
+            ]).amax()  # fmt: skip
+        dq = torch.empty_like(q0)
+        dq5 = dq.view(call.batch, call.kv_heads, call.rep, call.n, call.d)
+        dk_t = q0.new_zeros(call.batch, call.kv_heads, call.d, call.m)
+        dv = q0.new_zeros(call.batch, call.kv_heads, call.m, call.e)
+        amax_pd = call.amax_pd if _whole_scale(f1) else None
+        for bs, rows in call.tiles:
+            dz, pd = d_scores_of(bs, rows)
+            # dV += q1(Pd)^T g_O: Pd's stash, blocks along the queries
+            pd1 = call.merged(quantize_part(f1, pd, -2, amax_pd))
+            dv[bs] += units.gemm(pd1.transpose(-1, -2), call.rows_of(g_out, bs, rows),
+                                 call.plans_pv[2], "matmul.db")  # fmt: skip
+            # g = q3(dZ) along the queries, then q2(g) along the keys
+            g = quantize_part(f3, dz, -2, amax_dz)
+            g2 = quantize_part(f2, g, -1, amax_g)
+            dq_tile = units.gemm(call.merged(g2), k1[bs], call.plans_qk[1], "matmul.da")
+            dq5[bs, :, :, rows] = dq_tile.view(dq_tile.shape[0], call.kv_heads, call.rep, -1,
+                                               call.d)  # fmt: skip
+            dk_t[bs] += units.gemm(call.rows_of(q1, bs, rows).transpose(-1, -2), call.merged(g),
+                                   call.plans_qk[2], "matmul.db")  # fmt: skip
+        return dq, dk_t.transpose(-1, -2), dv, None, None, None, None, None, None, None
+
+
+def _tile_gradients(call: _Call, q0, k0, v1, g2_out):
+    """A function of a tile: (dZ, Pd), dZ = dS * scaling the gradient of the scores' GEMM and
+    Pd the dropped-out probabilities, [bc, Hkv, rep, rows, M]."""
+
+    def of(bs, rows):
+        p, pd, noise, keep, nothing = call.probs(q0, k0, bs, rows)
+        d_pd = units.gemm(call.rows_of(g2_out, bs, rows), v1[bs].transpose(-1, -2),
+                          call.plans_pv[1], "matmul.da")  # fmt: skip
+        d_p = d_pd.view_as(p) if noise is None else d_pd.view_as(p) * noise
+        if nothing is not None:
+            d_p = d_p.masked_fill(nothing, 0.0)
+        d_s = torch._softmax_backward_data(d_p, p, -1, torch.float32)
+        if keep is not None:
+            d_s = d_s.masked_fill(~keep, 0.0).masked_fill(nothing, 0.0)
+        return d_s * call.scaling, pd
+
+    return of
+
+
+def dsq_attention(q, k, v, cfg: QuantConfig, *, scaling: float | None = None, mask=None,
+                  causal: bool = False, key_padding=None, dropout: float = 0.0,
+                  training: bool = True, tile_rows: int | None = None) -> torch.Tensor:  # fmt: skip
+    """Attention with DSQ's products, in tiles (module docstring): ``q [B, H, N, d]``,
+    ``k [B, Hkv, M, d]``, ``v [B, Hkv, M, e]`` -> ``[B, H, N, e]``. ``mask``: None, boolean
+    (True where a query may attend) or additive, broadcastable to ``[B, H, N, M]``; ``causal``
+    applies the rule ``j <= i`` where there is no mask; ``key_padding [B, M]`` (True where a
+    key is padding) forbids those keys besides; ``dropout`` applies only when
+    ``training``. ``tile_rows`` overrides the rows of a tile (rounded to the blocks)."""
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"{q.shape[1]} query heads cannot share {k.shape[1]} key/value heads")
+    if scaling is None:
+        scaling = q.shape[-1] ** -0.5
+    dropout = dropout if training else 0.0
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        return DSQAttentionFunction.apply(q, k, v, cfg, scaling, mask, causal, key_padding,
+                                          dropout, tile_rows)  # fmt: skip
+    call = _Call(q, k, v, cfg, scaling, mask, causal, key_padding, dropout, tile_rows)
+    f0 = call.points[0]
+    return _forward(call, f0.quantize(q, -1), f0.quantize(k, -1), f0.quantize(v, -2))
