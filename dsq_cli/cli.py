@@ -204,6 +204,49 @@ def _variant_options(checkpointing: str) -> tuple[bool, ...]:
     return tuple(CHECKPOINTING[c] for c in chosen)
 
 
+MODEL_HELP = (
+    "fairseq (the project's own translation transformer, sentences of --src-len) or a "
+    "transformers model built from a config, random init, no download: llama (RMSNorm, SwiGLU, "
+    "RoPE, grouped-query attention), gpt2 or bert, at each of --seq-lens, each row in a fresh "
+    'process (docs/benchmarks.md, "Memory and time on transformers models").'
+)
+
+
+def _transformers_bench(model, presets, layers, width, heads, kv_heads, vocab, seq_lens,
+                        scopes, checkpointing, repeats, budget, threads, refused):  # fmt: skip
+    """The rows of ``dsq bench memory|step --model llama|gpt2|bert``; ``refused`` names the
+    fairseq-only options given, each a usage error."""
+    from dsq.engine.config import STASH_SCOPES
+    from dsq_cli.bench import memory, transformers_models
+
+    if model not in transformers_models.MODELS:
+        choices = ["fairseq", *transformers_models.MODELS]
+        raise ValueError(f"--model {model!r}: choose one of {choices}")
+    given = [name for name, is_given in refused.items() if is_given]
+    if given:
+        raise ValueError(f"{given[0]} applies to --model fairseq only; leave it out for {model}")
+    heads = heads or max(1, width // 64)
+    kv_heads = kv_heads or heads
+    if width % heads or heads % kv_heads or (model != "llama" and kv_heads != heads):
+        raise ValueError(
+            f"--heads {heads} / --kv-heads {kv_heads} do not fit width {width}: the heads must "
+            "divide the width, the key/value heads the heads (and equal them but for llama)"
+        )
+    try:
+        lengths = tuple(int(n) for n in seq_lens.split(",") if n.strip())
+    except ValueError:
+        lengths = ()
+    if not lengths or min(lengths) < 2:
+        raise ValueError(f"--seq-lens: expected lengths like 256,1024, got {seq_lens!r}")
+    shape = transformers_models.ModelShape(model, layers, width, heads, kv_heads, vocab)
+    rows = transformers_models.rows_of(
+        _preset_names(presets), _choices("--scopes", scopes, STASH_SCOPES),
+        _variant_options(checkpointing),
+    )  # fmt: skip
+    return transformers_models.run(shape, rows, lengths, memory.parse_size(budget), repeats,
+                                   threads=threads)  # fmt: skip
+
+
 @bench_app.command("step")
 @usage_errors
 def bench_step(
@@ -246,6 +289,15 @@ def bench_step(
         help="Tokens per chunk of the output layer and its loss (0: the whole batch at once); "
         "dsq train's train.loss_chunk_tokens.",
     ),
+    model: str = typer.Option("fairseq", help=MODEL_HELP),
+    seq_lens: str = typer.Option(
+        "256,1024", help="transformers models: comma-separated tokens a sequence."
+    ),
+    heads: int = typer.Option(0, min=0, help="transformers models: attention heads (0: width/64)."),
+    kv_heads: int = typer.Option(
+        0, min=0, help="llama: key/value heads, grouped-query attention (0: as many as heads)."
+    ),
+    threads: int = typer.Option(0, min=0, help="transformers models: threads a row (0: torch's)."),
     breakdown: bool = typer.Option(
         False,
         "--breakdown",
@@ -261,6 +313,16 @@ def bench_step(
     from dsq.engine.units import SETTINGS
     from dsq_cli.bench import step
 
+    if model != "fairseq":
+        from dsq_cli.bench import transformers_models
+
+        refused = {"--breakdown": breakdown, "--fp32-head": fp32_head, "--device": device != "cpu",
+                   "--gemm-units": gemm_units != "auto"}  # fmt: skip
+        result = _transformers_bench(model, presets, layers, width, heads, kv_heads, vocab,
+                                     seq_lens, scopes, checkpointing, repeats, "4GiB", threads,
+                                     refused)  # fmt: skip
+        _print_bench(result, as_json, transformers_models.format_step)
+        return
     names = _preset_names(presets)
     scope_list = _choices("--scopes", scopes, STASH_SCOPES)
     unit_list = _choices("--gemm-units", gemm_units, SETTINGS)
@@ -316,6 +378,16 @@ def bench_memory(
     loss_chunk: int = typer.Option(
         1024, min=0, help="Tokens per chunk of the output layer and its loss (0: whole)."
     ),
+    model: str = typer.Option("fairseq", help=MODEL_HELP),
+    seq_lens: str = typer.Option(
+        "256,1024", help="transformers models: comma-separated tokens a sequence."
+    ),
+    heads: int = typer.Option(0, min=0, help="transformers models: attention heads (0: width/64)."),
+    kv_heads: int = typer.Option(
+        0, min=0, help="llama: key/value heads, grouped-query attention (0: as many as heads)."
+    ),
+    threads: int = typer.Option(0, min=0, help="transformers models: threads a row (0: torch's)."),
+    repeats: int = typer.Option(2, min=1, help="transformers models: timed steps a row."),
     device: str = typer.Option("cpu", help="cpu or cuda."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ):
@@ -324,6 +396,15 @@ def bench_memory(
     from dsq.engine.config import STASH_SCOPES
     from dsq_cli.bench import memory
 
+    if model != "fairseq":
+        from dsq_cli.bench import transformers_models
+
+        refused = {"--fp32-head": fp32_head, "--device": device != "cpu"}
+        result = _transformers_bench(model, presets, layers, width, heads, kv_heads, vocab,
+                                     seq_lens, scopes, checkpointing, repeats, budget, threads,
+                                     refused)  # fmt: skip
+        _print_bench(result, as_json, transformers_models.format_memory)
+        return
     size = memory.parse_size(budget)
     names = _preset_names(presets)
     scope_list = _choices("--scopes", scopes, STASH_SCOPES)

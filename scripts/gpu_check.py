@@ -338,6 +338,66 @@ def training_step() -> None:
     print(step.format_table(result))
 
 
+def attention(repeats: int) -> None:
+    """Tiled attention (docs/dsq.md, "Attention in tiles") on the GPU: equal to the explicit path
+    to float32 summation order (dsq and nvfp4_dsq, causal, grouped-query), then forward plus
+    backward time and the allocator's peak against the explicit path and SDPA under bf16
+    autocast, a Llama-style layer's attention (8 heads, 4 key/value heads of 64), 4 sequences."""
+    from dsq.engine import QuantConfig
+    from dsq.engine.attention import dsq_attention, explicit_attention
+
+    def inputs(n, b=4, seed=0):
+        g = torch.Generator(device=DEVICE).manual_seed(seed)
+        shapes = ((b, 8, n, 64), (b, 4, n, 64), (b, 4, n, 64), (b, 8, n, 64))
+        t = [torch.randn(s, device=DEVICE, generator=g) for s in shapes]
+        return [x.requires_grad_() for x in t[:3]] + [t[3]]
+
+    for preset in ("dsq", "nvfp4_dsq"):
+        cfg = QuantConfig.from_preset(preset)
+        q, k, v, d_out = inputs(200, b=2)
+        want, _ = explicit_attention(q, k, v, cfg, scaling=0.125, causal=True)
+        got = dsq_attention(q, k, v, cfg, scaling=0.125, causal=True, tile_rows=64)
+        pairs = zip((got, *torch.autograd.grad(got, (q, k, v), d_out)),
+                    (want, *torch.autograd.grad(want, (q, k, v), d_out)))  # fmt: skip
+        worst = max(float((a - b).abs().max() / b.abs().max()) for a, b in pairs)
+        report(f"attention tiled = explicit, {preset} (worst {worst:.1e} of the largest)",
+               None if worst <= 1e-5 else "beyond float32 summation order")  # fmt: skip
+    cfg = QuantConfig.from_preset("dsq")
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    print(f"\nattention forward + backward, 4 sequences, 8 heads (4 key/value) of 64, "
+          f"median of {repeats}: ms, peak MiB above the inputs")  # fmt: skip
+    for n in (1024, 2048, 4096):
+        print(_attention_times(inputs(n), cfg, sdpa, n, repeats))
+
+
+def _attention_times(tensors, cfg, sdpa, n: int, repeats: int) -> str:
+    from dsq.engine.attention import dsq_attention, explicit_attention
+
+    q, k, v, d_out = tensors
+    runs = {
+        "sdpa, bf16 autocast": lambda: _autocast_sdpa(sdpa, q, k, v),
+        "dsq tiled": lambda: dsq_attention(q, k, v, cfg, causal=True),
+    }
+    if n <= 2048:  # the explicit path's probabilities: 4 x 8 x n x n floats, and more
+        runs["dsq explicit"] = lambda: explicit_attention(q, k, v, cfg, scaling=0.125, causal=True)[
+            0
+        ]
+    line = [f"seq {n}:"]
+    for name, fn in runs.items():
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        ms = cuda_ms(lambda fn=fn: torch.autograd.grad(fn(), (q, k, v), d_out), repeats)
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+        line.append(f"{name} {ms:.2f} ms {peak:.0f} MiB;")
+    return " ".join(line)
+
+
+def _autocast_sdpa(sdpa, q, k, v):
+    with torch.autocast("cuda", torch.bfloat16):
+        return sdpa(q, k, v, is_causal=True, enable_gqa=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="24,26", help="log2 of the timed sizes")
@@ -357,6 +417,7 @@ def main() -> int:
         gemm_units()
         training_step()
         bf16_step(10)
+        attention(5)
     if FAILS:
         print(f"FAIL: {len(FAILS)} bit-exact check(s) failed: {', '.join(FAILS[:10])}")
         return 1

@@ -161,6 +161,10 @@ def quantize_part(point: _Point, x: torch.Tensor, axis: int, amax) -> torch.Tens
 
 
 def _amax(x: torch.Tensor) -> torch.Tensor:
+    """The largest finite magnitude of ``x`` (the whole-tensor scales leave out the rest)."""
+    amax = x.abs().amax()
+    if torch.isfinite(amax):
+        return amax
     return torch.where(torch.isfinite(x), x.abs(), 0.0).amax()
 
 
@@ -169,7 +173,7 @@ class _Tiles:
     """The tiles of one call: rows ``tile_rows`` at a time (a multiple of every block), and as
     many sequences as keep a tile within `TILE_ELEMENTS`."""
 
-    def __init__(self, b, heads, n, m, formats, tile_rows=None):
+    def __init__(self, b, heads, n, m, formats, causal: bool, tile_rows=None):
         multiple = 1
         for fmt in formats:
             block = getattr(fmt, "block", None)
@@ -179,12 +183,20 @@ class _Tiles:
         # a tile of fewer rows than the sequence starts and ends on block boundaries
         self.rows = min(n, max(multiple, tile_rows // multiple * multiple))
         self.seqs = max(1, TILE_ELEMENTS // max(1, heads * self.rows * m))
-        self.b, self.n = b, n
+        self.b, self.n, self.m, self.multiple, self.causal = b, n, m, multiple, causal
 
     def __iter__(self):
+        """(sequences, rows, keys) of each tile. Under the causal rule a tile's keys end at the
+        block boundary after its last row: every later key is forbidden, its probability 0."""
         for b0 in range(0, self.b, self.seqs):
             for i0 in range(0, self.n, self.rows):
-                yield slice(b0, min(b0 + self.seqs, self.b)), slice(i0, min(i0 + self.rows, self.n))
+                i1 = min(i0 + self.rows, self.n)
+                last = -(-i1 // self.multiple) * self.multiple if self.causal else self.m
+                yield (
+                    slice(b0, min(b0 + self.seqs, self.b)),
+                    slice(i0, i1),
+                    slice(0, min(last, self.m)),
+                )
 
 
 class _Call:
@@ -196,9 +208,13 @@ class _Call:
         self.kv_heads, self.m, self.e = k.shape[1], k.shape[2], v.shape[-1]
         self.rep = self.heads // self.kv_heads
         self.scaling, self.dropout = scaling, dropout
+        # a power of two scales a product exactly, so it can scale an operand once instead of
+        # every tile's scores and score gradients (1/8 for heads of 64; fairseq's 1, its q scaled)
+        self.folded = scaling > 0 and math.frexp(scaling)[0] == 0.5
         self.points = _points(cfg, q.device)
         f0, f1, f2, f3 = (p.fmt for p in self.points)
-        self.tiles = _Tiles(self.batch, self.heads, self.n, self.m, (f0, f1, f2, f3), tile_rows)
+        self.tiles = _Tiles(self.batch, self.heads, self.n, self.m, (f0, f1, f2, f3),
+                            causal and mask is None, tile_rows)  # fmt: skip
         # each of the three GEMMs of a product is planned as the explicit path plans it
         plan = lambda a, b, macs: units.plan(a, b, q.device, cfg.gemm_unit, macs)  # noqa: E731
         qk, pv = self.n * self.d * self.m, self.n * self.m * self.e
@@ -227,26 +243,30 @@ class _Call:
         part = x.view(self.batch, self.kv_heads, self.rep, self.n, x.shape[-1])[bs, :, :, rows]
         return part.reshape(part.shape[0], self.kv_heads, -1, x.shape[-1])
 
-    def probs(self, q0, k0, bs, rows):
-        """(P, Pd, noise, nothing) of a tile, [bc, Hkv, rep, rows, M]: the forward's values."""
+    def probs(self, q0, k0_t, bs, rows, keys):
+        """(P, Pd, noise, keep, nothing) of a tile, [bc, Hkv, rep, rows, keys]: the forward's
+        values (``k0_t``: q0(K) transposed, [B, Hkv, d, M])."""
         plan = self.plans_qk[0]
-        s = units.gemm(self.rows_of(q0, bs, rows), k0[bs].transpose(-1, -2), plan,
-                       "matmul.forward")  # fmt: skip
-        s = s.view(s.shape[0], self.kv_heads, self.rep, -1, self.m) * self.scaling
+        s = units.gemm(self.rows_of(q0, bs, rows), k0_t[bs, :, :, keys], plan, "matmul.forward")
+        s = s.view(s.shape[0], self.kv_heads, self.rep, -1, s.shape[-1])
+        if not self.folded:
+            s = s * self.scaling
         nothing = keep = None
         if self.additive is not None:
-            s = s + self.additive[bs, :, :, rows]
+            s = s + self.additive[bs, :, :, rows, keys]
         if self.causal:
             i = torch.arange(rows.start, rows.start + s.shape[-2], device=s.device)
-            keep = torch.arange(self.m, device=s.device) <= i[:, None]
+            keep = torch.arange(keys.stop, device=s.device) <= i[:, None]
         elif self.keep is not None:
-            keep = self.keep[bs, :, :, rows]
+            keep = self.keep[bs, :, :, rows, keys]
         if self.real_keys is not None:
-            real = self.real_keys[bs]
+            real = self.real_keys[bs, ..., keys]
             keep = real if keep is None else keep & real
         if keep is not None:
-            nothing = ~keep.any(-1, keepdim=True)
-            s = s.masked_fill(~keep, -torch.inf).masked_fill(nothing, 0.0)
+            s = s.masked_fill(~keep, -torch.inf)
+            if self.keep is not None or self.real_keys is not None:  # causal rows keep key 0
+                nothing = ~keep.any(-1, keepdim=True)
+                s = s.masked_fill(nothing, 0.0)
         p = torch.softmax(s, dim=-1, dtype=torch.float32)
         if nothing is not None:
             p = p.masked_fill(nothing, 0.0)
@@ -257,6 +277,10 @@ class _Call:
             noise = dropout_noise(self.seed, self.dropout, index)
         pd = p if noise is None else p * noise
         return p, pd, noise, keep, nothing
+
+    def scaled(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` times the scaling where it is folded into an operand (``folded``)."""
+        return x * self.scaling if self.folded else x
 
     def merged(self, x):
         """A tile [bc, Hkv, rep, rows, c] in the GEMM layout [bc, Hkv, rep * rows, c]."""
@@ -270,16 +294,17 @@ def _whole_scale(point: _Point) -> bool:
 def _forward(call: _Call, q0, k0, v0):
     """O [B, H, N, e] from the q0-quantized operands (``v0`` [B, Hkv, M, e])."""
     f0, f1 = call.points[0], call.points[1]
+    k0_t, q0 = k0.transpose(-1, -2), call.scaled(q0)
     if _whole_scale(f0) or _whole_scale(f1):  # q0(Pd) or its stash needs Pd's largest value
-        call.amax_pd = torch.stack([_amax(call.probs(q0, k0, bs, rows)[1])
-                                    for bs, rows in call.tiles]).amax()  # fmt: skip
+        call.amax_pd = torch.stack([_amax(call.probs(q0, k0_t, *tile)[1])
+                                    for tile in call.tiles]).amax()  # fmt: skip
     out = q0.new_empty(call.batch, call.heads, call.n, call.e)
     five = out.view(call.batch, call.kv_heads, call.rep, call.n, call.e)
     amax = call.amax_pd if _whole_scale(f0) else None
-    for bs, rows in call.tiles:
-        pd = call.probs(q0, k0, bs, rows)[1]
+    for bs, rows, keys in call.tiles:
+        pd = call.probs(q0, k0_t, bs, rows, keys)[1]
         pd0 = quantize_part(f0, pd, -1, amax)
-        o = units.gemm(call.merged(pd0), v0[bs], call.plans_pv[0], "matmul.forward")
+        o = units.gemm(call.merged(pd0), v0[bs, :, keys], call.plans_pv[0], "matmul.forward")
         five[bs, :, :, rows] = o.view(o.shape[0], call.kv_heads, call.rep, -1, call.e)
     return out
 
@@ -329,32 +354,32 @@ class DSQAttentionFunction(torch.autograd.Function):
         d_scores_of = _tile_gradients(call, q0, k0, v1, g2_out)
         amax_dz = amax_g = None
         if _whole_scale(f3):
-            amax_dz = torch.stack([_amax(d_scores_of(bs, rows)[0]) for bs, rows in call.tiles])
-            amax_dz = amax_dz.amax()
+            amax_dz = torch.stack([_amax(d_scores_of(*tile)[0]) for tile in call.tiles]).amax()
         if _whole_scale(f2):
             amax_g = torch.stack([
-                _amax(quantize_part(f3, d_scores_of(bs, rows)[0], -2, amax_dz))
-                for bs, rows in call.tiles
+                _amax(quantize_part(f3, d_scores_of(*tile)[0], -2, amax_dz))
+                for tile in call.tiles
             ]).amax()  # fmt: skip
         dq = torch.empty_like(q0)
         dq5 = dq.view(call.batch, call.kv_heads, call.rep, call.n, call.d)
         dk_t = q0.new_zeros(call.batch, call.kv_heads, call.d, call.m)
         dv = q0.new_zeros(call.batch, call.kv_heads, call.m, call.e)
         amax_pd = call.amax_pd if _whole_scale(f1) else None
-        for bs, rows in call.tiles:
-            dz, pd = d_scores_of(bs, rows)
+        for bs, rows, keys in call.tiles:
+            dz, pd = d_scores_of(bs, rows, keys)
             # dV += q1(Pd)^T g_O: Pd's stash, blocks along the queries
             pd1 = call.merged(quantize_part(f1, pd, -2, amax_pd))
-            dv[bs] += units.gemm(pd1.transpose(-1, -2), call.rows_of(g_out, bs, rows),
-                                 call.plans_pv[2], "matmul.db")  # fmt: skip
+            dv[bs, :, keys] += units.gemm(pd1.transpose(-1, -2), call.rows_of(g_out, bs, rows),
+                                          call.plans_pv[2], "matmul.db")  # fmt: skip
             # g = q3(dZ) along the queries, then q2(g) along the keys
             g = quantize_part(f3, dz, -2, amax_dz)
             g2 = quantize_part(f2, g, -1, amax_g)
-            dq_tile = units.gemm(call.merged(g2), k1[bs], call.plans_qk[1], "matmul.da")
+            dq_tile = units.gemm(call.merged(g2), k1[bs, :, keys], call.plans_qk[1], "matmul.da")
             dq5[bs, :, :, rows] = dq_tile.view(dq_tile.shape[0], call.kv_heads, call.rep, -1,
                                                call.d)  # fmt: skip
-            dk_t[bs] += units.gemm(call.rows_of(q1, bs, rows).transpose(-1, -2), call.merged(g),
-                                   call.plans_qk[2], "matmul.db")  # fmt: skip
+            q1_rows = call.rows_of(q1, bs, rows).transpose(-1, -2)
+            dk_t[bs, :, :, keys] += units.gemm(q1_rows, call.merged(g), call.plans_qk[2],
+                                               "matmul.db")  # fmt: skip
         return dq, dk_t.transpose(-1, -2), dv, None, None, None, None, None, None, None
 
 
@@ -362,17 +387,21 @@ def _tile_gradients(call: _Call, q0, k0, v1, g2_out):
     """A function of a tile: (dZ, Pd), dZ = dS * scaling the gradient of the scores' GEMM and
     Pd the dropped-out probabilities, [bc, Hkv, rep, rows, M]."""
 
-    def of(bs, rows):
-        p, pd, noise, keep, nothing = call.probs(q0, k0, bs, rows)
-        d_pd = units.gemm(call.rows_of(g2_out, bs, rows), v1[bs].transpose(-1, -2),
+    k0_t, v1_t = k0.transpose(-1, -2), v1.transpose(-1, -2)
+    q0, g2_out = call.scaled(q0), call.scaled(g2_out)  # dPd scaled: dS scaled by linearity
+
+    def of(bs, rows, keys):
+        p, pd, noise, keep, nothing = call.probs(q0, k0_t, bs, rows, keys)
+        d_pd = units.gemm(call.rows_of(g2_out, bs, rows), v1_t[bs, :, :, keys],
                           call.plans_pv[1], "matmul.da")  # fmt: skip
         d_p = d_pd.view_as(p) if noise is None else d_pd.view_as(p) * noise
         if nothing is not None:
             d_p = d_p.masked_fill(nothing, 0.0)
         d_s = torch._softmax_backward_data(d_p, p, -1, torch.float32)
-        if keep is not None:
+        # forbidden keys have P = 0, so their dS is 0 already; an empty row's is set to 0
+        if nothing is not None:
             d_s = d_s.masked_fill(~keep, 0.0).masked_fill(nothing, 0.0)
-        return d_s * call.scaling, pd
+        return (d_s if call.folded else d_s * call.scaling), pd
 
     return of
 

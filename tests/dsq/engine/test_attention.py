@@ -66,10 +66,10 @@ def mask_keywords(kind: str, b: int, n: int, m: int) -> dict:
     return {}
 
 
-def both(preset, kind, n=75, m=75, heads=4, kv_heads=2, tile_rows=32):
+def both(preset, kind, n=75, m=75, heads=4, kv_heads=2, tile_rows=32, scaling=0.25):
     cfg = cfg_of(preset)
     q, k, v, d_out = inputs(heads=heads, kv_heads=kv_heads, n=n, m=m)
-    keywords = mask_keywords(kind, q.shape[0], n, m) | {"scaling": q.shape[-1] ** -0.5}
+    keywords = mask_keywords(kind, q.shape[0], n, m) | {"scaling": scaling}
     want, _ = explicit_attention(q, k, v, cfg, **keywords)
     want_grads = torch.autograd.grad(want, (q, k, v), d_out)
     got = dsq_attention(q, k, v, cfg, tile_rows=tile_rows, **keywords)
@@ -96,6 +96,14 @@ def test_the_tiled_kernel_is_the_explicit_path_to_summation_order(preset, kind):
 def test_odd_lengths_groups_and_tilings(preset, n, m, heads, kv_heads, tile_rows):
     kind = "none" if n != m else "causal"
     got, want = both(preset, kind, n, m, heads, kv_heads, tile_rows)
+    for a, b in zip(got, want):
+        close(a, b)
+
+
+@pytest.mark.parametrize("preset", ["dsq", "nvfp4_dsq"])
+def test_a_scaling_that_is_not_a_power_of_two_scales_every_tile(preset):
+    # a power of two (heads of 16: 1/4) is folded into the query operand, exactly; 0.3 is not
+    got, want = both(preset, "causal", scaling=0.3)
     for a, b in zip(got, want):
         close(a, b)
 

@@ -1,0 +1,298 @@
+"""``dsq bench memory|step --model llama|gpt2|bert``: a training step of a ``transformers`` model
+built from a config (random init, no download), per row, at several sequence lengths.
+
+Rows, as users would train instead of dsq or with it: fp32; amp_bf16 (the unpatched model under
+``torch.autocast`` in bf16); either of them with the model's own gradient checkpointing
+(``gradient_checkpointing_enable``, non-reentrant); each preset of the dsq engine at each stash
+scope, with and without that checkpointing. A step is Adam on the model's own loss (causal LM:
+next-token; BERT: masked LM on every token), on random token ids.
+
+Each (row, sequence length, batch size) runs in a fresh process, so that the process's peak
+resident memory (``ru_maxrss``) is that step's alone; it runs one step to warm up, ``repeats``
+timed steps, and one more measured by the allocator (`step.allocated_during`: what was live
+before it, parameters and Adam's state, plus the most the step held at once). Memory per token
+is the difference of two batch sizes' peaks over the difference of their tokens, so that what
+does not grow with the batch (the model, the optimizer, the libraries) cancels; tokens at a
+budget extrapolate that line. Both peaks are reported: they differ where the allocator's tensors
+are not all the process holds (the C library's heap, freed memory kept for reuse).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+MODELS = ("llama", "gpt2", "bert")
+KIB = 2**10
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """The model built from a config: layers, width, heads, key/value heads (Llama's grouped
+    query attention; GPT-2 and BERT have as many as heads) and vocabulary."""
+
+    kind: str = "llama"
+    layers: int = 6
+    width: int = 512
+    heads: int = 8
+    kv_heads: int = 4
+    vocab: int = 8000
+
+    def build(self, seq_len: int) -> torch.nn.Module:
+        import transformers
+
+        torch.manual_seed(0)
+        if self.kind == "llama":
+            config = transformers.LlamaConfig(
+                vocab_size=self.vocab, hidden_size=self.width, num_hidden_layers=self.layers,
+                num_attention_heads=self.heads, num_key_value_heads=self.kv_heads,
+                intermediate_size=_multiple(8 * self.width // 3, 64),
+                max_position_embeddings=seq_len,
+            )  # fmt: skip
+            model = transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
+        elif self.kind == "gpt2":
+            config = transformers.GPT2Config(
+                vocab_size=self.vocab, n_embd=self.width, n_layer=self.layers,
+                n_head=self.heads, n_positions=seq_len,
+            )  # fmt: skip
+            model = transformers.GPT2LMHeadModel._from_config(config, attn_implementation="sdpa")
+        elif self.kind == "bert":
+            config = transformers.BertConfig(
+                vocab_size=self.vocab, hidden_size=self.width, num_hidden_layers=self.layers,
+                num_attention_heads=self.heads, intermediate_size=4 * self.width,
+                max_position_embeddings=seq_len,
+            )  # fmt: skip
+            model = transformers.BertForMaskedLM._from_config(config, attn_implementation="sdpa")
+        else:
+            raise ValueError(f"--model {self.kind!r}: choose fairseq or one of {MODELS}")
+        return model
+
+
+def _multiple(n: int, of: int) -> int:
+    return max(of, (n + of - 1) // of * of)
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """A row: its preset, stash scope (patched presets) and whether the model checkpoints."""
+
+    preset: str
+    scope: str = "gemm"
+    checkpointing: bool = False
+
+    @property
+    def label(self) -> str:
+        parts = [self.preset] + ([self.scope] if self.scope != "gemm" else [])
+        return " ".join(parts + (["ckpt"] if self.checkpointing else []))
+
+
+def rows_of(presets, scopes, checkpointing) -> list[Row]:
+    """Every preset at every scope (a preset the engine does not patch: one) and checkpointing
+    setting asked for, in that order."""
+    from dsq_cli.presets import load_quant_preset
+
+    rows = []
+    for preset in presets:
+        patched = preset != "fp32" and load_quant_preset(preset).get("engine", "dsq") == "dsq"
+        for scope in scopes if patched else ("gemm",):
+            rows += [Row(preset, scope, ckpt) for ckpt in checkpointing]
+    return rows
+
+
+def measure(shape: ModelShape, row: Row, seq_len: int, batch: int, repeats: int) -> dict:
+    """In this process: the step's median time, allocator peak and the process's peak resident
+    memory (see the module docstring)."""
+    from dsq.engine import QuantConfig
+    from dsq.integrations import quantize_model
+    from dsq_cli.cpu_allocator import keep_freed_memory
+    from dsq_cli.presets import at_first_level, load_quant_preset
+
+    from .step import allocated_during
+
+    keep_freed_memory()  # as `dsq train` and `dsq bench step` run on CPU
+    cfg = QuantConfig.from_dict(
+        at_first_level(load_quant_preset(row.preset)) | {"stash_scope": row.scope}
+    )
+    model = shape.build(seq_len)
+    if row.preset != "fp32" and cfg.engine == "dsq":
+        quantize_model(model, cfg)
+    if row.checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+    ids = torch.randint(
+        0, shape.vocab, (batch, seq_len), generator=torch.Generator().manual_seed(0)
+    )
+    losses = []
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        dtype = cfg.autocast_dtype
+        with torch.autocast("cpu", dtype or torch.float32, enabled=dtype is not None):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss))
+
+    step()  # warm-up: Adam's state, first-call costs
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    optimizer.zero_grad(set_to_none=True)
+    state = sum(t.numel() * t.element_size() for t in model.parameters())
+    state += sum(
+        t.numel() * t.element_size()
+        for s in optimizer.state.values()
+        for t in s.values()
+        if isinstance(t, torch.Tensor)
+    )
+    peak = allocated_during(step, torch.device("cpu")).peak
+    return {
+        "step_s": statistics.median(times),
+        "allocator_bytes": state + peak,
+        "rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * KIB,
+        "first_loss": losses[0],
+    }
+
+
+def measure_in_fresh_process(shape, row, seq_len, batch, repeats, threads) -> dict:
+    spec = {"shape": dataclasses.asdict(shape), "row": dataclasses.asdict(row),
+            "seq_len": seq_len, "batch": batch, "repeats": repeats}  # fmt: skip
+    env = os.environ | {"OMP_NUM_THREADS": str(threads)}
+    done = subprocess.run(
+        [sys.executable, "-m", "dsq_cli.bench.transformers_models", json.dumps(spec)],
+        capture_output=True, text=True, env=env,
+    )  # fmt: skip
+    if done.returncode:
+        tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+        return {"error": f"{row.label} at {seq_len} x {batch}: {tail}"}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def run(shape: ModelShape, rows: list[Row], seq_lens, budget: int, repeats: int = 2,
+        batches=None, threads: int | None = None) -> dict:  # fmt: skip
+    """Every row at every sequence length, each at two batch sizes (``batches``, default 1 and
+    2 sequences, 4 and 8 below 512 tokens): per token, the allocator's and the process's bytes
+    (the slope between the two), time (the larger batch's step over its tokens), and tokens at
+    ``budget`` (the line through the two peaks, whole sequences)."""
+    threads = threads or torch.get_num_threads()
+    results = []
+    for seq_len in seq_lens:
+        small, large = batches or ((4, 8) if seq_len < 512 else (1, 2))
+        for row in rows:
+            a = measure_in_fresh_process(shape, row, seq_len, small, repeats, threads)
+            b = measure_in_fresh_process(shape, row, seq_len, large, repeats, threads)
+            entry = {"row": row.label, "seq_len": seq_len, "batches": [small, large]}
+            if "error" in a or "error" in b:
+                results.append(entry | {"error": a.get("error") or b.get("error")})
+                continue
+            tokens = (large - small) * seq_len
+            for key, name in (("allocator_bytes", "allocator"), ("rss_bytes", "rss")):
+                slope = (b[key] - a[key]) / tokens
+                fixed = a[key] - slope * small * seq_len
+                fits = (budget - fixed) / slope if slope > 0 else float("inf")
+                entry[f"{name}_kib_per_token"] = slope / KIB
+                entry[f"{name}_tokens_at_budget"] = max(0, int(fits // seq_len) * seq_len)
+            entry["ms_per_token"] = b["step_s"] * 1e3 / (large * seq_len)
+            entry["first_loss"] = b["first_loss"]
+            results.append(entry)
+    _ratios(results)
+    from .quant import machine_description
+
+    return {
+        "model": dataclasses.asdict(shape),
+        "budget_bytes": budget,
+        "repeats": repeats,
+        "threads": threads,
+        "machine": machine_description(torch.device("cpu")).rsplit(",", 1)[0],
+        "torch": torch.__version__,
+        "rows": results,
+    }
+
+
+BASELINES = ("amp_bf16", "amp_bf16 ckpt")
+
+
+def _ratios(results: list[dict]) -> None:
+    """Each row's bytes per token, tokens at the budget and time per token over amp_bf16's and
+    amp_bf16 ckpt's at the same sequence length, where those rows ran."""
+    for entry in results:
+        for base_name in BASELINES:
+            same = [r for r in results if r["seq_len"] == entry["seq_len"] and "error" not in r]
+            base = next((r for r in same if r["row"] == base_name), None)
+            if base is None or "error" in entry:
+                continue
+            tag = base_name.replace(" ", "_")
+            for key in ("allocator_kib_per_token", "rss_kib_per_token", "ms_per_token",
+                        "allocator_tokens_at_budget", "rss_tokens_at_budget"):  # fmt: skip
+                entry[f"{key}_x_{tag}"] = entry[key] / base[key] if base[key] else None
+
+
+def _x(value) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def format_memory(result: dict) -> str:
+    gib = result["budget_bytes"] / 2**30
+    lines = [
+        f"| row | seq | KiB/token (allocator) | KiB/token (process) | tokens in {gib:g} GiB "
+        "(allocator) | x amp_bf16 | x amp_bf16 ckpt | tokens (process) | x amp_bf16 ckpt |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in result["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['row']} | {r['seq_len']} | error: {r['error']} |")
+            continue
+        lines.append(
+            f"| {r['row']} | {r['seq_len']} | {r['allocator_kib_per_token']:.1f} | "
+            f"{r['rss_kib_per_token']:.1f} | {r['allocator_tokens_at_budget']:,} | "
+            f"{_x(r.get('allocator_tokens_at_budget_x_amp_bf16'))} | "
+            f"{_x(r.get('allocator_tokens_at_budget_x_amp_bf16_ckpt'))} | "
+            f"{r['rss_tokens_at_budget']:,} | {_x(r.get('rss_tokens_at_budget_x_amp_bf16_ckpt'))} |"
+        )
+    return "\n".join(lines + ["", _footer(result)])
+
+
+def format_step(result: dict) -> str:
+    lines = [
+        "| row | seq | ms/token | x amp_bf16 | x amp_bf16 ckpt | loss, first step |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in result["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['row']} | {r['seq_len']} | error: {r['error']} |")
+            continue
+        lines.append(
+            f"| {r['row']} | {r['seq_len']} | {r['ms_per_token']:.3f} | "
+            f"{_x(r.get('ms_per_token_x_amp_bf16'))} | "
+            f"{_x(r.get('ms_per_token_x_amp_bf16_ckpt'))} | {r['first_loss']:.4f} |"
+        )
+    return "\n".join(lines + ["", _footer(result)])
+
+
+def _footer(result: dict) -> str:
+    m = result["model"]
+    return (
+        f"{m['kind']}: {m['layers']} layers, width {m['width']}, {m['heads']} heads "
+        f"({m['kv_heads']} key/value), vocabulary {m['vocab']}; Adam, the model's own loss; "
+        f"each row and batch a fresh process; {result['machine']}, {result['threads']} threads, "
+        f"torch {result['torch']}; median of {result['repeats']} steps"
+    )
+
+
+if __name__ == "__main__":  # one measurement, as `measure_in_fresh_process` asks for it
+    spec = json.loads(sys.argv[1])
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
+    measured = measure(ModelShape(**spec["shape"]), Row(**spec["row"]), spec["seq_len"],
+                       spec["batch"], spec["repeats"])  # fmt: skip
+    print(json.dumps(measured))

@@ -1,0 +1,68 @@
+"""``dsq bench memory|step --model llama|gpt2|bert``: the rows, the arithmetic of bytes per token
+and tokens at a budget, and the usage errors."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from dsq_cli.bench import transformers_models as tm
+from dsq_cli.cli import app
+
+pytest.importorskip("transformers")
+
+
+def test_rows_are_every_preset_scope_and_checkpointing_but_one_scope_for_baselines():
+    rows = tm.rows_of(["amp_bf16", "dsq"], ["gemm", "all"], [False, True])
+    assert [r.label for r in rows] == [
+        "amp_bf16", "amp_bf16 ckpt", "dsq", "dsq ckpt", "dsq all", "dsq all ckpt",
+    ]  # fmt: skip
+
+
+def test_bytes_per_token_and_tokens_at_a_budget_come_from_the_line_through_two_batches(
+    monkeypatch,
+):
+    # a row holding 1,000 fixed bytes plus 100 a token (the allocator) or 150 (the process)
+    def fake(shape, row, seq_len, batch, repeats, threads):
+        tokens = seq_len * batch
+        return {"step_s": tokens * 1e-3, "allocator_bytes": 1000 + 100 * tokens,
+                "rss_bytes": 1000 + 150 * tokens, "first_loss": 1.0}  # fmt: skip
+
+    monkeypatch.setattr(tm, "measure_in_fresh_process", fake)
+    result = tm.run(tm.ModelShape(), [tm.Row("amp_bf16")], [64], budget=101_000, repeats=1)
+    (row,) = result["rows"]
+    assert row["batches"] == [4, 8]
+    assert row["allocator_kib_per_token"] == pytest.approx(100 / 1024)
+    assert row["rss_kib_per_token"] == pytest.approx(150 / 1024)
+    assert row["allocator_tokens_at_budget"] == 960  # (101,000 - 1,000) / 100: 15 sequences
+    assert row["rss_tokens_at_budget"] == 640  # 666 tokens, 10 whole sequences of 64
+    assert row["ms_per_token"] == pytest.approx(1.0)
+    assert row["allocator_tokens_at_budget_x_amp_bf16"] == 1.0
+
+
+@pytest.mark.slow
+def test_a_tiny_llama_runs_every_row_in_its_own_process():
+    result = CliRunner().invoke(app, [
+        "bench", "memory", "--budget", "1GiB", "--model", "llama", "--layers", "1",
+        "--width", "64", "--heads", "2", "--kv-heads", "1", "--vocab", "64", "--seq-lens", "32",
+        "--presets", "amp_bf16,dsq", "--scopes", "gemm", "--checkpointing", "off,on",
+        "--threads", "1", "--repeats", "1",
+    ])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    table = [line for line in result.output.splitlines() if line.startswith("| ")][1:]
+    assert [line.split(" | ")[0][2:] for line in table] == [
+        "amp_bf16", "amp_bf16 ckpt", "dsq", "dsq ckpt",
+    ]  # fmt: skip
+    assert "error" not in result.output
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--model", "gpt3"], "--model 'gpt3': choose one of"),
+    (["--model", "llama", "--fp32-head"], "--fp32-head applies to --model fairseq only"),
+    (["--model", "gpt2", "--heads", "4", "--kv-heads", "2"], "equal them but for llama"),
+    (["--model", "llama", "--seq-lens", "1k"], "--seq-lens: expected lengths"),
+])  # fmt: skip
+def test_bad_options_are_one_line_usage_errors(args, says):
+    result = CliRunner().invoke(app, ["bench", "memory", "--budget", "1GiB", *args])
+    assert result.exit_code == 2
+    assert says in result.output
