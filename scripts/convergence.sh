@@ -116,9 +116,11 @@ lane() {  # every stage asked for, in order
         done
     fi
     if wants clean-control; then
+        # swept beside dsq, which each seed's folder holds finished (the sweep skips it), so that
+        # the control's folder is named for its preset, quant-dsq_stash_bfp2
         for seed in 1 2 3 4 5; do
-            de_en "$seed" dsq_stash_bfp2
-            if ((seed <= 3)); then en_de_rows_of "$seed" dsq_stash_bfp2; fi
+            de_en "$seed" dsq,dsq_stash_bfp2
+            if ((seed <= 3)); then en_de_rows_of "$seed" dsq,dsq_stash_bfp2; fi
         done
     fi
     return $failed
