@@ -407,7 +407,10 @@ def _bfp_unpack_kernel(
         g = _block_of(i, n, nb, B, EVEN)
     ecode = _read_codes(exp_ptr, g, mask, E).to(tl.int32)
     mag = (code & ((1 << (M - 1)) - 1)).to(tl.int32).to(tl.float32)
-    q = tl.where(((code >> (M - 1)) & 1) != 0, -mag, mag)
+    # the sign set as a bit, so that a zero magnitude with its sign decodes to -0.0: a negation
+    # may compile to 0 - mag on a GPU, which gives +0.0
+    sign = (((code >> (M - 1)) & 1).to(tl.uint32)) << 31
+    q = (mag.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
     k1, k2 = _scale_exps(ecode - EMAX, M)
     out = tl.where(ecode == (1 << E) - 1, float("nan"), _bfp_value(q, k1, k2))
     tl.store(out_ptr + i, out, mask=mask)
