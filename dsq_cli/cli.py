@@ -211,6 +211,17 @@ MODEL_HELP = (
     'process (docs/benchmarks.md, "Memory and time on transformers models").'
 )
 
+# the options of `dsq bench step` and `dsq bench memory` that choose and shape a transformers model
+MODEL_OPTION = typer.Option("fairseq", help=MODEL_HELP)
+SEQ_LENS_OPTION = typer.Option(
+    "256,1024", help="transformers models: comma-separated tokens a sequence."
+)
+HEADS_OPTION = typer.Option(0, min=0, help="transformers models: attention heads (0: width/64).")
+KV_HEADS_OPTION = typer.Option(
+    0, min=0, help="llama: key/value heads, grouped-query attention (0: as many as heads)."
+)
+THREADS_OPTION = typer.Option(0, min=0, help="transformers models: threads a row (0: torch's).")
+
 
 def _transformers_bench(model, presets, layers, width, heads, kv_heads, vocab, seq_lens,
                         scopes, checkpointing, repeats, budget, threads, refused):  # fmt: skip
@@ -289,15 +300,11 @@ def bench_step(
         help="Tokens per chunk of the output layer and its loss (0: the whole batch at once); "
         "dsq train's train.loss_chunk_tokens.",
     ),
-    model: str = typer.Option("fairseq", help=MODEL_HELP),
-    seq_lens: str = typer.Option(
-        "256,1024", help="transformers models: comma-separated tokens a sequence."
-    ),
-    heads: int = typer.Option(0, min=0, help="transformers models: attention heads (0: width/64)."),
-    kv_heads: int = typer.Option(
-        0, min=0, help="llama: key/value heads, grouped-query attention (0: as many as heads)."
-    ),
-    threads: int = typer.Option(0, min=0, help="transformers models: threads a row (0: torch's)."),
+    model: str = MODEL_OPTION,
+    seq_lens: str = SEQ_LENS_OPTION,
+    heads: int = HEADS_OPTION,
+    kv_heads: int = KV_HEADS_OPTION,
+    threads: int = THREADS_OPTION,
     breakdown: bool = typer.Option(
         False,
         "--breakdown",
@@ -378,15 +385,11 @@ def bench_memory(
     loss_chunk: int = typer.Option(
         1024, min=0, help="Tokens per chunk of the output layer and its loss (0: whole)."
     ),
-    model: str = typer.Option("fairseq", help=MODEL_HELP),
-    seq_lens: str = typer.Option(
-        "256,1024", help="transformers models: comma-separated tokens a sequence."
-    ),
-    heads: int = typer.Option(0, min=0, help="transformers models: attention heads (0: width/64)."),
-    kv_heads: int = typer.Option(
-        0, min=0, help="llama: key/value heads, grouped-query attention (0: as many as heads)."
-    ),
-    threads: int = typer.Option(0, min=0, help="transformers models: threads a row (0: torch's)."),
+    model: str = MODEL_OPTION,
+    seq_lens: str = SEQ_LENS_OPTION,
+    heads: int = HEADS_OPTION,
+    kv_heads: int = KV_HEADS_OPTION,
+    threads: int = THREADS_OPTION,
     repeats: int = typer.Option(2, min=1, help="transformers models: timed steps a row."),
     device: str = typer.Option("cpu", help="cpu or cuda."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),

@@ -89,30 +89,12 @@ def _attention(sdpa: bool):
         # SDPA's own rule: causal when the module is, with no mask and more than one query
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
         causal = sdpa and mask is None and causal and q_len > 1
+        keywords = dict(scaling=scaling, mask=mask, causal=causal, dropout=dropout,
+                        training=module.training)  # fmt: skip
         if cfg is not None and cfg.attention == "tiled":
-            out = dsq_attention(
-                query,
-                key,
-                value,
-                cfg,
-                scaling=scaling,
-                mask=mask,
-                causal=causal,
-                dropout=dropout,
-                training=module.training,
-            )
+            out = dsq_attention(query, key, value, cfg, **keywords)
             return out.transpose(1, 2).contiguous(), None  # no probabilities are kept
-        out, probs = explicit_attention(
-            query,
-            key,
-            value,
-            cfg,
-            scaling=scaling,
-            mask=mask,
-            causal=causal,
-            dropout=dropout,
-            training=module.training,
-        )
+        out, probs = explicit_attention(query, key, value, cfg, **keywords)
         return out.transpose(1, 2).contiguous(), (None if sdpa else probs)
 
     return attention

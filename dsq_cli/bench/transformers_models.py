@@ -242,42 +242,36 @@ def _x(value) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
+def _grid(result: dict, header: list[str], cells) -> str:
+    """A markdown table of ``result``'s rows: the row, its sequence length, then ``cells(row)``
+    (or the row's error), and the footer."""
+    lines = ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
+    for r in result["rows"]:
+        texts = [f"error: {r['error']}"] if "error" in r else cells(r)
+        lines.append("| " + " | ".join([r["row"], str(r["seq_len"]), *texts]) + " |")
+    return "\n".join(lines + ["", _footer(result)])
+
+
 def format_memory(result: dict) -> str:
     gib = result["budget_bytes"] / 2**30
-    lines = [
-        f"| row | seq | KiB/token (allocator) | KiB/token (process) | tokens in {gib:g} GiB "
-        "(allocator) | x amp_bf16 | x amp_bf16 ckpt | tokens (process) | x amp_bf16 ckpt |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in result["rows"]:
-        if "error" in r:
-            lines.append(f"| {r['row']} | {r['seq_len']} | error: {r['error']} |")
-            continue
-        lines.append(
-            f"| {r['row']} | {r['seq_len']} | {r['allocator_kib_per_token']:.1f} | "
-            f"{r['rss_kib_per_token']:.1f} | {r['allocator_tokens_at_budget']:,} | "
-            f"{_x(r.get('allocator_tokens_at_budget_x_amp_bf16'))} | "
-            f"{_x(r.get('allocator_tokens_at_budget_x_amp_bf16_ckpt'))} | "
-            f"{r['rss_tokens_at_budget']:,} | {_x(r.get('rss_tokens_at_budget_x_amp_bf16_ckpt'))} |"
-        )
-    return "\n".join(lines + ["", _footer(result)])
+    header = ["row", "seq", "KiB/token (allocator)", "KiB/token (process)",
+              f"tokens in {gib:g} GiB (allocator)", "x amp_bf16", "x amp_bf16 ckpt",
+              "tokens (process)", "x amp_bf16 ckpt"]  # fmt: skip
+    return _grid(result, header, lambda r: [
+        f"{r['allocator_kib_per_token']:.1f}", f"{r['rss_kib_per_token']:.1f}",
+        f"{r['allocator_tokens_at_budget']:,}",
+        _x(r.get("allocator_tokens_at_budget_x_amp_bf16")),
+        _x(r.get("allocator_tokens_at_budget_x_amp_bf16_ckpt")),
+        f"{r['rss_tokens_at_budget']:,}", _x(r.get("rss_tokens_at_budget_x_amp_bf16_ckpt")),
+    ])  # fmt: skip
 
 
 def format_step(result: dict) -> str:
-    lines = [
-        "| row | seq | ms/token | x amp_bf16 | x amp_bf16 ckpt | loss, first step |",
-        "|---|---:|---:|---:|---:|---:|",
-    ]
-    for r in result["rows"]:
-        if "error" in r:
-            lines.append(f"| {r['row']} | {r['seq_len']} | error: {r['error']} |")
-            continue
-        lines.append(
-            f"| {r['row']} | {r['seq_len']} | {r['ms_per_token']:.3f} | "
-            f"{_x(r.get('ms_per_token_x_amp_bf16'))} | "
-            f"{_x(r.get('ms_per_token_x_amp_bf16_ckpt'))} | {r['first_loss']:.4f} |"
-        )
-    return "\n".join(lines + ["", _footer(result)])
+    header = ["row", "seq", "ms/token", "x amp_bf16", "x amp_bf16 ckpt", "loss, first step"]
+    return _grid(result, header, lambda r: [
+        f"{r['ms_per_token']:.3f}", _x(r.get("ms_per_token_x_amp_bf16")),
+        _x(r.get("ms_per_token_x_amp_bf16_ckpt")), f"{r['first_loss']:.4f}",
+    ])  # fmt: skip
 
 
 def _footer(result: dict) -> str:
