@@ -605,6 +605,19 @@ def table_cmd(
         "'equivalent' (two one-sided tests; --level 0.90 for 5% each), else 'not shown'.",
         show_default=False,
     ),
+    endpoint: str = typer.Option(
+        "best-loss",
+        "--endpoint",
+        help="The loss rows are compared by: best-loss (the best validation loss of the run) or "
+        "last-loss (the last model's, whose paired spread is smaller; docs/table.md, "
+        '"Endpoints").',
+    ),
+    adjust: str = typer.Option(
+        "none",
+        "--adjust",
+        help="With --against: none, or holm (each p-value adjusted by Holm's method within its "
+        "block, one column's comparisons in one measure).",
+    ),
     rows: str = typer.Option(
         None,
         "--rows",
@@ -658,6 +671,8 @@ def table_cmd(
         against=against,
         rows=chosen_rows,
         margins=margins,
+        endpoint=endpoint,
+        adjust=adjust,
     )
     for warning in result_table.warnings:
         typer.echo(f"dsq: warning: {warning}", err=True)

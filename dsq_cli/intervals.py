@@ -145,3 +145,27 @@ def paired_interval(
     """The interval of the mean paired difference, or None when no key is shared."""
     differences = paired_differences(values, against)
     return mean_interval(differences, level) if differences else None
+
+
+def p_value(interval: Interval) -> float | None:
+    """The two-sided p of the t test that the mean is 0 (None below two values): for a paired
+    difference, the paired t test."""
+    if interval.low is None or interval.sd is None:
+        return None
+    if interval.sd == 0:
+        return 1.0 if interval.mean == 0 else 0.0
+    t = abs(interval.mean) / (interval.sd / math.sqrt(interval.n))
+    return 2.0 * (1.0 - t_cdf(t, interval.n - 1))
+
+
+def holm(p_values: Sequence[float | None]) -> list[float | None]:
+    """Holm's step-down adjustment of a block of p-values (None left out and kept as None):
+    the i-th smallest of m is multiplied by m - i, each kept at least its predecessor's
+    adjusted value and at most 1."""
+    order = sorted((p, i) for i, p in enumerate(p_values) if p is not None)
+    adjusted: list[float | None] = [None] * len(p_values)
+    running = 0.0
+    for rank, (p, i) in enumerate(order):
+        running = max(running, min(1.0, (len(order) - rank) * p))
+        adjusted[i] = running
+    return adjusted

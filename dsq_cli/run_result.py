@@ -240,6 +240,13 @@ class RunResult:
             return self.value if checkpoint == "best" else final_dev.get("value")
         return self.value if checkpoint == "last" else None
 
+    def valid_loss_of(self, checkpoint: str) -> float | None:
+        """The validation loss of the model ``checkpoint`` names (``best`` or ``last``), from
+        ``checkpoints``; None where the run did not record it."""
+        entries = self.evaluation.get("checkpoints")
+        entry = entries.get(checkpoint) if isinstance(entries, Mapping) else None
+        return entry.get("valid_loss") if isinstance(entry, Mapping) else None
+
     def summary(self) -> dict[str, Any]:
         """The headline numbers, for the experiment logger's run summary."""
         record = self.to_dict()

@@ -24,7 +24,14 @@ from typing import Any
 
 from dsq.engine.config import POINTS
 from dsq.presets import preset_differences
-from dsq_cli.intervals import Interval, mean_interval, paired_differences, paired_interval
+from dsq_cli.intervals import (
+    Interval,
+    holm,
+    mean_interval,
+    p_value,
+    paired_differences,
+    paired_interval,
+)
 from dsq_cli.presets import BASELINE_PRESET, PRESET_ORDER
 from dsq_cli.run_config import EVAL_CHECKPOINTS
 from dsq_cli.run_result import RunResult, metric_decimals
@@ -109,12 +116,21 @@ class Run:
 # What a table compares rows by: the column's metric (result.json's ``value``, higher is better)
 # and the best validation loss (lower is better). Intervals and paired differences are given for
 # both (docs/table.md, "Intervals").
-METRIC, LOSS = "metric", "best_valid_loss"
-MEASURES = (METRIC, LOSS)
+METRIC, LOSS, LAST_LOSS = "metric", "best_valid_loss", "last_valid_loss"
+# the loss a table compares rows by (`--endpoint`): the best validation loss over the run, or
+# the last model's, whose paired spread is smaller (docs/table.md, "Endpoints")
+ENDPOINTS = {"best-loss": LOSS, "last-loss": LAST_LOSS, "post-move": LOSS}
+LOSS_LABELS = {LOSS: "best valid loss", LAST_LOSS: "last-model valid loss"}
+# how the p-values of one block of comparisons are adjusted for their number (`--adjust`)
+ADJUSTMENTS = ("none", "holm")
 
 
 def measure_of(run: Run, measure: str) -> float | None:
-    return run.result.value if measure == METRIC else run.result.best_valid_loss
+    if measure == METRIC:
+        return run.result.value
+    if measure == LAST_LOSS:
+        return run.result.valid_loss_of("last")
+    return run.result.best_valid_loss
 
 
 @dataclass
@@ -162,8 +178,8 @@ class Cell:
         return {r.result.seed: r for r in self.completed if r.result.seed is not None}
 
     def by_seed(self, measure: str) -> dict[int, float]:
-        """A measure (`MEASURES`) of each run of `runs_by_seed`, by seed: what `paired_interval`
-        pairs. Runs that record no such measure are left out."""
+        """A measure (`Table.measures`) of each run of `runs_by_seed`, by seed: what
+        `paired_interval` pairs. Runs that record no such measure are left out."""
         return {
             seed: value
             for seed, run in self.runs_by_seed.items()
@@ -224,6 +240,22 @@ class Table:
     against: str | None = None  # the row every other row's paired differences are from
     # measure -> the equivalence margin stated in advance (docs/table.md, "Intervals")
     margins: dict[str, float] | None = None
+    loss: str = LOSS  # the loss measure rows are compared by (ENDPOINTS)
+    adjust: str = "none"  # of the p-values of each block of comparisons (ADJUSTMENTS)
+    post_move: bool = False  # also compare each rising row with its static controls after it moved
+
+    @property
+    def measures(self) -> tuple[str, str]:
+        return (METRIC, self.loss)
+
+    def p_values(self, column: Column, measure: str) -> dict[str, tuple[float | None, ...]]:
+        """Each row's (p, adjusted p) of its paired difference from ``against`` in ``measure``:
+        the block is one column's comparisons in one measure, adjusted as ``adjust`` says."""
+        rows = [row for row in self.rows if row != self.against]
+        diffs = [self.difference(row, self.against, column, measure) for row in rows]
+        raw = [p_value(d) if d else None for d in diffs]
+        adjusted = holm(raw) if self.adjust == "holm" else raw
+        return {row: (p, q) for row, p, q in zip(rows, raw, adjusted)}
 
     def cell(self, row: str, column: Column) -> Cell | None:
         return self.cells.get((row, column.label))
@@ -484,6 +516,8 @@ def collect(
     against: str | None = None,
     rows: Iterable[str] | None = None,
     margins: tuple[float, float] | None = None,
+    endpoint: str = "best-loss",
+    adjust: str = "none",
 ) -> Table:
     """The table of the runs under ``paths``; ``level``: of its intervals; ``against``: a row
     the others are compared with seed by seed (`Table.difference`); ``rows``: only these rows
@@ -492,6 +526,15 @@ def collect(
     (`Table.equivalent`)."""
     if not 0 < level < 1:
         raise ValueError(f"--level is a confidence level between 0 and 1, got {level}")
+    if endpoint not in ENDPOINTS:
+        raise ValueError(f"--endpoint {endpoint!r}: choose one of {list(ENDPOINTS)}")
+    if adjust not in ADJUSTMENTS:
+        raise ValueError(f"--adjust {adjust!r}: choose one of {list(ADJUSTMENTS)}")
+    if adjust != "none" and against is None and endpoint != "post-move":
+        raise ValueError(
+            "--adjust adjusts the p-values of comparisons: give --against ROW or "
+            "--endpoint post-move"
+        )
     if margins is not None:
         if against is None:
             raise ValueError("--margin tests equivalence to a row: give --against ROW with it")
@@ -525,8 +568,10 @@ def collect(
             + ", ".join(sorted({c.metric for c in table.columns}))
             + "); keep one with --rows or paths of one task"
         )
-    measure_margins = dict(zip(MEASURES, margins)) if margins is not None else None
-    return replace(table, level=level, against=against, margins=measure_margins)
+    loss = ENDPOINTS[endpoint]
+    measure_margins = dict(zip((METRIC, loss), margins)) if margins is not None else None
+    return replace(table, level=level, against=against, margins=measure_margins, loss=loss,
+                   adjust=adjust, post_move=endpoint == "post-move")  # fmt: skip
 
 
 # -- rendering ------------------------------------------------------------------------------
@@ -655,7 +700,124 @@ def render_markdown(table: Table) -> str:
         lines += ["", against_heading(table), ""]
         header, rows = against_grid(table)
         lines += markdown_grid(header, rows)
+    if table.post_move:
+        lines += ["", POST_MOVE_HEADING, ""]
+        lines += [f"- {line}" for line in post_move_lines(table)] or [
+            "- (no rising row with a static control)"
+        ]
     return "\n".join(lines) + "\n"
+
+
+# -- the post-move endpoint -------------------------------------------------------------------
+POST_MOVE_HEADING = (
+    "Post-move loss (each rising row minus each of its static controls, seed by seed: the "
+    "lowest validation loss at the validations after the rising run's first stash move, over "
+    "the same updates in both runs; mean, interval, n pairs, p of the paired t test; a lower "
+    "loss is better; seeds whose rising run never moved are counted apart):"
+)
+
+
+def _same_format(a, b) -> bool:
+    from dsq.formats import parse_format
+
+    try:
+        return parse_format(str(a)).spec == parse_format(str(b)).spec
+    except ValueError:
+        return a == b
+
+
+def static_controls(table: Table, row: str) -> list[str]:
+    """The rows that hold ``row``'s points but its stash (q1, a ladder), which they keep at one
+    of its levels for the whole run: its static controls (docs/results.md, "Protocol")."""
+    quant = table.row_quant[row]
+    ladder = quant.get("q1")
+    if not (isinstance(ladder, Mapping) and "levels" in ladder):
+        return []
+    controls = []
+    for other in table.rows:
+        theirs = table.row_quant[other]
+        level = theirs.get("q1")
+        if other == row or isinstance(level, Mapping):
+            continue
+        if not any(_same_format(level, lv) for lv in ladder["levels"]):
+            continue
+        same = all(_same_format(theirs.get(p), quant.get(p)) for p in ("q0", "q2", "q3"))
+        same &= theirs.get("stash_scope", "gemm") == quant.get("stash_scope", "gemm")
+        same &= (theirs.get("rounding") or {}) == (quant.get("rounding") or {})
+        if same:
+            controls.append(other)
+    return controls
+
+
+def _valid_losses(run: Run) -> dict[int, float]:
+    """The run's validation losses by update, from metrics.jsonl beside its result.json."""
+    losses = {}
+    path = run.path.with_name("metrics.jsonl")
+    if path.exists():
+        for line in path.read_text().splitlines():
+            entry = json.loads(line) if line.strip() else {}
+            if entry.get("kind") == "valid" and entry.get("valid_loss") is not None:
+                losses[int(entry["update"])] = float(entry["valid_loss"])
+    return losses
+
+
+def first_move(run: Run) -> int | None:
+    """The update after which the run's precision first moved (None: it never moved)."""
+    segments = run.result.precision_segments or []
+    return int(segments[0]["updates"]) if len(segments) > 1 else None
+
+
+def post_move_differences(rising: Cell, control: Cell) -> tuple[dict[int, float], list[int]]:
+    """(the rising row's post-move loss minus its control's, by seed; the seeds whose rising run
+    never moved)."""
+    theirs = control.runs_by_seed
+    differences, unmoved = {}, []
+    for seed, run in rising.runs_by_seed.items():
+        if seed not in theirs:
+            continue
+        moved = first_move(run)
+        if moved is None:
+            unmoved.append(seed)
+            continue
+        mine, other = _valid_losses(run), _valid_losses(theirs[seed])
+        updates = [u for u in mine if u > moved and u in other]
+        if updates:
+            differences[seed] = min(mine[u] for u in updates) - min(other[u] for u in updates)
+    return differences, sorted(unmoved)
+
+
+def post_move_records(table: Table) -> list[dict]:
+    """Every (rising row, static control, column) pair: its paired interval, p and adjusted p
+    (the block: all of them, adjusted as ``table.adjust`` says)."""
+    records = []
+    for row in table.rows:
+        for control in static_controls(table, row):
+            for column in table.columns:
+                mine, theirs = table.cell(row, column), table.cell(control, column)
+                if not (mine and theirs):
+                    continue
+                differences, unmoved = post_move_differences(mine, theirs)
+                interval = (
+                    mean_interval(list(differences.values()), table.level) if differences else None
+                )
+                records.append({"row": row, "control": control, "column": column.label,
+                                "interval": interval, "unmoved": unmoved,
+                                "p": p_value(interval) if interval else None})  # fmt: skip
+    raw = [r["p"] for r in records]
+    for record, adjusted in zip(records, holm(raw) if table.adjust == "holm" else raw):
+        record["p_adjusted"] = adjusted
+    return records
+
+
+def post_move_lines(table: Table) -> list[str]:
+    lines = []
+    for r in post_move_records(table):
+        text = interval_text(r["interval"], 3, signed=True) if r["interval"] else "no pair moved"
+        text += _p_text(r["p"], r["p_adjusted"], table.adjust)
+        unmoved = ", ".join(map(str, r["unmoved"])) or "none"
+        lines.append(f"{r['row']} - {r['control']}, {r['column']}: {text}; "
+                     f"seeds without a move: {unmoved}")  # fmt: skip
+    return lines
 
 
 # -- paired differences -----------------------------------------------------------------------
@@ -668,10 +830,17 @@ def against_heading(table: Table) -> str:
             "; equivalent: the interval lies inside ± the margin, i.e. two one-sided tests at "
             f"{_level_text((1 - table.level) / 2)} each, and not shown where it does not"
         )
+    adjusted = ""
+    if table.adjust == "holm":
+        adjusted = (
+            "; Holm: the p-value adjusted by Holm's method within its block, one column's "
+            "comparisons in one measure"
+        )
     return (
         f"Paired differences from {table.against} (each row minus {table.against}, seed by "
-        f"seed; mean, {_level_text(table.level)} interval, n pairs; a higher metric is better, "
-        f"a lower loss is better{equivalence}):"
+        f"seed; mean, {_level_text(table.level)} interval, n pairs, p of the paired t test that "
+        f"the difference is 0; a higher metric is better, a lower loss is better{equivalence}"
+        f"{adjusted}):"
     )
 
 
@@ -679,38 +848,54 @@ def _equivalence_text(verdict: bool | None) -> str:
     return "-" if verdict is None else "equivalent" if verdict else "not shown"
 
 
+def _p_text(p: float | None, adjusted: float | None, adjust: str) -> str:
+    if p is None:
+        return ""
+    text = f", p={p:.3f}"
+    return text + (f", Holm {adjusted:.3f}" if adjust == "holm" else "")
+
+
 def against_grid(table: Table) -> tuple[list[str], list[list[str]]]:
-    """The rows' best validation loss and their paired differences from ``table.against``, per
-    column: a header and one list of texts per row."""
+    """The rows' loss (the table's endpoint) and their paired differences from
+    ``table.against``, per column: a header and one list of texts per row."""
     header = ["quant"]
+    loss_label = LOSS_LABELS[table.loss]
     for column in table.columns:
         label = _metric_label(column.metric)
         header += [
-            f"{column.label} best valid loss",
+            f"{column.label} {loss_label}",
             f"{label} - {table.against}",
             f"loss - {table.against}",
         ]
         if table.margins:
             header += [
                 f"{label} within ±{table.margins[METRIC]:g}",
-                f"loss within ±{table.margins[LOSS]:g}",
+                f"loss within ±{table.margins[table.loss]:g}",
             ]
+    p_values = {(c.label, m): table.p_values(c, m) for c in table.columns for m in table.measures}
     rows = []
     for row in table.rows:
         texts = [row]
         for column in table.columns:
             cell = table.cell(row, column)
-            loss = cell.interval(LOSS, table.level) if cell else None
+            loss = cell.interval(table.loss, table.level) if cell else None
             texts.append(interval_text(loss, 3) if loss else "-")
-            for measure in MEASURES:
+            for measure in table.measures:
                 if row == table.against:
                     texts.append("-")
                     continue
                 diff = table.difference(row, table.against, column, measure)
                 digits = _decimals(column.metric, measure)
-                texts.append(interval_text(diff, digits, signed=True) if diff else "-")
+                p, adjusted = p_values[(column.label, measure)][row]
+                texts.append(
+                    interval_text(diff, digits, signed=True) + _p_text(p, adjusted, table.adjust)
+                    if diff
+                    else "-"
+                )
             if table.margins:
-                texts += [_equivalence_text(table.equivalent(row, column, m)) for m in MEASURES]
+                texts += [
+                    _equivalence_text(table.equivalent(row, column, m)) for m in table.measures
+                ]
         rows.append(texts)
     return header, rows
 
@@ -793,7 +978,7 @@ def measure_records(table: Table, row: str, column: Column, cell: Cell) -> dict:
     """Per measure (the column's metric by its name, and ``best_valid_loss``): the mean, n, sd,
     interval and, with ``against``, the paired difference with its interval."""
     records = {}
-    for measure in MEASURES:
+    for measure in table.measures:
         interval = cell.interval(measure, table.level)
         record = interval.as_dict() if interval else {**_interval_fields(None), "sd": None}
         record["level"] = table.level
@@ -801,15 +986,18 @@ def measure_records(table: Table, row: str, column: Column, cell: Cell) -> dict:
             diff = None
             if row != table.against:
                 diff = table.difference(row, table.against, column, measure)
+            p, adjusted = table.p_values(column, measure).get(row, (None, None))
             record["difference"] = {
                 "against": table.against,
                 "level": table.level,
                 **(diff.as_dict() if diff else {**_interval_fields(None), "sd": None}),
+                "p": p,
+                "p_adjusted": adjusted if table.adjust != "none" else None,
             }
             if table.margins:
                 record["difference"]["margin"] = table.margins[measure]
                 record["difference"]["equivalent"] = table.equivalent(row, column, measure)
-        records[column.metric if measure == METRIC else LOSS] = record
+        records[column.metric if measure == METRIC else table.loss] = record
     return records
 
 
@@ -820,7 +1008,7 @@ def _cell_record(table: Table, row: str, column: Column, cell: Cell) -> dict:
     arith = cell.cost_mean("arith_ratio")
     dram = cell.cost_mean("dram_ratio")
     metric = cell.interval(METRIC, table.level) if completed else None
-    loss = cell.interval(LOSS, table.level) if completed else None
+    loss = cell.interval(table.loss, table.level) if completed else None
     record = {
         "row": row,
         "preset": quant["preset"],
@@ -840,7 +1028,7 @@ def _cell_record(table: Table, row: str, column: Column, cell: Cell) -> dict:
         "loss_high": loss.high if loss else None,
         "against": table.against,
     }
-    for prefix, measure in (("diff", METRIC), ("loss_diff", LOSS)):
+    for prefix, measure in (("diff", METRIC), ("loss_diff", table.loss)):
         diff = None
         if table.against is not None and row != table.against:
             diff = table.difference(row, table.against, column, measure)
@@ -848,7 +1036,7 @@ def _cell_record(table: Table, row: str, column: Column, cell: Cell) -> dict:
             record[f"{prefix}_{key}"] = value
         record[f"{prefix}_equivalent"] = table.equivalent(row, column, measure)
     record["margin"] = table.margins[METRIC] if table.margins else None
-    record["loss_margin"] = table.margins[LOSS] if table.margins else None
+    record["loss_margin"] = table.margins[table.loss] if table.margins else None
     record.update(
         {
             "arith_ratio": arith,
@@ -930,6 +1118,7 @@ def as_json(table: Table) -> dict:
                 "status": run.status,
                 "value": run.result.value,
                 "best_valid_loss": run.result.best_valid_loss,
+                "last_valid_loss": run.result.valid_loss_of("last"),
                 "arith_ratio": run.result.cost["arith_ratio"],
                 "dram_ratio": run.result.cost["dram_ratio"],
                 "stash_bits_mean": run.result.stash_bits_mean,
@@ -951,7 +1140,9 @@ def as_json(table: Table) -> dict:
         "level": table.level,
         "against": table.against,
         # the metric's margin is in each column's metric (BLEU points, a GLUE fraction)
-        "margins": {"metric": table.margins[METRIC], LOSS: table.margins[LOSS]}
+        "endpoint": table.loss,
+        "adjust": table.adjust,
+        "margins": {"metric": table.margins[METRIC], table.loss: table.margins[table.loss]}
         if table.margins
         else None,
         "cells": cells,
