@@ -267,7 +267,8 @@ class _Call:
             if self.keep is not None or self.real_keys is not None:  # causal rows keep key 0
                 nothing = ~keep.any(-1, keepdim=True)
                 s = s.masked_fill(nothing, 0.0)
-        p = torch.softmax(s, dim=-1, dtype=torch.float32)
+        # in float32, then in the inputs' dtype, as the explicit path's softmax
+        p = torch.softmax(s, dim=-1, dtype=torch.float32).to(s.dtype)
         if nothing is not None:
             p = p.masked_fill(nothing, 0.0)
         noise = None
@@ -397,7 +398,7 @@ def _tile_gradients(call: _Call, q0, k0, v1, g2_out):
         d_p = d_pd.view_as(p) if noise is None else d_pd.view_as(p) * noise
         if nothing is not None:
             d_p = d_p.masked_fill(nothing, 0.0)
-        d_s = torch._softmax_backward_data(d_p, p, -1, torch.float32)
+        d_s = torch._softmax_backward_data(d_p, p, -1, p.dtype)
         # forbidden keys have P = 0, so their dS is 0 already; an empty row's is set to 0
         if nothing is not None:
             d_s = d_s.masked_fill(~keep, 0.0).masked_fill(nothing, 0.0)

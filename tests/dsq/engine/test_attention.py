@@ -238,3 +238,16 @@ def test_fairseqs_attention_runs_tiled_and_trains_the_same_model(preset, monkeyp
     close(out_t, out_e)
     for name, grad in grads_e.items():
         close(grads_t[name], grad)
+
+
+def test_bfloat16_inputs_run_as_the_explicit_path_does():
+    # the softmax in float32, then in the inputs' dtype: the same output; the gradients round
+    # in bf16 along their own summation order
+    cfg = cfg_of("dsq")
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 40, 16, generator=g).bfloat16().requires_grad_() for _ in "qkv")
+    got = dsq_attention(q, k, v, cfg, causal=True, scaling=0.25)
+    want, _ = explicit_attention(q, k, v, cfg, causal=True, scaling=0.25)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    grads = torch.autograd.grad(got.float().sum(), (q, k, v))
+    assert all(grad.dtype == torch.bfloat16 and torch.isfinite(grad).all() for grad in grads)
