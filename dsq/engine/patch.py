@@ -141,6 +141,23 @@ def patch_model(
     ``dsq.integrations.quantize_model``, which picks the patchers, for the arguments."""
     if not isinstance(cfg, QuantConfig):
         raise TypeError(f"cfg must be a QuantConfig, got {type(cfg).__name__}")
+    if cfg.engine != "dsq":
+        raise ValueError(
+            f"quant.engine={cfg.engine!r} trains the model unpatched under torch.autocast "
+            f"({cfg.autocast_dtype}): run it inside torch.autocast instead of quantize_model"
+        )
+    if getattr(model, "dsq_cfg", None) is not None:
+        raise ValueError(
+            f"{type(model).__name__} is quantized already (model.dsq_report says how); build "
+            "the model anew to quantize it with another config"
+        )
+    names = [name for name, _ in model.named_modules() if name]
+    unmatched = [p for p in exclude if not any(fnmatch.fnmatchcase(n, p) for n in names)]
+    if unmatched:
+        raise ValueError(
+            f"exclude pattern {unmatched[0]!r} matches no module of {type(model).__name__} "
+            f"(module names look like {', '.join(names[:3])}); fix or drop the pattern"
+        )
     report = PatchReport(stash_scope=cfg.stash_scope)
     for name, module in model.named_modules():
         if not name:

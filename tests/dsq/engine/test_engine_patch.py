@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import re
 import types
 
 import pytest
@@ -171,3 +172,17 @@ def test_dsq_transformer_trains_on_multi30k():
             cfg.step(sum(losses[-4:]) / 4, update=step)
     first, last = sum(losses[:4]) / 4, sum(losses[-4:]) / 4
     assert last < 0.7 * first, losses
+
+
+@pytest.mark.parametrize(("call", "says"), [
+    (lambda m: quantize_model(quantize_model(m, QuantConfig()), QuantConfig()),
+     "Sequential is quantized already"),
+    (lambda m: quantize_model(m, QuantConfig.from_preset("amp_bf16")),
+     "engine='autocast' trains the model unpatched under torch.autocast"),
+    (lambda m: quantize_model(m, QuantConfig(), exclude=["0", "decoder.*"]),
+     "exclude pattern 'decoder.*' matches no module of Sequential"),
+])  # fmt: skip
+def test_a_setting_that_would_not_apply_is_refused(call, says):
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    with pytest.raises(ValueError, match=re.escape(says)):
+        call(model)
