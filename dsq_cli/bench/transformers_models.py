@@ -200,9 +200,13 @@ def run(shape: ModelShape, rows: list[Row], seq_lens, budget: int, repeats: int 
             for key, name in (("allocator_bytes", "allocator"), ("rss_bytes", "rss")):
                 slope = (b[key] - a[key]) / tokens
                 fixed = a[key] - slope * small * seq_len
-                fits = (budget - fixed) / slope if slope > 0 else float("inf")
                 entry[f"{name}_kib_per_token"] = slope / KIB
-                entry[f"{name}_tokens_at_budget"] = max(0, int(fits // seq_len) * seq_len)
+                # no line to extrapolate where the peak did not grow with the batch (a process
+                # peak below a page's resolution on a tiny model): no figure, not infinity
+                fits = (budget - fixed) / slope if slope > 0 else None
+                entry[f"{name}_tokens_at_budget"] = (
+                    None if fits is None else max(0, int(fits // seq_len) * seq_len)
+                )
             entry["ms_per_token"] = b["step_s"] * 1e3 / (large * seq_len)
             entry["first_loss"] = b["first_loss"]
             results.append(entry)
@@ -235,11 +239,16 @@ def _ratios(results: list[dict]) -> None:
             tag = base_name.replace(" ", "_")
             for key in ("allocator_kib_per_token", "rss_kib_per_token", "ms_per_token",
                         "allocator_tokens_at_budget", "rss_tokens_at_budget"):  # fmt: skip
-                entry[f"{key}_x_{tag}"] = entry[key] / base[key] if base[key] else None
+                known = entry[key] is not None and base[key]
+                entry[f"{key}_x_{tag}"] = entry[key] / base[key] if known else None
 
 
 def _x(value) -> str:
     return "-" if value is None else f"{value:.2f}"
+
+
+def _tokens(value) -> str:
+    return "-" if value is None else f"{value:,}"
 
 
 def _grid(result: dict, header: list[str], cells) -> str:
@@ -259,10 +268,10 @@ def format_memory(result: dict) -> str:
               "tokens (process)", "x amp_bf16 ckpt"]  # fmt: skip
     return _grid(result, header, lambda r: [
         f"{r['allocator_kib_per_token']:.1f}", f"{r['rss_kib_per_token']:.1f}",
-        f"{r['allocator_tokens_at_budget']:,}",
+        _tokens(r["allocator_tokens_at_budget"]),
         _x(r.get("allocator_tokens_at_budget_x_amp_bf16")),
         _x(r.get("allocator_tokens_at_budget_x_amp_bf16_ckpt")),
-        f"{r['rss_tokens_at_budget']:,}", _x(r.get("rss_tokens_at_budget_x_amp_bf16_ckpt")),
+        _tokens(r["rss_tokens_at_budget"]), _x(r.get("rss_tokens_at_budget_x_amp_bf16_ckpt")),
     ])  # fmt: skip
 
 

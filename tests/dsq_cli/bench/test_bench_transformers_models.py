@@ -66,3 +66,15 @@ def test_bad_options_are_one_line_usage_errors(args, says):
     result = CliRunner().invoke(app, ["bench", "memory", "--budget", "1GiB", *args])
     assert result.exit_code == 2
     assert says in result.output
+
+
+def test_a_peak_that_does_not_grow_with_the_batch_gives_no_tokens_at_the_budget(monkeypatch):
+    def flat(shape, row, seq_len, batch, repeats, threads):
+        return {"step_s": 1.0, "allocator_bytes": 1000 + 100 * seq_len * batch,
+                "rss_bytes": 5000, "first_loss": 1.0}  # fmt: skip
+
+    monkeypatch.setattr(tm, "measure_in_fresh_process", flat)
+    result = tm.run(tm.ModelShape(), [tm.Row("amp_bf16")], [64], budget=10**6, repeats=1)
+    (row,) = result["rows"]
+    assert row["rss_kib_per_token"] == 0 and row["rss_tokens_at_budget"] is None
+    assert "| - |" in tm.format_memory(result)
