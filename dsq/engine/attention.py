@@ -48,11 +48,9 @@ import math
 
 import torch
 
-from dsq.formats import PackedTensor
-
 from . import accounting, units
 from .config import QuantConfig
-from .functions import _Point, _points, dsq_matmul
+from .functions import _Point, _points, _stash_header, _stash_restore, dsq_matmul
 
 # the elements of one tile's [rows x keys] tensors across its sequences and heads: a few such
 # tensors are alive at once, about 8 MiB each, whatever the batch
@@ -324,11 +322,10 @@ class DSQAttentionFunction(torch.autograd.Function):
         stashes = (q_packed, k_packed, f1.pack(q, -2), f1.pack(k, -2), f1.pack(v, -1))
         ctx.call = call
         ctx.headers, tensors = [], []
-        for packed in stashes:
-            names = tuple(packed.payload)
-            header = (packed.fmt, packed.shape, packed.dtype, packed.axis, names, len(names))
+        for packed in stashes:  # as the other DSQ functions save their stashes
+            header, payload = _stash_header(packed)
             ctx.headers.append(header)
-            tensors += [packed.payload[name] for name in names]
+            tensors += payload
         for t in tensors:  # already in their formats: a stash_scope=all hook leaves them be
             t.dsq_packed = True
         ctx.save_for_backward(*tensors)  # the masks stay with ctx.call, shared by every layer
@@ -344,10 +341,10 @@ class DSQAttentionFunction(torch.autograd.Function):
         call = ctx.call
         saved = list(ctx.saved_tensors)
         unpacked = []
-        for fmt, shape, dtype, axis, names, count in ctx.headers:
-            payload = dict(zip(names, saved[:count]))
+        for header in ctx.headers:
+            count = len(header[-1])  # the payload's names
+            unpacked.append(_stash_restore(header, saved[:count]).unpack())
             del saved[:count]
-            unpacked.append(PackedTensor(fmt, shape, dtype, axis, payload).unpack())
         q0, k0, q1, k1, v1 = unpacked
         f0, f1, f2, f3 = call.points
         # g_O = q3(dO) along the queries and q2(g_O) along e: whole, as the explicit path
