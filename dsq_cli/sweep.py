@@ -145,22 +145,31 @@ def slurm_executor(config: dict):
     return executor
 
 
-def expand(overrides: Sequence[str]) -> list[list[str]]:
-    """The grid: one override list per job, in Hydra's sweep order (last key varies fastest)."""
+def _parse(overrides: Sequence[str]):
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     try:
-        parsed = OverridesParser.create().parse_overrides(list(overrides))
+        return OverridesParser.create().parse_overrides(list(overrides))
     except Exception as err:
         raise ValueError(f"bad sweep override: {str(err).splitlines()[0]}") from None
+
+
+def expand(overrides: Sequence[str]) -> list[list[str]]:
+    """The grid: one override list per job, in Hydra's sweep order (last key varies fastest)."""
     axes = []
-    for override in parsed:
+    for override in _parse(overrides):
         key = override.get_key_element()
         if override.is_sweep_override():
             axes.append([f"{key}={value}" for value in override.sweep_string_iterator()])
         else:
             axes.append([override.input_line])
     return [list(combo) for combo in itertools.product(*axes)]
+
+
+def swept_keys(overrides: Sequence[str]) -> set[str]:
+    """The keys written as a sweep (``quant=a,b``, ``quant=choice(a)``, ``seed=range(1,3)``),
+    whatever the number of their values."""
+    return {o.get_key_element() for o in _parse(overrides) if o.is_sweep_override()}
 
 
 def job_name(overrides: Sequence[str], varying: set[str]) -> str:
@@ -189,7 +198,10 @@ def plan(overrides: Sequence[str]) -> tuple[Path, str, dict, list[Job]]:
     if any(o.split("=", 1)[0] in ("run.dir", "resume") for o in job_overrides):
         raise ValueError("a sweep places each run itself (run.dir=ROOT/JOB); set run.root=ROOT")
     grid = expand(job_overrides)
-    varying = {
+    # a key that varies names the folders; so does one written as a sweep of one value
+    # (quant=choice(dsq) runs in quant-dsq), which lets a sweep of one row sit in a root beside
+    # others under the name a wider sweep would have given it
+    varying = swept_keys(job_overrides) | {
         o.split("=", 1)[0] for column in zip(*grid) for o in column if len({c for c in column}) > 1
     }
     jobs = [Job(job_name(o, varying), o, root / job_name(o, varying)) for o in grid]

@@ -17,6 +17,10 @@
 #                 its six rows, interleaved
 #   clean-control dsq's clean control, dsq_stash_bfp2 (dsq's points, the stash static at bfp2):
 #                 de->en seeds 1-5 and en->de seeds 1-3 (docs/results.md, "Protocol")
+#   dsq-rerun     dsq trained again at the clean control's commit, in roots of its own
+#                 (results/convergence-dsq-rerun/seedN, results/convergence-en-de-dsq-rerun/seedN),
+#                 so that dsq minus its control measures the schedule, not the code between two
+#                 commits (docs/results.md, the protocol's amendment)
 #   all           every stage above, in that order
 #
 # STUDY_LANES (default 2) runs the stages in that many processes at once, one thread each
@@ -69,14 +73,14 @@ de_en() {  # de_en SEED QUANTS [OVERRIDES...]: rows of the de->en setting on one
     dsq sweep --resume-unfinished "seed=$seed" "${task[@]}" "train.max_updates=$budget" \
         "run.root=results/convergence/seed$seed" "quant=$quants" "$@"
 }
-en_de_rows_of() {  # en_de_rows_of SEED [ROWS]: en->de rows on one seed, once its budget is known
-    local budget rows=${2:-$en_de_rows}
+en_de_rows_of() {  # en_de_rows_of SEED [ROWS [ROOT]]: en->de rows on one seed, once its budget is known
+    local budget rows=${2:-$en_de_rows} root=${3:-results/convergence-en-de/seed$1}
     if ! budget=$(budget_of results/convergence-en-de-budget 2>/dev/null); then
         echo "convergence.sh: en->de seed $1 waits for the en->de budget run" >&2
         return 0
     fi
     dsq sweep --resume-unfinished "seed=$1" "${task[@]}" "${en_de[@]}" \
-        "train.max_updates=$budget" "run.root=results/convergence-en-de/seed$1" "quant=$rows"
+        "train.max_updates=$budget" "run.root=$root" "quant=$rows"
 }
 first_rows() {  # first_rows SEED: the study's first nine rows
     de_en "$1" fp32,dsq,bfp6,bfp6_rising_stash,dsq_bfp3,stash_bfp,bf16
@@ -87,10 +91,10 @@ stages=("$@")
 [[ ${#stages[@]} -gt 0 ]] || stages=(all)
 for stage in "${stages[@]}"; do
     case $stage in
-    budget | seed1 | seed2 | controls | en-de-budget | more-seeds | clean-control | all) ;;
+    budget | seed1 | seed2 | controls | en-de-budget | more-seeds | clean-control | dsq-rerun | all) ;;
     *)
         echo "convergence.sh: unknown stage '$stage'; choose budget, seed1, seed2, controls," \
-            "en-de-budget, more-seeds, clean-control or all" >&2
+            "en-de-budget, more-seeds, clean-control, dsq-rerun or all" >&2
         exit 2
         ;;
     esac
@@ -121,6 +125,16 @@ lane() {  # every stage asked for, in order
         for seed in 1 2 3 4 5; do
             de_en "$seed" dsq,dsq_stash_bfp2
             if ((seed <= 3)); then en_de_rows_of "$seed" dsq,dsq_stash_bfp2; fi
+        done
+    fi
+    if wants dsq-rerun; then
+        # choice(dsq): a sweep of one row, its folder named quant-dsq as in the study's roots; the
+        # later run.root is the one the sweep takes
+        for seed in 1 2 3 4 5; do
+            de_en "$seed" "choice(dsq)" "run.root=results/convergence-dsq-rerun/seed$seed"
+            if ((seed <= 3)); then
+                en_de_rows_of "$seed" "choice(dsq)" "results/convergence-en-de-dsq-rerun/seed$seed"
+            fi
         done
     fi
     return $failed

@@ -62,6 +62,11 @@ def test_dry_run_lists_the_jobs_without_running(tmp_path):
         app, ["sweep", "task=demo", "quant=dsq", f"run.root={tmp_path}", "--dry-run"]
     )
     assert f"1 job under {tmp_path}" in one.output and f"run.dir={tmp_path}/job" in one.output
+    # a key written as a sweep of one value names the folder as a wider sweep would
+    chosen = RUNNER.invoke(
+        app, ["sweep", "task=demo", "quant=choice(dsq)", f"run.root={tmp_path}", "--dry-run"]
+    )
+    assert f"run.dir={tmp_path}/quant-dsq" in chosen.output, chosen.output
 
 
 def test_a_sweep_never_takes_another_sweeps_run_for_its_job(tmp_path):
