@@ -24,6 +24,7 @@ from omegaconf.errors import (
 )
 
 from dsq_cli.data.glue import get_glue_task
+from dsq_cli.data.lm import LM_TASKS
 from dsq_cli.data.tasks import TASKS
 from dsq_cli.presets import CONF_DIR
 from dsq_cli.run_config import (
@@ -366,6 +367,11 @@ def _model_file(cfg: DictConfig) -> str:
     return f"conf/model/{cfg.choices.get('model') or cfg.model.get('name')}.yaml"
 
 
+def _families() -> str:
+    """``translation, glue or lm``: the family names, for a message."""
+    return ", ".join(FAMILY_NAMES[:-1]) + f" or {FAMILY_NAMES[-1]}"
+
+
 def _family_lines() -> str:
     """``family: translation`` or ``family: glue``: the lines a group file may declare."""
     return " or ".join(f"`family: {name}`" for name in FAMILY_NAMES)
@@ -385,9 +391,7 @@ def _check_task_family(cfg: DictConfig) -> None:
 
     name, family = cfg.task.name, cfg.task.family
     if family not in FAMILY_NAMES:
-        raise ConfigError(
-            f"task.family must be {' or '.join(FAMILY_NAMES)}, got {family!r} ({_task_file(cfg)})"
-        )
+        raise ConfigError(f"task.family must be {_families()}, got {family!r} ({_task_file(cfg)})")
     try:
         get_glue_task(name)
         is_glue = True
@@ -396,6 +400,11 @@ def _check_task_family(cfg: DictConfig) -> None:
     if family == "glue" and not is_glue:
         hint = "; it is a translation task (family: translation)" if name in TASKS else ""
         raise ConfigError(f"task.family is glue but {unknown_glue}{hint}")
+    if family == "lm" and name not in LM_TASKS:
+        raise ConfigError(
+            f"task.family is lm but unknown language-model task {name!r}; choose one of "
+            f"{', '.join(LM_TASKS)}"
+        )
     if family == "translation" and name not in TASKS:
         hint = "; it is a GLUE task (family: glue)" if is_glue else ""
         raise ConfigError(
@@ -414,6 +423,12 @@ def _check_task_metric(cfg: DictConfig) -> None:
                 f"task {name}: {_task_file(cfg)} says task.metric: {metric} but the GLUE task "
                 f"reports {reported} first (metrics[0] of its class in dsq_cli/data/glue); "
                 "make the two agree"
+            )
+    elif cfg.task.family == "lm":
+        if metric != "perplexity":
+            raise ConfigError(
+                f"task {name}: task.metric must be perplexity for a language-model task (its "
+                f"trainer reports validation perplexity), got {metric!r} ({_task_file(cfg)})"
             )
     elif metric != "bleu":
         raise ConfigError(
@@ -434,7 +449,7 @@ def _check_model_suits_task(cfg: DictConfig) -> None:
         raise ConfigError(f"{_model_file(cfg)} sets no model.family; add {_family_lines()}")
     if family not in FAMILY_NAMES:
         raise ConfigError(
-            f"model.family must be {' or '.join(FAMILY_NAMES)}, got {family!r} ({_model_file(cfg)})"
+            f"model.family must be {_families()}, got {family!r} ({_model_file(cfg)})"
         )
     if family != wanted:
         raise ConfigError(

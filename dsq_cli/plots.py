@@ -18,7 +18,7 @@ from dsq.engine.accounting import GemmRecord
 from dsq.engine.config import POINTS
 from dsq_cli.cost import baseline_points
 from dsq_cli.presets import BASELINE_PRESET
-from dsq_cli.run_result import RunResult, metric_decimals
+from dsq_cli.run_result import RunResult, metric_decimals, metric_sign
 from dsq_cli.table import METRIC_LABELS, PAPER_REFERENCE, Table, row_preset
 
 POINT_ROLES = {
@@ -333,7 +333,8 @@ def plot_frontier(
             ax.margins(y=0.18)
             metric = METRIC_LABELS.get(column.metric, column.metric)
             ax.set_xlabel(f"{name} per step, fraction of {baseline} (log; left is cheaper)")
-            ax.set_ylabel(f"{column.label} {metric} (higher is better)")
+            better = "higher" if metric_sign(column.metric) > 0 else "lower"
+            ax.set_ylabel(f"{column.label} {metric} ({better} is better)")
             ax.grid(True, which="both", alpha=0.3)
             ax.set_title(f"{column.label}: {metric} vs {name}", fontsize=10)
             missing = _not_shown(table, column)

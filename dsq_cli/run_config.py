@@ -26,7 +26,7 @@ from omegaconf import MISSING
 # The task families: the one vocabulary of task.family (which trainer and data a task uses) and
 # model.family (which tasks a model serves), so a model suits a task when the two are equal.
 # Every name is one registered unit in dsq_cli.train.families (its trainer, data and report).
-Family = Literal["translation", "glue"]
+Family = Literal["translation", "glue", "lm"]
 FAMILY_NAMES: tuple[Family, ...] = typing.get_args(Family)
 
 
@@ -56,7 +56,7 @@ class TrainConfig:
     max_epochs: int = _expects("a non-negative integer")  # stop after this many epochs...
     max_updates: int = _expects("a non-negative integer")  # ...or updates (0: no limit)
     max_tokens: int = _expects("a non-negative integer")  # tokens per batch (fairseq --max-tokens)
-    batch_size: int = _expects("a non-negative integer")  # GLUE: examples per update
+    batch_size: int = _expects("a non-negative integer")  # GLUE, LM: examples per update
     update_freq: int = _expects("a non-negative integer")  # batches accumulated per update
     lr: float = MISSING  # peak learning rate
     # Linear warmup to the peak lr; auto: 10% of the run's updates, at most 4000.
@@ -120,11 +120,13 @@ class TaskConfig:
     """``task``: what conf/task/<name>.yaml puts under ``task:``."""
 
     name: str = MISSING  # the registered task (dsq_cli.data.tasks.TASKS or the GLUE registry)
-    # translation (fairseq, BLEU) | glue (fine-tuning an encoder): a `Family`, the same name as
+    # translation (fairseq, BLEU) | glue (fine-tuning an encoder) | lm (a causal language model,
+    # perplexity): a `Family`, the same name as
     # the model's model.family. The single place that decides a task's family; required in
     # every conf/task file.
     family: str = MISSING
-    metric: str = MISSING  # result.json's `value`: bleu, or the GLUE task's headline metric
+    # result.json's `value`: bleu, the GLUE task's headline metric, or the LM's perplexity
+    metric: str = MISSING
     src: str | None = None  # translation: source language suffix
     tgt: str | None = None  # translation: target language suffix
     sizes: SplitSizes | None = None  # demo: sentence pairs generated per split

@@ -32,6 +32,8 @@ STATUSES = ("completed", "interrupted", "diverged", "failed", "running")
 # GLUE's metrics, fractions from 0 (or -1) to 1; BLEU is 0 to 100, perplexity 1 and up
 FRACTION_METRICS = ("accuracy", "mcc", "f1", "pearson", "spearman")
 METRICS = ("bleu", *FRACTION_METRICS, "perplexity")
+# the metrics where lower is better (a language model's perplexity); the others: higher
+LOWER_IS_BETTER = frozenset({"perplexity"})
 COST_KEYS = ("arith_ratio", "dram_ratio", "baseline")
 # What a reader cannot do without (the rest has defaults for result.json files of older runs).
 REQUIRED = ("status", "task", "quant", "metric", "value", "valid_loss", "updates",
@@ -51,6 +53,12 @@ def metric_decimals(metric: str) -> int:
     accuracy apart (an SST-2 dev example is about 0.1 point) do not print alike; two for BLEU
     and perplexity."""
     return 3 if metric in FRACTION_METRICS else 2
+
+
+def metric_sign(metric: str) -> int:
+    """+1 where a higher ``metric`` is better, -1 where a lower one is (`LOWER_IS_BETTER`): a
+    difference times it is how much better."""
+    return -1 if metric in LOWER_IS_BETTER else 1
 
 
 def unpriced(baseline: str = BASELINE_PRESET) -> dict:

@@ -34,7 +34,7 @@ from dsq_cli.intervals import (
 )
 from dsq_cli.presets import BASELINE_PRESET, PRESET_ORDER
 from dsq_cli.run_config import EVAL_CHECKPOINTS
-from dsq_cli.run_result import RunResult, metric_decimals
+from dsq_cli.run_result import RunResult, metric_decimals, metric_sign
 
 FORMATS = ("markdown", "csv", "latex", "json")
 METRIC_LABELS = {
@@ -113,7 +113,8 @@ class Run:
         return self.result.status
 
 
-# What a table compares rows by: the column's metric (result.json's ``value``, higher is better)
+# What a table compares rows by: the column's metric (result.json's ``value``; higher is better
+# but for perplexity, `metric_sign`)
 # and the best validation loss (lower is better). Intervals and paired differences are given for
 # both (docs/table.md, "Intervals").
 METRIC, LOSS, LAST_LOSS = "metric", "best_valid_loss", "last_valid_loss"
@@ -839,9 +840,19 @@ def against_heading(table: Table) -> str:
     return (
         f"Paired differences from {table.against} (each row minus {table.against}, seed by "
         f"seed; mean, {_level_text(table.level)} interval, n pairs, p of the paired t test that "
-        f"the difference is 0; a higher metric is better, a lower loss is better{equivalence}"
+        f"the difference is 0; {_directions(table)}, a lower loss is better{equivalence}"
         f"{adjusted}):"
     )
+
+
+def _directions(table: Table) -> str:
+    """``a higher metric is better``, naming the metrics where lower is."""
+    lower = sorted({_metric_label(c.metric) for c in table.columns if metric_sign(c.metric) < 0})
+    if not lower:
+        return "a higher metric is better"
+    if all(metric_sign(c.metric) < 0 for c in table.columns):
+        return f"a lower {' or '.join(lower)} is better"
+    return f"a higher metric is better (a lower {' or '.join(lower)})"
 
 
 def _equivalence_text(verdict: bool | None) -> str:
@@ -1364,7 +1375,7 @@ def dominators(
     rows: Mapping[str, Any], gains: Callable[[Any, Any], tuple[float, float]]
 ) -> dict[str, list[str]]:
     """Each row's dominators, in ``rows``' order: the rows at least as good and as cheap, and
-    better or cheaper. ``gains(mine, theirs)`` gives how much better (metric, higher is better)
+    better or cheaper. ``gains(mine, theirs)`` gives how much better (by the metric's direction)
     and how much cheaper (cost) the other row is than this one, on one footing (for
     `frontier_records`, the seeds both completed). A row with none sits on the Pareto frontier;
     two equal rows do not dominate each other."""
@@ -1386,10 +1397,11 @@ def shared_seed_gains(mine: Cell, theirs: Cell, key: str) -> tuple[float, float]
     gains or loses by a seed the other did not run. The metric's is the paired difference that
     `frontier_records` prints beside each dominance, computed alike. Rows that share no seed
     (or a cell that repeats one, which pairs none) are compared by their own means."""
-    better = paired_differences(theirs.by_seed(METRIC), mine.by_seed(METRIC))
+    sign = metric_sign(mine.runs[0].metric)
+    better = [sign * d for d in paired_differences(theirs.by_seed(METRIC), mine.by_seed(METRIC))]
     if not better:
         return (
-            theirs.metric_mean - mine.metric_mean,
+            sign * (theirs.metric_mean - mine.metric_mean),
             mine.cost_mean(key) - theirs.cost_mean(key),
         )
 
@@ -1401,12 +1413,12 @@ def shared_seed_gains(mine: Cell, theirs: Cell, key: str) -> tuple[float, float]
 
 
 def frontier_records(table: Table) -> list[dict]:
-    """Per column and cost ratio: the rows on the Pareto frontier of the column's metric (every
-    metric of the table is higher-is-better) against that ratio, each pair of rows compared by
+    """Per column and cost ratio: the rows on the Pareto frontier of the column's metric (higher
+    is better, lower for perplexity) against that ratio, each pair of rows compared by
     `shared_seed_gains`, and each dominated row with the rows that dominate it. Each dominance
     carries the paired difference (dominator minus dominated, seed by seed, at the table's level)
-    and whether it ``holds``: that interval lies above 0. Otherwise it is unresolved at the
-    seeds there are. Rows with no completed run are left out."""
+    and whether it ``holds``: that interval lies on the better side of 0. Otherwise it is
+    unresolved at the seeds there are. Rows with no completed run are left out."""
     records = []
     for column in table.columns:
         cells = {row: cell for row in table.rows if (cell := table.cell(row, column))}
@@ -1420,7 +1432,12 @@ def frontier_records(table: Table) -> list[dict]:
                 by = []
                 for other in beaten[row]:
                     diff = table.difference(other, row, column, METRIC)
-                    holds = bool(diff and diff.low is not None and diff.low > 0)
+                    # the interval lies on the dominator's better side of 0
+                    holds = bool(
+                        diff
+                        and diff.low is not None
+                        and (diff.low > 0 if metric_sign(column.metric) > 0 else diff.high < 0)
+                    )
                     difference = diff.as_dict() if diff else None
                     by.append({"row": other, "difference": difference, "holds": holds})
                 dominated.append({"row": row, "by": by})

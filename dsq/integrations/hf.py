@@ -171,16 +171,35 @@ class TransformersPatcher:
         report.linears.append(name)
 
     def finish(self, model, cfg, report, excluded) -> None:
-        if not is_transformers_model(model):
-            return
-        try:
-            routed, excluded_names, note = route_attention(model, cfg, excluded)
-        except ValueError as err:
-            report.unquantized.append(f"attention products ({err})")
-            return
-        report.attention += routed
-        report.excluded += excluded_names
-        report.notes.append(note)
+        for prefix, inner in outermost_transformers_models(model):
+            where = f" of {prefix}" if prefix else ""
+            try:
+                routed, excluded_names, note = route_attention(
+                    inner, cfg, lambda name, prefix=prefix: excluded(_joined(prefix, name))
+                )
+            except ValueError as err:
+                report.unquantized.append(f"attention products{where} ({err})")
+                continue
+            report.attention += [_joined(prefix, name) for name in routed]
+            report.excluded += [_joined(prefix, name) for name in excluded_names]
+            report.notes.append(note + where)
+
+
+def outermost_transformers_models(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The ``transformers`` models in ``model`` that no other one holds, with their names: the
+    model itself, or those a wrapper holds (a PEFT model, a user's module around one), whose
+    attention is routed as the model's own would be."""
+    found: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if is_transformers_model(module) and not any(
+            not outer or name.startswith(outer + ".") for outer, _ in found
+        ):
+            found.append((name, module))
+    return found
+
+
+def _joined(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix and name else prefix or name
 
 
 register_patcher("transformers", TransformersPatcher())

@@ -30,6 +30,8 @@ import time
 
 import torch
 
+from dsq_cli.models.causal_lm import KINDS, build_causal_lm
+
 MODELS = ("llama", "gpt2", "bert")
 KIB = 2**10
 
@@ -50,34 +52,18 @@ class ModelShape:
         import transformers
 
         torch.manual_seed(0)
-        if self.kind == "llama":
-            config = transformers.LlamaConfig(
-                vocab_size=self.vocab, hidden_size=self.width, num_hidden_layers=self.layers,
-                num_attention_heads=self.heads, num_key_value_heads=self.kv_heads,
-                intermediate_size=_multiple(8 * self.width // 3, 64),
-                max_position_embeddings=seq_len,
-            )  # fmt: skip
-            model = transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
-        elif self.kind == "gpt2":
-            config = transformers.GPT2Config(
-                vocab_size=self.vocab, n_embd=self.width, n_layer=self.layers,
-                n_head=self.heads, n_positions=seq_len,
-            )  # fmt: skip
-            model = transformers.GPT2LMHeadModel._from_config(config, attn_implementation="sdpa")
-        elif self.kind == "bert":
+        if self.kind in KINDS:
+            return build_causal_lm(self.kind, vocab=self.vocab, layers=self.layers,
+                                   width=self.width, heads=self.heads, kv_heads=self.kv_heads,
+                                   seq_len=seq_len)  # fmt: skip
+        if self.kind == "bert":
             config = transformers.BertConfig(
                 vocab_size=self.vocab, hidden_size=self.width, num_hidden_layers=self.layers,
                 num_attention_heads=self.heads, intermediate_size=4 * self.width,
                 max_position_embeddings=seq_len,
             )  # fmt: skip
-            model = transformers.BertForMaskedLM._from_config(config, attn_implementation="sdpa")
-        else:
-            raise ValueError(f"--model {self.kind!r}: choose fairseq or one of {MODELS}")
-        return model
-
-
-def _multiple(n: int, of: int) -> int:
-    return max(of, (n + of - 1) // of * of)
+            return transformers.BertForMaskedLM._from_config(config, attn_implementation="sdpa")
+        raise ValueError(f"--model {self.kind!r}: choose fairseq or one of {MODELS}")
 
 
 @dataclasses.dataclass(frozen=True)

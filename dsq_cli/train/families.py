@@ -18,12 +18,15 @@ from typing import Any, ClassVar
 
 from dsq_cli.config import ConfigError
 from dsq_cli.data.glue import load_glue
+from dsq_cli.data.lm import load_lm
 from dsq_cli.data.prepare import prepare
+from dsq_cli.models.causal_lm import check_transformers
 from dsq_cli.models.encoders import check_available
 from dsq_cli.run_config import FAMILY_NAMES, Family, RunConfig
 from dsq_cli.run_result import RunResult
 
 from .glue import GlueTrainer
+from .lm import LMTrainer
 from .loop import Trainer
 from .translation import TranslationTrainer
 
@@ -154,6 +157,43 @@ class Glue(TaskFamily):
     def check_priceable(self, cfg: RunConfig) -> None:
         raise ConfigError(
             f"dsq cost derives the translation transformers' GEMMs; a GLUE run "
+            f"(model={cfg.model['name']}) is priced in its result.json from the GEMMs its first "
+            "update recorded (dsq table shows them)"
+        )
+
+
+@register
+class LanguageModel(TaskFamily):
+    """A causal language model from ``transformers`` trained on a text, scored by perplexity."""
+
+    name = "lm"
+    title = "language modelling"
+    trainer = LMTrainer
+    data_parallel = False
+
+    def prepare(self, cfg: RunConfig) -> Any:
+        check_transformers(f"task={cfg.task.name}")  # before any run directory
+        return load_lm(cfg)
+
+    def completed_line(self, result: RunResult) -> str:
+        evaluation = result.evaluation
+        chosen = evaluation["eval_checkpoint"]
+        other = "last" if chosen == "best" else "best"
+        entries = evaluation["checkpoints"]
+        return (
+            f"completed: {result.updates} updates, {chosen} valid loss "
+            f"{entries[chosen]['valid_loss']:.4f}, perplexity {result.value:.3f} (update "
+            f"{entries[chosen]['update']}; {other}: loss {entries[other]['valid_loss']:.4f}, "
+            f"update {entries[other]['update']})"
+        )
+
+    def data_line(self, task: str, data: Any) -> str:
+        return (f"{task}: {data.source} ({_sizes(data)} characters; vocabulary "
+                f"{data.manifest['vocab_size']} characters)")  # fmt: skip
+
+    def check_priceable(self, cfg: RunConfig) -> None:
+        raise ConfigError(
+            f"dsq cost derives the translation transformers' GEMMs; a language-model run "
             f"(model={cfg.model['name']}) is priced in its result.json from the GEMMs its first "
             "update recorded (dsq table shows them)"
         )

@@ -15,6 +15,7 @@ from dsq_cli import config
 from dsq_cli.cli import app
 from dsq_cli.config import ConfigError, compose, group_choices, to_plain, typed
 from dsq_cli.data.glue import get_glue_task
+from dsq_cli.data.lm import LM_TASKS
 from dsq_cli.data.tasks import TASKS
 from dsq_cli.presets import CONF_DIR
 from dsq_cli.run_config import RunConfig, TrainConfig, expects
@@ -171,6 +172,8 @@ def test_every_task_file_declares_a_family_that_matches_its_registry(task):
     assert cfg.task.family == declared and cfg.model.family == declared  # one vocabulary
     if declared == "glue":
         assert cfg.task.metric == get_glue_task(cfg.task.name).metric
+    elif declared == "lm":
+        assert cfg.task.name in LM_TASKS and cfg.task.metric == "perplexity"
     else:
         assert declared == "translation" and cfg.task.name in TASKS
         assert cfg.task.metric == "bleu"
@@ -193,7 +196,7 @@ def test_a_glue_metric_that_disagrees_with_the_task_class_names_both_and_the_fix
             ["task=sst2", "task.family=translation"],
             "task.family is translation but unknown translation task 'sst2'; choose one of",
         ),
-        (["task.family=vision"], "task.family must be translation or glue, got 'vision'"),
+        (["task.family=vision"], "task.family must be translation, glue or lm, got 'vision'"),
         (["task.metric=chrf"], "task.metric must be bleu for a translation task"),
         (["task.name=nope"], "unknown translation task 'nope'"),
         (["task=sst2", "task.name=nope"], "unknown GLUE task 'nope'"),
@@ -208,7 +211,7 @@ def test_a_glue_metric_that_disagrees_with_the_task_class_names_both_and_the_fix
             "task sst2 is a glue task (task.family); choose a glue model: model=minilm, "
             "roberta_base, roberta_tiny",
         ),
-        (["model.family=encoder"], "model.family must be translation or glue, got 'encoder'"),
+        (["model.family=encoder"], "model.family must be translation, glue or lm, got 'encoder'"),
         (["~model.family"], "conf/model/transformer_small.yaml sets no model.family; add"),
     ],
 )

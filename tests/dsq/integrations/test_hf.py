@@ -192,6 +192,34 @@ def test_excluded_attention_modules_keep_their_own_computation():
         torch.testing.assert_close(patched(*batch())[0], want, rtol=1e-5, atol=1e-6)
 
 
+class Wrapper(nn.Module):
+    """A user's module around a model (as a PEFT model or a loss module holds one)."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args, **kwargs):
+        return self.inner(*args, **kwargs)
+
+
+def test_a_wrapped_model_has_its_attention_routed_as_the_bare_model():
+    bare = quantize_model(build("llama", "sdpa"), DSQ, strict=True)
+    wrapped = quantize_model(Wrapper(build("llama", "sdpa")), DSQ, strict=True)
+    assert wrapped.dsq_report.attention == [f"inner.{n}" for n in bare.dsq_report.attention]
+    assert wrapped.dsq_report.attention  # both layers' attention, routed
+    out, grads = output_and_grads(wrapped)
+    want_out, want_grads = output_and_grads(bare)
+    torch.testing.assert_close(out, want_out, rtol=0, atol=0)
+    assert grads.keys() == {f"inner.{name}" for name in want_grads}
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(grads[f"inner.{name}"], grad, rtol=0, atol=0)
+    # an exclude pattern sees the wrapped names
+    excluded = quantize_model(Wrapper(build("llama", "sdpa")), DSQ, exclude=["inner.*.0.self_attn"])
+    assert excluded.dsq_report.excluded == ["inner.model.layers.0.self_attn"]
+    assert excluded.dsq_report.attention == ["inner.model.layers.1.self_attn"]
+
+
 def test_an_attention_module_the_patching_missed_is_refused_not_run_unquantized():
     for implementation in IMPLEMENTATIONS:
         patched = quantize_model(build("llama", implementation), DSQ)

@@ -51,9 +51,10 @@ def cfg_for(task, cache, *extra):
 def test_every_task_config_has_a_reader():
     from dsq_cli.config import group_choices
     from dsq_cli.data.glue import GLUE_TASKS
+    from dsq_cli.data.lm import LM_TASKS
 
-    assert set(group_choices("task")) == set(TASKS) | set(GLUE_TASKS)
-    assert not set(TASKS) & set(GLUE_TASKS)
+    assert set(group_choices("task")) == set(TASKS) | set(GLUE_TASKS) | set(LM_TASKS)
+    assert len(TASKS) + len(GLUE_TASKS) + len(LM_TASKS) == len(group_choices("task"))
 
 
 def test_demo_corpus_is_deterministic_and_not_copyable():

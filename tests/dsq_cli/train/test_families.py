@@ -32,7 +32,7 @@ def _declared(group: str) -> dict[str, object]:
 
 
 def test_the_registry_is_the_vocabulary():
-    assert tuple(FAMILIES) == FAMILY_NAMES == ("translation", "glue")
+    assert tuple(FAMILIES) == FAMILY_NAMES == ("translation", "glue", "lm")
     assert all(isinstance(f, TaskFamily) and f.name == name for name, f in FAMILIES.items())
 
 
