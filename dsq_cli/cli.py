@@ -510,7 +510,8 @@ def data_cmd(
     overrides: list[str] = typer.Argument(None, help="More overrides, e.g. data.raw_dir=DIR."),
 ):
     """Prepare a task once into the cache: translation (download or read raw text,
-    sentencepiece, binarize); GLUE (download or read and check the TSV files)."""
+    sentencepiece, binarize); GLUE (download or read and check the TSV files); lm (read and check
+    the text; nothing is cached)."""
     from dsq_cli.config import compose
     from dsq_cli.train import family_of, prepare_data
 
