@@ -142,6 +142,9 @@ register_preset(
         "mxfp8_e5m2",
     ),
 )
+# nvfp4_dsq's static control: its points with the stash held at its first level, NVFP4, for the
+# whole run (docs/results.md, "Protocol": the rising stash on a language model)
+register_preset("nvfp4_dsq_stash_nvfp4", QuantSpec("nvfp4", "nvfp4", "mxfp8_e4m3", "mxfp8_e5m2"))
 
 
 # -- how a run's quant record differs from its preset --------------------------------------------

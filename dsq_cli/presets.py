@@ -28,7 +28,7 @@ TABLE1_ORDER = (
 # baselines readers now compare with, bfp6 (the CPU-scale frontier) with DSQ's rising stash, the
 # convergence study's design, the static-stash controls that study compares each rising stash
 # with, and DSQ on the formats hardware runs (docs/formats.md, "MX formats", "NVFP4"): on MX,
-# its MXFP8 control, and with NVFP4 forward.
+# its MXFP8 control, and with NVFP4 forward and its static-stash control.
 BEYOND_TABLE1 = (
     "dsq_bfp3",
     "bf16",
@@ -41,6 +41,7 @@ BEYOND_TABLE1 = (
     "mx_dsq",
     "mxfp8",
     "nvfp4_dsq",
+    "nvfp4_dsq_stash_nvfp4",
 )
 # the preset every cost ratio is against, as the paper's Table 1 (docs/spec.md §4)
 BASELINE_PRESET = COST_BASELINE

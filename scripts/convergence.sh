@@ -2,7 +2,8 @@
 # The convergence study (docs/results.md, "Training to the stall"): Multi30k on its first 7,000
 # training pairs, transformer_tiny, every row trained for the budget at which fp32's validation
 # loss stalls, in two settings: de->en (the study's first setting) and en->de (the same pairs in
-# the other direction, with a budget of its own). `dsq sweep` skips the jobs that completed
+# the other direction, with a budget of its own); and the same design on a language model
+# (task=lm, Tiny Shakespeare, llama_lm). `dsq sweep` skips the jobs that completed
 # earlier and continues a run cut short from its checkpoint, so this script continues an
 # interrupted study. Run it in a clone of its own, pinned to one commit, from that clone's root
 # (its packages are the ones imported: PYTHONPATH below).
@@ -21,6 +22,10 @@
 #                 (results/convergence-dsq-rerun/seedN, results/convergence-en-de-dsq-rerun/seedN),
 #                 so that dsq minus its control measures the schedule, not the code between two
 #                 commits (docs/results.md, the protocol's amendment)
+#   lm-budget     the language-model study's budget: fp32, seed 1, task=lm on Tiny Shakespeare,
+#                 train.stop_patience=3 under a cap of 5,000 updates
+#   lm            the language-model study's eight rows on seeds 1-5, each trained for that budget
+#                 (docs/results.md, "Protocol": the rising stash on a language model)
 #   all           every stage above, in that order
 #
 # STUDY_LANES (default 2) runs the stages in that many processes at once, one thread each
@@ -46,11 +51,16 @@ en_de=(task.src=en task.tgt=de)
 paired_rows=fp32,dsq,stash_bfp,bfp6,bfp6_rising_stash,bfp6_stash_bfp3,bfp6_stash_bfp4,dsq_stash_bfp3
 en_de_rows=fp32,dsq,bfp6,bfp6_rising_stash,bfp6_stash_bfp3,bfp6_stash_bfp4
 controls=bfp6_stash_bfp3,bfp6_stash_bfp4,dsq_stash_bfp3
+# the language-model study (docs/results.md, "Protocol"): the character-level task on Tiny
+# Shakespeare with its default Llama-style model; each rising row beside its static control
+lm_task=(task=lm "data.raw_dir=$data/tinyshakespeare")
+lm_rows=fp32,amp_bf16,dsq,dsq_stash_bfp2,bfp6_rising_stash,bfp6_stash_bfp3,nvfp4_dsq
+lm_rows+=,nvfp4_dsq_stash_nvfp4
 
-find_budget() {  # find_budget ROOT [OVERRIDES...]: fp32 trained until its validation loss stalls
-    local root=$1
-    shift
-    dsq sweep --resume-unfinished seed=1 "${task[@]}" "$@" quant=fp32 train.max_updates=2000 \
+find_budget() {  # find_budget ROOT CAP TASK_OVERRIDES...: fp32 trained until its validation loss stalls
+    local root=$1 cap=$2
+    shift 2
+    dsq sweep --resume-unfinished seed=1 "$@" quant=fp32 "train.max_updates=$cap" \
         train.stop_patience=3 "run.root=$root"
 }
 budget_of() {  # budget_of ROOT: the update at which that budget run stopped; fails without one
@@ -82,6 +92,15 @@ en_de_rows_of() {  # en_de_rows_of SEED [ROWS [ROOT]]: en->de rows on one seed, 
     dsq sweep --resume-unfinished "seed=$1" "${task[@]}" "${en_de[@]}" \
         "train.max_updates=$budget" "run.root=$root" "quant=$rows"
 }
+lm_rows_of() {  # lm_rows_of SEED: the language-model rows on one seed, once their budget is known
+    local budget
+    if ! budget=$(budget_of results/lm-budget 2>/dev/null); then
+        echo "convergence.sh: the language-model seed $1 waits for its budget run" >&2
+        return 0
+    fi
+    dsq sweep --resume-unfinished "seed=$1" "${lm_task[@]}" "train.max_updates=$budget" \
+        "run.root=results/lm/seed$1" "quant=$lm_rows"
+}
 first_rows() {  # first_rows SEED: the study's first nine rows
     de_en "$1" fp32,dsq,bfp6,bfp6_rising_stash,dsq_bfp3,stash_bfp,bf16
     de_en "$1" dsq quant.q1.policy=cyclic,pfq
@@ -91,10 +110,11 @@ stages=("$@")
 [[ ${#stages[@]} -gt 0 ]] || stages=(all)
 for stage in "${stages[@]}"; do
     case $stage in
-    budget | seed1 | seed2 | controls | en-de-budget | more-seeds | clean-control | dsq-rerun | all) ;;
+    budget | seed1 | seed2 | controls | en-de-budget | more-seeds | clean-control | dsq-rerun | \
+        lm-budget | lm | all) ;;
     *)
         echo "convergence.sh: unknown stage '$stage'; choose budget, seed1, seed2, controls," \
-            "en-de-budget, more-seeds, clean-control, dsq-rerun or all" >&2
+            "en-de-budget, more-seeds, clean-control, dsq-rerun, lm-budget, lm or all" >&2
         exit 2
         ;;
     esac
@@ -105,14 +125,16 @@ wants() {
     return 1
 }
 lane() {  # every stage asked for, in order
-    if wants budget; then find_budget results/convergence-budget; fi
+    if wants budget; then find_budget results/convergence-budget 2000 "${task[@]}"; fi
     if wants seed1; then first_rows 1; fi
     if wants seed2; then first_rows 2; fi
     if wants controls; then
         de_en 1 "$controls"
         de_en 2 "$controls"
     fi
-    if wants en-de-budget; then find_budget results/convergence-en-de-budget "${en_de[@]}"; fi
+    if wants en-de-budget; then
+        find_budget results/convergence-en-de-budget 2000 "${task[@]}" "${en_de[@]}"
+    fi
     if wants more-seeds; then
         for seed in 3 4 5; do
             en_de_rows_of $((seed - 2))
@@ -136,6 +158,10 @@ lane() {  # every stage asked for, in order
                 en_de_rows_of "$seed" "choice(dsq)" "results/convergence-en-de-dsq-rerun/seed$seed"
             fi
         done
+    fi
+    if wants lm-budget; then find_budget results/lm-budget 5000 "${lm_task[@]}"; fi
+    if wants lm; then
+        for seed in 1 2 3 4 5; do lm_rows_of "$seed"; done
     fi
     return $failed
 }
