@@ -193,8 +193,7 @@ def patch_model(
             f"attention module outside the excluded patterns {list(exclude)}"
         )
     if cfg.stash_scope == "all":
-        model.register_forward_pre_hook(_enter_stash_all(cfg))
-        model.register_forward_hook(_exit_stash_all, always_call=True)
+        enter_stash_all_on_call(model, cfg)
     model.dsq_report = report
     model.dsq_cfg = cfg
     return model
@@ -279,17 +278,39 @@ def _a_parameter(t: torch.Tensor) -> bool:
     return base.is_leaf and base.requires_grad
 
 
-_STASH_CONTEXTS: dict[int, list[contextlib.AbstractContextManager]] = {}
+class _StashAllEntry:
+    """The `stash_all_hooks` of one patched model, entered by whichever of its modules is called
+    first and left when that call returns: calls nested inside it (the model's own submodules)
+    and a recomputation in the backward pass (activation checkpointing, which holds its own
+    saved-tensor hooks there) enter nothing."""
+
+    def __init__(self, cfg: QuantConfig):
+        self.cfg = cfg
+        self.depth = 0
+        self.context: contextlib.AbstractContextManager | None = None
+
+    def enter(self, module, args):
+        if self.depth == 0 and torch._C._current_graph_task_id() != -1:
+            return  # in a backward pass: a checkpointed layer run again
+        if self.depth == 0:
+            self.context = stash_all_hooks(self.cfg)
+            self.context.__enter__()
+        self.depth += 1
+
+    def leave(self, module, args, output):
+        if self.depth == 0:  # a call `enter` let pass
+            return
+        self.depth -= 1
+        if self.depth == 0:
+            context, self.context = self.context, None
+            context.__exit__(None, None, None)
 
 
-def _enter_stash_all(cfg):
-    def hook(module, args):
-        context = stash_all_hooks(cfg)
-        context.__enter__()
-        _STASH_CONTEXTS.setdefault(id(module), []).append(context)
-
-    return hook
-
-
-def _exit_stash_all(module, args, output):
-    _STASH_CONTEXTS[id(module)].pop().__exit__(None, None, None)
+def enter_stash_all_on_call(model: nn.Module, cfg: QuantConfig) -> None:
+    """``stash_scope="all"``: a call of ``model`` or of any module in it (``model.model(...)``
+    for a loss of one's own, a wrapper's call of an inner model) packs what autograd saves
+    while it runs (`stash_all_hooks`), once, however deeply the calls nest."""
+    entry = _StashAllEntry(cfg)
+    for module in model.modules():
+        module.register_forward_pre_hook(entry.enter)
+        module.register_forward_hook(entry.leave, always_call=True)
