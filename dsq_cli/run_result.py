@@ -24,16 +24,12 @@ from typing import Any
 
 from dsq import cost
 from dsq.engine.config import POINTS
+from dsq.records import FRACTION_METRICS, LOWER_IS_BETTER, METRICS  # noqa: F401 (read here)
 from dsq_cli import runs
 from dsq_cli.presets import BASELINE_PRESET
 
 FILENAME = "result.json"
 STATUSES = ("completed", "interrupted", "diverged", "failed", "running")
-# GLUE's metrics, fractions from 0 (or -1) to 1; BLEU is 0 to 100, perplexity 1 and up
-FRACTION_METRICS = ("accuracy", "mcc", "f1", "pearson", "spearman")
-METRICS = ("bleu", *FRACTION_METRICS, "perplexity")
-# the metrics where lower is better (a language model's perplexity); the others: higher
-LOWER_IS_BETTER = frozenset({"perplexity"})
 COST_KEYS = ("arith_ratio", "dram_ratio", "baseline")
 # What a reader cannot do without (the rest has defaults for result.json files of older runs).
 REQUIRED = ("status", "task", "quant", "metric", "value", "valid_loss", "updates",

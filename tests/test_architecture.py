@@ -45,6 +45,7 @@ LAYERS = [
     ("formats", ["dsq.formats"]),
     ("kernels", ["dsq.kernels"]),
     ("atomic files", ["dsq.atomic_files"]),  # the standard library only
+    ("records", ["dsq.records"]),  # the standard library only
 ]
 # Inside train/: the launcher and the rank helpers import nothing above them.
 LEAVES = {

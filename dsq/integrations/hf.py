@@ -25,6 +25,7 @@ the same GEMMs and block axes as ``DSQLinearFunction``, on the transposed weight
 
 from __future__ import annotations
 
+import copy
 import importlib
 import importlib.metadata
 import json
@@ -46,6 +47,7 @@ from dsq.engine.functions import dsq_linear
 from dsq.engine.history import PrecisionHistory
 from dsq.engine.patch import PatchReport, make_dsq_linear
 from dsq.presets import COST_BASELINE, preset_differences
+from dsq.records import check_metric
 
 from . import register_patcher
 
@@ -142,6 +144,7 @@ def route_attention(model: nn.Module, cfg: QuantConfig, exclude) -> tuple[list, 
             "model with attn_implementation='eager' or 'sdpa'"
         )
     register_attention()
+    _own_config(model)
     routed, excluded = [], []
     for name, module in attention_modules(model):
         if exclude(name):
@@ -159,6 +162,19 @@ def route_attention(model: nn.Module, cfg: QuantConfig, exclude) -> tuple[list, 
     return routed, excluded, note
 
 
+def _own_config(model: nn.Module) -> None:
+    """Give ``model`` its own copy of its config, and each of its modules holding that config
+    (or one of its sub-configs) the copy's: switching the attention implementation writes to
+    the config, and the caller's, from which they may build another model, stays as it was."""
+    copies: dict[int, object] = {}
+    own = copy.deepcopy(model.config, copies)
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and id(config) in copies:
+            module.config = copies[id(config)]
+    model.config = own
+
+
 class TransformersPatcher:
     """``Conv1D`` layers (as linear layers on the transposed weight) and, after the walk, the
     model's attention implementation switched to the DSQ one matching it."""
@@ -171,7 +187,10 @@ class TransformersPatcher:
         report.linears.append(name)
 
     def finish(self, model, cfg, report, excluded) -> None:
+        stochastic = [p for p, mode in cfg.rounding.items() if mode == "stochastic"]
         for prefix, inner in outermost_transformers_models(model):
+            if stochastic:
+                inner.register_forward_pre_hook(_refuse_checkpointing(stochastic))
             where = f" of {prefix}" if prefix else ""
             try:
                 routed, excluded_names, note = route_attention(
@@ -183,6 +202,26 @@ class TransformersPatcher:
             report.attention += [_joined(prefix, name) for name in routed]
             report.excluded += [_joined(prefix, name) for name in excluded_names]
             report.notes.append(note + where)
+
+
+def _refuse_checkpointing(stochastic: list[str]):
+    """A forward pre-hook refusing a training forward under the model's gradient checkpointing
+    (``gradient_checkpointing_enable``), which runs each layer's forward again in the backward
+    pass: stochastic rounding would draw other noise there (docs/dsq.md, "Rounding")."""
+
+    def hook(model, args):
+        if (
+            model.training
+            and torch.is_grad_enabled()
+            and any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+        ):
+            raise ValueError(
+                f"gradient checkpointing runs a layer's forward twice; stochastic rounding at "
+                f"{stochastic} would draw other noise the second time. Round to nearest, or "
+                "call gradient_checkpointing_disable()"
+            )
+
+    return hook
 
 
 def outermost_transformers_models(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -231,9 +270,11 @@ class DSQCallback(transformers.TrainerCallback):
         DSQCallback.attach(trainer, cfg)
         trainer.train()                      # or trainer.train(resume_from_checkpoint=True)
 
-    * After each evaluation the schedule steps on its ``eval_loss`` (as ``dsq train`` steps it on
-      the validation loss), at ``state.global_step``; after each step the policies of the step
-      count (``cyclic``, ``shape``; docs/dsq.md, "Precision policies") move.
+    * After each evaluation ``trainer.train()`` runs, the schedule steps on its ``eval_loss`` (as
+      ``dsq train`` steps it on the validation loss), at ``state.global_step``; an evaluation
+      outside ``train()`` (a closing ``trainer.evaluate()``) leaves it as it is. After each step
+      the policies of the step count (``cyclic``, ``shape``; docs/dsq.md, "Precision policies")
+      move.
     * Every log line the Trainer sends to its loggers carries the bits per value in force at each
       point (``dsq/q1_bits``) and the number of level changes so far (``dsq/level_changes``);
       each change is also logged (logger ``dsq.hf``).
@@ -253,6 +294,7 @@ class DSQCallback(transformers.TrainerCallback):
         self.cfg = cfg
         self.history = PrecisionHistory()
         self._recording = None
+        self._training = False  # between on_train_begin and on_train_end: evaluations step
 
     @classmethod
     def attach(cls, trainer: transformers.Trainer, cfg: QuantConfig) -> DSQCallback:
@@ -276,6 +318,9 @@ class DSQCallback(transformers.TrainerCallback):
 
     # -- the schedule ---------------------------------------------------------------------------
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        if not self._training:  # trainer.evaluate() after or outside train(): reports only
+            log.info("dsq: an evaluation outside trainer.train() leaves the schedule as it is")
+            return control
         loss = (metrics or {}).get("eval_loss")
         if loss is None:
             raise ValueError(
@@ -326,6 +371,7 @@ class DSQCallback(transformers.TrainerCallback):
         (``modified``); ``cost`` prices the recorded GEMMs over the steps trained at each level
         against fixed32 (``dsq.cost.run_cost``); ``evaluation`` holds the task's metrics, and
         the precision changes join them (``level_changes``, in schedule.jsonl's shape)."""
+        check_metric(metric)
         history, points = self.history, self.cfg.to_dict()
         modified = preset_differences({"preset": preset, **points}) != []
         return {
@@ -382,6 +428,11 @@ class DSQCallback(transformers.TrainerCallback):
             self._restore(args, state)
         # the policies of the step count need the planned steps (a resumed run: its level)
         self.cfg.start(state.max_steps, state.global_step)
+        self._training = True
+        return control
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._training = False
         return control
 
     def _restore(self, args, state) -> None:

@@ -220,6 +220,33 @@ def test_a_wrapped_model_has_its_attention_routed_as_the_bare_model():
     assert excluded.dsq_report.attention == ["inner.model.layers.1.self_attn"]
 
 
+def test_stochastic_rounding_under_the_models_gradient_checkpointing_is_refused():
+    cfg = QuantConfig(q0="bfp8", q1="bfp4", q2="bfp8", q3="fixed16",
+                      rounding={"q1": "stochastic"})  # fmt: skip
+    model = quantize_model(build("llama", "sdpa"), cfg)
+    model.train()
+    model(*batch())  # without checkpointing: trains
+    model.gradient_checkpointing_enable({"use_reentrant": False})
+    with pytest.raises(ValueError, match=r"stochastic rounding at \['q1'\] would draw other"):
+        model(*batch())
+    with torch.no_grad():
+        model(*batch())  # no backward pass, nothing run again: allowed
+    model.eval()
+    model(*batch())
+
+
+def test_the_callers_config_is_left_as_it_was():
+    """Patching switches the model's attention implementation in the model's own copy of its
+    config: a second model built from the caller's config (an fp32 reference) runs as built."""
+    config = build("llama", "sdpa").config
+    patched = quantize_model(transformers.LlamaForCausalLM(config), DSQ)
+    assert config._attn_implementation == "sdpa"
+    assert patched.config._attn_implementation == "dsq_sdpa"
+    assert patched.model.layers[0].self_attn.config is patched.config
+    reference = transformers.LlamaForCausalLM(config)
+    assert reference(*batch())[0].shape == patched(*batch())[0].shape
+
+
 def test_an_attention_module_the_patching_missed_is_refused_not_run_unquantized():
     for implementation in IMPLEMENTATIONS:
         patched = quantize_model(build("llama", implementation), DSQ)

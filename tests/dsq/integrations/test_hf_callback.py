@@ -107,6 +107,22 @@ def test_the_schedule_rises_through_the_callback_and_the_logs_carry_the_bits(tmp
     assert read.stash_bits_mean == pytest.approx((2.5 * 4 + 3.5 * 2) / 6)  # bfp4: from step 6 on
 
 
+def test_an_evaluation_outside_train_leaves_the_schedule_as_trained(tmp_path):
+    """A closing trainer.evaluate() finds no improvement (min_delta), yet the stash stays where
+    training left it, and the result says the stash the run trained with."""
+    cfg = config()
+    t, callback = trainer(tmp_path, cfg, max_steps=4)
+    t.train()
+    assert cfg.format("q1").spec == "bfp3e8b16" and len(callback.changes) == 1
+    t.evaluate()
+    assert cfg.format("q1").spec == "bfp3e8b16" and len(callback.changes) == 1
+    record = callback.run_result(
+        task="pairs", preset="dsq", metric="accuracy", value=0.5, valid_loss=0.69,
+        model="bert-tiny", seed=0, wall_seconds=1.0,
+    )  # fmt: skip
+    assert record["bits_final"]["q1"] == "bfp3e8b16"
+
+
 def test_resuming_from_a_trainer_checkpoint_continues_at_the_same_level(tmp_path):
     straight_cfg = config()
     straight, straight_callback = trainer(tmp_path / "straight", straight_cfg, max_steps=6)

@@ -72,3 +72,9 @@ def test_the_examples_and_the_callbacks_result_load_no_module_of_the_suite(tmp_p
     ])  # fmt: skip
     assert loaded_after(code, ("dsq_cli", "fairseq", "hydra", "omegaconf", "wandb")) == []
     assert RunResult.problems(json.loads((tmp_path / "result.json").read_text())) == []
+
+
+def test_a_metric_dsq_table_does_not_read_is_refused():
+    callback = recorded()
+    with pytest.raises(ValueError, match="metric='loss': a result's metric is one dsq table"):
+        callback.run_result(preset="dsq", **{**FIELDS, "metric": "loss"})
