@@ -1,5 +1,6 @@
 """dsq: Dynamic Stashing Quantization (Yang, Lo, Mullins, Zhao, EMNLP Findings 2023) for any
-PyTorch model. It imports torch only (Triton optional, ``dsq[hf]`` adds transformers); its CPU
+PyTorch model. It imports torch only (Triton optional; the ``hf`` extra, ``pip install '.[hf]'``
+in a checkout, adds transformers); its CPU
 kernels build on first use with ninja, setuptools and oneDNN's headers (pyproject.toml).
 
     >>> import dsq
@@ -24,6 +25,8 @@ from __future__ import annotations
 
 import importlib
 
+__version__ = "0.1.0"  # the distribution's version too (pyproject.toml reads it from here)
+
 _API = {
     "CostModel": "dsq.cost",
     "QuantConfig": "dsq.engine",
@@ -42,6 +45,11 @@ _API = {
 # submodules loaded on first use: dsq.cost.ratios(...), dsq.presets.get_preset("dsq")
 _MODULES = ("cost", "presets")
 __all__ = sorted([*_API, *_MODULES])
+
+
+def __dir__() -> list[str]:
+    """What completes after ``dsq.``: the exports, loaded or not, and the version."""
+    return sorted([*__all__, "__version__"])
 
 
 def __getattr__(name: str):

@@ -14,7 +14,7 @@ def run() -> None:
             raise  # a broken install of dsq itself, not a missing framework
         sys.exit(
             f"dsq: error: the dsq command is the experiment suite, and it needs {err.name!r}: "
-            "pip install 'dsq[suite]' (the library alone: import dsq)"
+            "pip install '.[suite]' in this checkout (the library alone: import dsq)"
         )
     app()
 

@@ -1,7 +1,7 @@
 """DSQ in Hugging Face ``transformers`` models (docs/hf.md), registered for models built from
 ``transformers``: GPT-2's ``Conv1D`` projections and the two attention products, under the eager
 and the SDPA attention implementations; and ``DSQCallback``, the precision schedule inside a
-``transformers.Trainer`` (below). Needs ``pip install dsq[hf]``.
+``transformers.Trainer`` (below). Needs the ``hf`` extra (``pip install '.[hf]'`` in a checkout).
 
 ``transformers`` models call their attention through ``ALL_ATTENTION_FUNCTIONS`` under the name in
 ``config._attn_implementation``, and build their masks through ``ALL_MASK_ATTENTION_FUNCTIONS``
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import copy
 import importlib
-import importlib.metadata
 import json
 import logging
 import platform
@@ -454,10 +453,9 @@ class DSQCallback(transformers.TrainerCallback):
 
 def versions() -> dict[str, str | None]:
     """What a Trainer run ran on: python, torch, transformers and dsq (None where unknown)."""
-    try:
-        dsq_version = importlib.metadata.version("dsq")
-    except importlib.metadata.PackageNotFoundError:
-        dsq_version = None
+    import dsq
+
+    dsq_version = dsq.__version__
     return {
         "python": platform.python_version(),
         "torch": torch.__version__,
