@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import importlib.metadata
 import json
 import logging
 import platform
@@ -453,9 +454,10 @@ class DSQCallback(transformers.TrainerCallback):
 
 def versions() -> dict[str, str | None]:
     """What a Trainer run ran on: python, torch, transformers and dsq (None where unknown)."""
-    import dsq
-
-    dsq_version = dsq.__version__
+    try:
+        dsq_version = importlib.metadata.version("dsq")  # dsq.__version__, as installed
+    except importlib.metadata.PackageNotFoundError:
+        dsq_version = None
     return {
         "python": platform.python_version(),
         "torch": torch.__version__,
