@@ -50,7 +50,15 @@ import torch
 
 from . import accounting, units
 from .config import QuantConfig
-from .functions import _Point, _points, _stash_header, _stash_restore, dsq_matmul
+from .functions import (
+    _Point,
+    _points,
+    _stash_header,
+    _stash_restore,
+    backward_outside_autocast,
+    dsq_matmul,
+    outside_autocast,
+)
 
 # the elements of one tile's [rows x keys] tensors across its sequences and heads: a few such
 # tensors are alive at once, about 8 MiB each, whatever the batch
@@ -337,6 +345,7 @@ class DSQAttentionFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @backward_outside_autocast
     def backward(ctx, d_out):
         call = ctx.call
         saved = list(ctx.saved_tensors)
@@ -404,6 +413,7 @@ def _tile_gradients(call: _Call, q0, k0, v1, g2_out):
     return of
 
 
+@outside_autocast
 def dsq_attention(q, k, v, cfg: QuantConfig, *, scaling: float | None = None, mask=None,
                   causal: bool = False, key_padding=None, dropout: float = 0.0,
                   training: bool = True, tile_rows: int | None = None) -> torch.Tensor:  # fmt: skip

@@ -74,6 +74,47 @@ def _stash_restore(header, tensors) -> PackedTensor:
     return PackedTensor(fmt, shape, dtype, axis, dict(zip(names, tensors)))
 
 
+# -- under torch.autocast ------------------------------------------------------------------------
+def _float32(x):
+    if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.float32:
+        return x.float()
+    return x
+
+
+def outside_autocast(operation):
+    """A DSQ operation under ``torch.autocast`` runs as autocast's float32 operations do: its
+    floating inputs of a lower precision are cast to float32 and autocast is off inside, so its
+    GEMMs run in the formats of its config, not autocast's dtype, and it returns float32
+    (docs/dsq.md, "Autocast and a patched model"). Outside autocast it runs as written."""
+
+    @functools.wraps(operation)
+    def run(*args, **kwargs):
+        tensor = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if tensor is None or not torch.is_autocast_enabled(tensor.device.type):
+            return operation(*args, **kwargs)
+        args = tuple(_float32(a) for a in args)
+        kwargs = {k: _float32(v) for k, v in kwargs.items()}
+        with torch.autocast(tensor.device.type, enabled=False):
+            return operation(*args, **kwargs)
+
+    return run
+
+
+def backward_outside_autocast(backward):
+    """A DSQ function's backward pass with autocast off, should ``.backward()`` be called inside
+    an autocast region (on the CPU the backward pass runs on the caller's thread)."""
+
+    @functools.wraps(backward)
+    def run(ctx, *grads):
+        grad = next((g for g in grads if isinstance(g, torch.Tensor)), None)
+        if grad is None or not torch.is_autocast_enabled(grad.device.type):
+            return backward(ctx, *grads)
+        with torch.autocast(grad.device.type, enabled=False):
+            return backward(ctx, *grads)
+
+    return run
+
+
 class DSQLinearFunction(torch.autograd.Function):
     """``y = x W^T + b`` with the four DSQ quantization points.
 
@@ -126,6 +167,7 @@ class DSQLinearFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @backward_outside_autocast
     def backward(ctx, dy):
         weight, *stash_tensors = ctx.saved_tensors
         f2, f3 = ctx.points
@@ -195,6 +237,7 @@ class DSQMatmulFunction(torch.autograd.Function):
         return z
 
     @staticmethod
+    @backward_outside_autocast
     def backward(ctx, dz):
         f2, f3 = ctx.points
         header_a, count_a, header_b = ctx.headers
@@ -212,6 +255,7 @@ class DSQMatmulFunction(torch.autograd.Function):
         return da, db, None, None
 
 
+@outside_autocast
 def dsq_linear(x, weight, bias, cfg: QuantConfig):
     """``F.linear`` with DSQ quantization (see ``DSQLinearFunction``)."""
     # grad mode is off inside Function.forward, so whether a backward can come is decided here
@@ -220,6 +264,7 @@ def dsq_linear(x, weight, bias, cfg: QuantConfig):
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
+@outside_autocast
 def dsq_matmul(a, b, cfg: QuantConfig):
     """``a @ b`` of two activations with DSQ quantization (see ``DSQMatmulFunction``)."""
     return DSQMatmulFunction.apply(a, b, cfg, torch.is_grad_enabled())

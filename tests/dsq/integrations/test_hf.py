@@ -235,6 +235,40 @@ def test_stochastic_rounding_under_the_models_gradient_checkpointing_is_refused(
     model(*batch())
 
 
+def test_under_bf16_autocast_a_patched_llama_computes_what_it_computes_without():
+    """dsq's operations run as autocast's float32 ones (their formats decide every GEMM) and a
+    Llama's other operations (RMSNorm upcasts itself, SiLU, the loss) are none autocast lowers:
+    the loss and every gradient are the same bits with autocast as without."""
+    results = []
+    for enabled in (False, True):
+        model = quantize_model(build("llama", "sdpa"), DSQ)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled):
+            out = model(*batch())[0]
+            (out.float() ** 2).mean().backward()  # the backward pass inside the region too
+        assert out.dtype == torch.float32
+        results.append([out.detach()] + [p.grad for p in model.parameters()])
+    for without, within in zip(*results):
+        torch.testing.assert_close(within, without, rtol=0, atol=0)
+
+
+def test_the_trainer_and_accelerate_in_bf16_train_a_patched_model(tmp_path):
+    accelerate = pytest.importorskip("accelerate")
+    ids, mask = batch()
+    model = quantize_model(build("llama", "sdpa"), DSQ)
+    prepared = accelerate.Accelerator(cpu=True, mixed_precision="bf16").prepare(model)
+    prepared(ids, attention_mask=mask, labels=ids).loss.backward()
+    assert all(p.grad is not None for p in model.parameters())
+    data = [{"input_ids": ids[i], "labels": ids[i]} for i in range(2)]
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=2, report_to=[],
+        use_cpu=True, bf16=True, save_strategy="no", logging_strategy="no",
+    )  # fmt: skip
+    trained = quantize_model(build("llama", "sdpa"), DSQ)
+    before = [p.detach().clone() for p in trained.parameters()]
+    transformers.Trainer(model=trained, args=args, train_dataset=data).train()
+    assert any(not torch.equal(a, b) for a, b in zip(before, trained.parameters()))
+
+
 def test_the_callers_config_is_left_as_it_was():
     """Patching switches the model's attention implementation in the model's own copy of its
     config: a second model built from the caller's config (an fp32 reference) runs as built."""
