@@ -40,6 +40,7 @@ _API = {
     "POINTS": "dsq.engine",
     "parse_format": "dsq.formats",
     "quantize_model": "dsq.integrations",
+    "unpatch": "dsq.integrations",
     "register_patcher": "dsq.integrations",
 }
 # submodules loaded on first use: dsq.cost.ratios(...), dsq.presets.get_preset("dsq")

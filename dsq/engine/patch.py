@@ -136,6 +136,7 @@ def patch_model(
     patchers: Sequence[Patcher] = (),
     exclude=(),
     strict: bool = False,
+    filter_fn: Callable[[nn.Module, str], bool] | None = None,
 ) -> nn.Module:
     """Patch ``model`` in place with the engine's Linear rule and ``patchers``; see
     ``dsq.integrations.quantize_model``, which picks the patchers, for the arguments."""
@@ -158,13 +159,21 @@ def patch_model(
             f"exclude pattern {unmatched[0]!r} matches no module of {type(model).__name__} "
             f"(module names look like {', '.join(names[:3])}); fix or drop the pattern"
         )
+    modules = dict(model.named_modules())
+
+    def excluded(name: str) -> bool:
+        """Left as it is: a name ``exclude`` matches, or a module ``filter_fn`` turns down."""
+        if _excluded(name, exclude):
+            return True
+        return filter_fn is not None and not filter_fn(modules[name], name)
+
     report = PatchReport(stash_scope=cfg.stash_scope)
     for name, module in model.named_modules():
         if not name:
             continue
         patcher = next((p for p in patchers if p.claims(module)), None)
         if isinstance(module, nn.Linear) or patcher is not None:
-            if _excluded(name, exclude):
+            if excluded(name):
                 report.excluded.append(name)
             elif patcher is not None:
                 patcher.patch(name, module, cfg, report)
@@ -172,16 +181,16 @@ def patch_model(
                 make_dsq_linear(module, cfg)
                 report.linears.append(name)
         elif type(module) in MASK_MODULES:
-            if not _excluded(name, exclude):
-                module.__class__ = MASK_MODULES[type(module)]
+            if not excluded(name):
+                reclass(module, MASK_MODULES[type(module)])
                 report.masks.append(name)
         elif not list(module.children()) and any(True for _ in module.parameters(False)):
             kind = type(module).__name__
             report.left[kind] = report.left.get(kind, 0) + 1
-            if _does_gemm(module) and not _excluded(name, exclude):
+            if _does_gemm(module) and not excluded(name):
                 report.unquantized.append(f"{name} ({kind}: not a layer dsq knows)")
     for patcher in patchers:
-        patcher.finish(model, cfg, report, lambda n: _excluded(n, exclude))
+        patcher.finish(model, cfg, report, excluded)
     if strict and report.unquantized:
         raise ValueError(
             "quantize_model(strict=True): GEMMs would run unquantized: "
@@ -199,15 +208,43 @@ def patch_model(
     return model
 
 
+# -- undoing a patch ------------------------------------------------------------------------------
+def on_unpatch(module: nn.Module, undo: Callable[[], object]) -> None:
+    """Book ``undo`` (a hook handle's ``remove``, a class or attribute put back) for
+    `unpatch_model`, which runs a module's in the reverse order of booking."""
+    module.__dict__.setdefault("dsq_undo", []).append(undo)
+
+
+def reclass(module: nn.Module, cls: type) -> None:
+    """``module.__class__ = cls``, booked to be put back by `unpatch_model`."""
+    original = type(module)
+    module.__class__ = cls
+    on_unpatch(module, lambda: setattr(module, "__class__", original))
+
+
+def unpatch_model(model: nn.Module) -> nn.Module:
+    """Undo `patch_model` in place and return ``model``: every module's class, hooks and the
+    attention routing as they were before, and no ``dsq_*`` attribute left, so that the model
+    computes what it computed before patching (and can be patched again)."""
+    if getattr(model, "dsq_cfg", None) is None:
+        raise ValueError(f"{type(model).__name__} is not quantized: nothing to unpatch")
+    for module in model.modules():
+        for undo in reversed(module.__dict__.get("dsq_undo", [])):
+            undo()
+        for key in [k for k in module.__dict__ if k.startswith("dsq_")]:
+            del module.__dict__[key]
+    return model
+
+
 def make_dsq_linear(module: nn.Module, cfg: QuantConfig, mixin: type | None = None) -> None:
     """Re-class ``module`` in place so that its forward runs through DSQ: an ``nn.Linear`` becomes
     `DSQLinear`; a subclass of it, or another linear layer with ``mixin`` (its DSQ forward), gets
     a subclass that keeps its own class for isinstance checks. Its parameters (and an
     optimizer's references to them) stay the same."""
     if mixin is None and type(module) is nn.Linear:
-        module.__class__ = DSQLinear
+        reclass(module, DSQLinear)
     else:
-        module.__class__ = dsq_subclass(module, mixin or DSQLinear)
+        reclass(module, dsq_subclass(module, mixin or DSQLinear))
     module.dsq_cfg = cfg
 
 
@@ -312,5 +349,5 @@ def enter_stash_all_on_call(model: nn.Module, cfg: QuantConfig) -> None:
     while it runs (`stash_all_hooks`), once, however deeply the calls nest."""
     entry = _StashAllEntry(cfg)
     for module in model.modules():
-        module.register_forward_pre_hook(entry.enter)
-        module.register_forward_hook(entry.leave, always_call=True)
+        on_unpatch(module, module.register_forward_pre_hook(entry.enter).remove)
+        on_unpatch(module, module.register_forward_hook(entry.leave, always_call=True).remove)

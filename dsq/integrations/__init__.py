@@ -12,12 +12,13 @@ plain PyTorch or ``transformers`` model never imports fairseq, and a fairseq mod
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 
 from torch import nn
 
 from dsq.engine.accounting import observe_linears
 from dsq.engine.config import QuantConfig
-from dsq.engine.patch import Patcher, patch_model
+from dsq.engine.patch import Patcher, patch_model, unpatch_model
 
 # The integration modules of this package, by the top-level package whose classes they patch.
 INTEGRATIONS = {"fairseq": f"{__name__}.fairseq", "transformers": f"{__name__}.hf"}
@@ -45,14 +46,27 @@ def patchers_for(model: nn.Module) -> list[Patcher]:
 
 
 def quantize_model(
-    model: nn.Module, cfg: QuantConfig, exclude=(), strict: bool = False
+    model: nn.Module,
+    cfg: QuantConfig,
+    exclude=(),
+    strict: bool = False,
+    filter_fn: Callable[[nn.Module, str], bool] | None = None,
 ) -> nn.Module:
     """Patch ``model`` in place for DSQ training and return it; ``model.dsq_report`` tells what
     was patched. ``exclude`` holds glob patterns of module names (``decoder.output_projection``,
-    ``*.out_proj``). Works on plain PyTorch, fairseq and ``transformers`` models (docs/hf.md).
-    ``strict=True``: a GEMM that would run unquantized (an unknown layer holding a matrix, an
-    attention implementation dsq cannot route) is an error instead of a line of the report."""
-    return patch_model(model, cfg, patchers_for(model), exclude, strict)
+    ``*.out_proj``); ``filter_fn(module, name)``, as torchao's ``quantize_``, returns whether a
+    layer is patched (False: it stays as it is, and the report lists it as excluded). Works on
+    plain PyTorch, fairseq and ``transformers`` models (docs/hf.md). ``strict=True``: a GEMM that
+    would run unquantized (an unknown layer holding a matrix, an attention implementation dsq
+    cannot route) is an error instead of a line of the report. `unpatch` undoes it."""
+    return patch_model(model, cfg, patchers_for(model), exclude, strict, filter_fn)
+
+
+def unpatch(model: nn.Module) -> nn.Module:
+    """Undo `quantize_model` in place and return ``model``: its modules' classes, hooks and
+    attention routing as before, so it computes what it computed before and can be patched
+    again (another config) or saved as the plain model."""
+    return unpatch_model(model)
 
 
 def observe_model(model: nn.Module, cfg: QuantConfig) -> list:

@@ -24,7 +24,7 @@ from dsq.engine.attention import dsq_attention
 from dsq.engine.config import QuantConfig
 from dsq.engine.functions import dsq_matmul
 from dsq.engine.masks import dsq_dropout, dsq_relu
-from dsq.engine.patch import PatchReport, dsq_subclass
+from dsq.engine.patch import PatchReport, dsq_subclass, on_unpatch, reclass
 
 from . import register_patcher
 
@@ -116,11 +116,13 @@ class MultiheadAttentionPatcher:
         return isinstance(module, multihead_attention.MultiheadAttention)
 
     def patch(self, name: str, module: nn.Module, cfg: QuantConfig, report: PatchReport) -> None:
+        skipped = module.skip_embed_dim_check
         module._set_skip_embed_dim_check()  # the slow path: projections run as modules
-        module.__class__ = dsq_subclass(module, DSQMultiheadAttention)
+        on_unpatch(module, lambda: setattr(module, "skip_embed_dim_check", skipped))
+        reclass(module, dsq_subclass(module, DSQMultiheadAttention))
         module.dsq_cfg = cfg
-        module.register_forward_pre_hook(_enter_attention(cfg))
-        module.register_forward_hook(_exit_attention, always_call=True)
+        on_unpatch(module, module.register_forward_pre_hook(_enter_attention(cfg)).remove)
+        on_unpatch(module, module.register_forward_hook(_exit_attention, always_call=True).remove)
         report.attention.append(name)
 
     def finish(self, model, cfg, report, excluded) -> None:
@@ -190,9 +192,11 @@ class MaskPatcher:
 
     def patch(self, name: str, module: nn.Module, cfg: QuantConfig, report: PatchReport) -> None:
         if isinstance(module, _LAYERS):
+            original = module.activation_fn
             module.activation_fn = dsq_relu
+            on_unpatch(module, lambda: setattr(module, "activation_fn", original))
         else:
-            module.__class__ = DSQFairseqDropout
+            reclass(module, DSQFairseqDropout)
         report.masks.append(name)
 
     def finish(self, model, cfg, report, excluded) -> None:

@@ -45,7 +45,7 @@ from dsq.engine.attention import dsq_attention, explicit_attention
 from dsq.engine.config import POINTS, QuantConfig
 from dsq.engine.functions import dsq_linear
 from dsq.engine.history import PrecisionHistory
-from dsq.engine.patch import PatchReport, make_dsq_linear
+from dsq.engine.patch import PatchReport, make_dsq_linear, on_unpatch
 from dsq.presets import COST_BASELINE, preset_differences
 from dsq.records import check_metric
 
@@ -154,6 +154,7 @@ def route_attention(model: nn.Module, cfg: QuantConfig, exclude) -> tuple[list, 
             module.dsq_cfg = cfg
             routed.append(name)
     model.set_attn_implementation(REPLACED[implementation])
+    on_unpatch(model, lambda: model.set_attn_implementation(implementation))
     how = "as written" if implementation == "eager" else (
         "with SDPA's masking, causal flag, scaling and dropout probability (not its fused kernel)"
     )  # fmt: skip
@@ -190,7 +191,8 @@ class TransformersPatcher:
         stochastic = [p for p, mode in cfg.rounding.items() if mode == "stochastic"]
         for prefix, inner in outermost_transformers_models(model):
             if stochastic:
-                inner.register_forward_pre_hook(_refuse_checkpointing(stochastic))
+                hook = inner.register_forward_pre_hook(_refuse_checkpointing(stochastic))
+                on_unpatch(inner, hook.remove)
             where = f" of {prefix}" if prefix else ""
             try:
                 routed, excluded_names, note = route_attention(

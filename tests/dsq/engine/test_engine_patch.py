@@ -63,6 +63,32 @@ def test_transformer_iwslt_every_linear_and_both_attention_products_run_quantize
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
 
 
+def test_unpatch_gives_back_the_fairseq_transformer_as_it_was():
+    """Classes (DSQLinear, the attention mixin, the dropout masks), the attention hooks, the
+    slow-path switch and ReLU are put back: the outputs are the original model's, bit for bit."""
+    import copy
+
+    from dsq.integrations import unpatch
+
+    model, _ = iwslt_transformer()
+    original = copy.deepcopy(model)
+    src, lengths, prev = (
+        torch.randint(4, 200, (2, 7)),
+        torch.full((2,), 7),
+        torch.randint(4, 200, (2, 5)),
+    )
+    quantize_model(model, QuantConfig(q0="bfp8", q1="bfp4", q2="bfp8", q3="fixed16"))
+    unpatch(model)
+    assert [type(m) for m in model.modules()] == [type(m) for m in original.modules()]
+    assert not [k for m in model.modules() for k in vars(m) if k.startswith("dsq_")]
+    assert [m._forward_hooks for m in model.modules()] == [
+        m._forward_hooks for m in original.modules()
+    ]
+    model.eval(), original.eval()
+    torch.testing.assert_close(model(src, lengths, prev)[0], original(src, lengths, prev)[0],
+                               rtol=0, atol=0)  # fmt: skip
+
+
 def test_exclude_patterns_and_nothing_to_patch():
     model, _ = iwslt_transformer()
     quantize_model(model, QuantConfig(), exclude=["decoder.output_projection", "*.fc2"])

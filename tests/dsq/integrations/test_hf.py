@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+import dsq
 from dsq.engine import QuantConfig
 from dsq.engine.attention import DSQAttentionFunction
 from dsq.engine.functions import DSQLinearFunction, DSQMatmulFunction
@@ -267,6 +268,42 @@ def test_the_trainer_and_accelerate_in_bf16_train_a_patched_model(tmp_path):
     before = [p.detach().clone() for p in trained.parameters()]
     transformers.Trainer(model=trained, args=args, train_dataset=data).train()
     assert any(not torch.equal(a, b) for a, b in zip(before, trained.parameters()))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_unpatch_gives_back_the_model_as_it_was(kind):
+    """After unpatching, the model's classes, hooks and attention routing are the original
+    ones: its outputs and gradients are the unpatched model's, bit for bit, and it can be
+    quantized again with another config."""
+    original = build(kind, "sdpa")
+    want = output_and_grads(copy.deepcopy(original))
+    cfg = QuantConfig(q0="bfp8", q1="bfp4", q2="bfp8", q3="fixed16", stash_scope="all",
+                      rounding={"q1": "stochastic"})  # fmt: skip
+    model = quantize_model(copy.deepcopy(original), cfg)
+    output_and_grads(model)
+    model.zero_grad(set_to_none=True)
+    dsq.unpatch(model)
+    assert [type(m) for m in model.modules()] == [type(m) for m in original.modules()]
+    assert model.config._attn_implementation == "sdpa"
+    assert not [k for m in model.modules() for k in vars(m) if k.startswith("dsq_")]
+    out, grads = output_and_grads(model)
+    torch.testing.assert_close(out, want[0], rtol=0, atol=0)
+    for name, grad in want[1].items():
+        torch.testing.assert_close(grads[name], grad, rtol=0, atol=0)
+    again = quantize_model(model, DSQ)
+    assert again.dsq_report.attention and again.config._attn_implementation == "dsq_sdpa"
+    with pytest.raises(ValueError, match="is not quantized"):
+        dsq.unpatch(build(kind, "sdpa"))
+
+
+def test_filter_fn_chooses_the_layers_patched():
+    """torchao's convention: ``filter_fn(module, name)`` True patches the layer."""
+    model = quantize_model(build("llama", "sdpa"), DSQ,
+                           filter_fn=lambda module, name: "mlp" in name)  # fmt: skip
+    report = model.dsq_report
+    assert report.linears and all(".mlp." in name for name in report.linears)
+    assert "model.layers.0.self_attn.q_proj" in report.excluded
+    assert "model.layers.0.self_attn" in report.excluded and report.attention == []
 
 
 def test_the_callers_config_is_left_as_it_was():
