@@ -306,6 +306,23 @@ def test_filter_fn_chooses_the_layers_patched():
     assert "model.layers.0.self_attn" in report.excluded and report.attention == []
 
 
+@pytest.mark.slow  # compiles a forward and a backward graph (about a minute on 2 cores)
+def test_torch_compile_of_a_patched_llama_equals_eager():
+    """Dynamo traces the patched model (the kernels it meets are torch ops with fakes; dsq's
+    autograd functions run as written) and the compiled step gives eager's loss and gradients
+    to float32 summation order."""
+    model = quantize_model(build("llama", "sdpa"), DSQ)
+    ids, mask = batch()
+    results = []
+    for run in (model, torch.compile(model)):
+        model.zero_grad(set_to_none=True)
+        loss = run(ids, attention_mask=mask, labels=ids).loss
+        loss.backward()
+        results.append([loss.detach()] + [p.grad.clone() for p in model.parameters()])
+    for eager, compiled in zip(*results):
+        torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+
+
 def test_the_callers_config_is_left_as_it_was():
     """Patching switches the model's attention implementation in the model's own copy of its
     config: a second model built from the caller's config (an fp32 reference) runs as built."""
