@@ -86,6 +86,8 @@ class Trainer(ABC):
             "gemm_units": {},  # the quantized GEMMs run, per GEMM kind and unit (units.tally)
         }
         self.history = PrecisionHistory(self.progress)
+        # the status line on stderr; `train` makes the one that prints
+        self.progress_line = ProgressLine(None, quiet=True)
         # the GEMMs counted before this process trained, and the tally when it started (`train`)
         self._units_before: dict = {}
         self._tally_at_start: dict | None = None
@@ -207,6 +209,7 @@ class Trainer(ABC):
         progress_line = ProgressLine(
             self.budget.total_updates, self.updates, quiet=not self.rank.is_main
         )
+        self.progress_line = progress_line
         self._started = time.monotonic()
         self._wall_before = float(self.progress["wall_seconds"])
         # GEMMs this process runs from here on, added to those of the checkpoint's processes
@@ -227,7 +230,8 @@ class Trainer(ABC):
                         self._log_train(window, extra)
                         window = []
                     if self._validation_due(end_of_epoch):
-                        self.validate(step_schedule=True)
+                        with progress_line.phase(f"validation at update {self.updates}"):
+                            self.validate(step_schedule=True)
                         self.checkpoint()
                     progress_line.update(self.updates, loss, self.quant.current(), self.lr())
                     self._stop_if_requested(stop)
@@ -353,7 +357,8 @@ class Trainer(ABC):
         """One last validation unless the last update had one (a run that stopped early stopped
         at a validation), the final checkpoint, and the parameter checksum every rank logs."""
         if self.progress["validations"] == 0 or self.progress.get("validated_at") != self.updates:
-            self.validate(step_schedule=True)
+            with self.progress_line.phase(f"validation at update {self.updates}"):
+                self.validate(step_schedule=True)
         self.checkpoint()
         log.info("parameter checksum at update %d: %s", self.updates, self.parameter_checksum())
 

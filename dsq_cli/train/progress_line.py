@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from collections.abc import Mapping
@@ -56,6 +57,20 @@ class ProgressLine:
             sys.stderr.write("\r" + line[:160].ljust(120))
         else:
             sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+
+    @contextlib.contextmanager
+    def phase(self, label: str):
+        """A stretch without updates (a validation, the final scoring): a line when it starts
+        and one with its duration when it ends, so that a run is never silent for minutes."""
+        if self.quiet:
+            yield
+            return
+        started = time.monotonic()
+        sys.stderr.write(("\n" if self.tty else "") + f"{label} ...\n")
+        sys.stderr.flush()
+        yield
+        sys.stderr.write(f"{label}: done in {_duration(time.monotonic() - started)}\n")
         sys.stderr.flush()
 
     def close(self) -> None:

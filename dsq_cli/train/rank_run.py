@@ -110,7 +110,8 @@ def _train_and_evaluate(cfg, data, device, recorder, state, started: RunResult,
                 recorder.truncate_after(state["num_updates"])
             trainer.train(stop, state)
             if rank.is_main:  # the final model is the same on every rank
-                evaluation = trainer.evaluate(stop)
+                with trainer.progress_line.phase("final evaluation"):
+                    evaluation = trainer.evaluate(stop)
                 test_record = {k: v for k, v in evaluation.items() if k != "value"}
                 recorder.metrics({"kind": "test", "update": trainer.updates, **test_record})
         except Interrupted as err:

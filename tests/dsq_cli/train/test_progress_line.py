@@ -50,3 +50,15 @@ def test_a_resumed_run_warms_up_again(clock, capsys):
         clock[0] += 2.0
         line.update(update, 4.0, BITS, 1e-3)
     assert lines(capsys)[-1].endswith("| 0.50 upd/s | ETA 1m30s")
+
+
+def test_a_phase_says_when_it_starts_and_how_long_it_took(clock, capsys):
+    line = ProgressLine(100, interval=0.0)
+    with line.phase("validation at update 10"):
+        clock[0] += 75
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["validation at update 10 ...", "validation at update 10: done in 1m15s"]
+    quiet = ProgressLine(100, quiet=True)
+    with quiet.phase("validation at update 10"):
+        pass
+    assert capsys.readouterr().err == ""
