@@ -5,8 +5,8 @@
   environment chooses (``DSQ_BACKEND=c|compile|reference|triton`` runs this file on that one);
 * every backend equals the reference bit for bit: quantize, the packed bytes, unpack;
 * ``pack`` holds exactly the bits per value the docs give;
-* torchao, where installed (make setup: .venv/oracles), agrees bit for bit on a million random values, and
-  where the two definitions differ the difference is named and checked on its own input.
+* torchao, where installed (make setup: .venv/oracles), agrees bit for bit on a million random
+  values, and where the two definitions differ the difference is named and checked on its own input.
 """
 
 from __future__ import annotations
@@ -240,7 +240,7 @@ def test_nvfp4_uses_the_whole_tensor_for_its_scale():
 # ----------------------------------------------------------------------------- torchao
 needs_torchao = pytest.mark.skipif(
     importlib.util.find_spec("torchao") is None,
-    reason="torchao is not on the tests' path (make setup installs torchao 0.18 into .venv/oracles)",
+    reason="torchao is not on the tests' path (make setup installs torchao 0.18 in .venv/oracles)",
 )
 
 
