@@ -117,6 +117,9 @@ class Policy:
 
     name: ClassVar[str]
     Params: ClassVar[type]
+    # whether `after_update` needs every update's training loss (a caller that sees none, such
+    # as a Trainer callback, refuses the policy)
+    needs_train_loss: ClassVar[bool] = False
 
     def __init__(self, params, ladder_bits: list[int]):
         self.params = params
@@ -365,6 +368,7 @@ class Pfq(Policy):
 
     name = "pfq"
     Params = PfqParams
+    needs_train_loss = True
 
     def __init__(self, params: PfqParams, ladder_bits: list[int]):
         super().__init__(params, ladder_bits)

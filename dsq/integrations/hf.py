@@ -46,6 +46,7 @@ from dsq.engine.config import POINTS, QuantConfig
 from dsq.engine.functions import dsq_linear
 from dsq.engine.history import PrecisionHistory
 from dsq.engine.patch import PatchReport, make_dsq_linear, on_unpatch
+from dsq.engine.policies import POLICIES
 from dsq.presets import COST_BASELINE, preset_differences
 from dsq.records import check_metric
 
@@ -420,11 +421,14 @@ class DSQCallback(transformers.TrainerCallback):
         return control
 
     def on_train_begin(self, args, state, control, **kwargs):
-        needs_losses = [p for p, s in self.cfg.schedules.items() if s.policy.name == "pfq"]
+        needs_losses = [(p, s.policy.name) for p, s in self.cfg.schedules.items()
+                        if s.policy.needs_train_loss]  # fmt: skip
         if needs_losses:
+            point, name = needs_losses[0]
+            usable = sorted(n for n, c in POLICIES.items() if not c.needs_train_loss)
             raise ValueError(
-                f"{needs_losses[0]}: policy pfq needs every step's training loss, which a "
-                "Trainer callback does not see; use plateau, cyclic or shape here"
+                f"{point}: policy {name} needs every step's training loss, which a Trainer "
+                f"callback does not see; use {', '.join(usable)} here"
             )
         if state.global_step > 0:
             self._restore(args, state)

@@ -29,6 +29,7 @@ from collections.abc import Callable
 
 import torch
 
+from dsq.engine import POINTS
 from dsq.engine.chunked_output import DEFAULT_CHUNK_TOKENS
 
 from .quant import machine_description
@@ -233,7 +234,7 @@ def format_table(result: dict) -> str:
         "-" * 121,
     ]
     for r in result["rows"]:
-        pts = " / ".join(str(r["points"][p]) for p in ("q0", "q1", "q2", "q3"))
+        pts = " / ".join(str(r["points"][p]) for p in POINTS)
         peak = "-" if r["peak_mb"] is None else f"{r['peak_mb']:.1f}"
         state = "-" if r["state_mb"] is None else f"{r['state_mb']:.1f}"
         lines.append(

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from dsq.engine import QuantConfig, units
+from dsq.engine import POINTS, QuantConfig, units
 from dsq.engine.checkpointing import checkpoint_layers
 from dsq.engine.chunked_output import DEFAULT_CHUNK_TOKENS, chunked_output_loss
 from dsq.integrations import quantize_model
@@ -472,7 +472,7 @@ def format_table(result: dict) -> str:
         "-" * 188,
     ]
     for r in result["rows"]:
-        pts = " / ".join(str(r["points"][p]) for p in ("q0", "q1", "q2", "q3"))
+        pts = " / ".join(str(r["points"][p]) for p in POINTS)
         lines.append(
             f"{r['row']:<22} {pts:<40} {units_cell(r['units']):<34} "
             f"{r['first_step_s']:>10.1f} {r['step_ms']:>9.1f} {ratio_text(r['x_fp32']):>7} "

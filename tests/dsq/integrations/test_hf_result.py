@@ -78,3 +78,17 @@ def test_a_metric_dsq_table_does_not_read_is_refused():
     callback = recorded()
     with pytest.raises(ValueError, match="metric='loss': a result's metric is one dsq table"):
         callback.run_result(preset="dsq", **{**FIELDS, "metric": "loss"})
+
+
+def test_a_policy_that_needs_every_training_loss_is_refused_by_the_callback():
+    """The Trainer callback sees no step's training loss: a policy that needs it (pfq) is
+    refused when training begins, naming the policies it can run."""
+    from dsq.engine import Schedule
+    from dsq.integrations.hf import DSQCallback
+
+    ladder = Schedule(["bfp2", "bfp4"], policy="pfq")
+    callback = DSQCallback(QuantConfig(q0="bfp8", q1=ladder, q2="bfp8", q3="fixed16"))
+    with pytest.raises(ValueError, match="q1: policy pfq needs every step's training loss"):
+        callback.on_train_begin(None, None, None)
+    with pytest.raises(ValueError, match="use cyclic, plateau, shape here"):
+        callback.on_train_begin(None, None, None)
