@@ -20,6 +20,7 @@ from torch import nn
 from .config import QuantConfig
 from .functions import dsq_linear
 from .masks import dsq_dropout, dsq_relu
+from .spec import QuantSpec
 
 
 class DSQLinear(nn.Linear):
@@ -140,8 +141,10 @@ def patch_model(
 ) -> nn.Module:
     """Patch ``model`` in place with the engine's Linear rule and ``patchers``; see
     ``dsq.integrations.quantize_model``, which picks the patchers, for the arguments."""
+    if isinstance(cfg, QuantSpec):  # the frozen spec, as torchao's quantize_ takes its config
+        cfg = QuantConfig.from_spec(cfg)
     if not isinstance(cfg, QuantConfig):
-        raise TypeError(f"cfg must be a QuantConfig, got {type(cfg).__name__}")
+        raise TypeError(f"cfg must be a QuantConfig or a QuantSpec, got {type(cfg).__name__}")
     if cfg.engine != "dsq":
         raise ValueError(
             f"quant.engine={cfg.engine!r} trains the model unpatched under torch.autocast "

@@ -19,6 +19,7 @@ from torch import nn
 from dsq.engine.accounting import observe_linears
 from dsq.engine.config import QuantConfig
 from dsq.engine.patch import Patcher, patch_model, unpatch_model
+from dsq.engine.spec import QuantSpec
 
 # The integration modules of this package, by the top-level package whose classes they patch.
 INTEGRATIONS = {"fairseq": f"{__name__}.fairseq", "transformers": f"{__name__}.hf"}
@@ -47,18 +48,21 @@ def patchers_for(model: nn.Module) -> list[Patcher]:
 
 def quantize_model(
     model: nn.Module,
-    cfg: QuantConfig,
+    cfg: QuantConfig | QuantSpec,
     exclude=(),
     strict: bool = False,
     filter_fn: Callable[[nn.Module, str], bool] | None = None,
 ) -> nn.Module:
     """Patch ``model`` in place for DSQ training and return it; ``model.dsq_report`` tells what
-    was patched. ``exclude`` holds glob patterns of module names (``decoder.output_projection``,
-    ``*.out_proj``); ``filter_fn(module, name)``, as torchao's ``quantize_``, returns whether a
-    layer is patched (False: it stays as it is, and the report lists it as excluded). Works on
-    plain PyTorch, fairseq and ``transformers`` models (docs/hf.md). ``strict=True``: a GEMM that
-    would run unquantized (an unknown layer holding a matrix, an attention implementation dsq
-    cannot route) is an error instead of a line of the report. `unpatch` undoes it."""
+    was patched. ``cfg`` is a `QuantConfig`, or a frozen `QuantSpec`
+    (``dsq.presets.get_preset("dsq")``), of which a QuantConfig is made: ``model.dsq_cfg``, the
+    schedule to step. ``exclude`` holds glob patterns of module names
+    (``decoder.output_projection``, ``*.out_proj``); ``filter_fn(module, name)``, as torchao's
+    ``quantize_``, returns whether a layer is patched (False: it stays as it is, and the report
+    lists it as excluded). Works on plain PyTorch, fairseq and ``transformers`` models
+    (docs/hf.md). ``strict=True``: a GEMM that would run unquantized (an unknown layer holding a
+    matrix, an attention implementation dsq cannot route) is an error instead of a line of the
+    report. `unpatch` undoes it."""
     return patch_model(model, cfg, patchers_for(model), exclude, strict, filter_fn)
 
 

@@ -296,6 +296,15 @@ def test_unpatch_gives_back_the_model_as_it_was(kind):
         dsq.unpatch(build(kind, "sdpa"))
 
 
+def test_a_frozen_spec_quantizes_as_its_config_does():
+    from dsq.presets import get_preset
+
+    model = quantize_model(build("llama", "sdpa"), get_preset("dsq"))
+    assert isinstance(model.dsq_cfg, QuantConfig)
+    assert model.dsq_cfg.to_dict() == QuantConfig.from_preset("dsq").to_dict()
+    assert model.dsq_report.attention
+
+
 def test_filter_fn_chooses_the_layers_patched():
     """torchao's convention: ``filter_fn(module, name)`` True patches the layer."""
     model = quantize_model(build("llama", "sdpa"), DSQ,
