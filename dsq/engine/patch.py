@@ -206,9 +206,30 @@ def patch_model(
         )
     if cfg.stash_scope == "all":
         enter_stash_all_on_call(model, cfg)
+    added_later = _name_layers_added_later(report, {id(m) for m in model.modules()})
+    on_unpatch(model, model.register_forward_pre_hook(added_later).remove)
     model.dsq_report = report
     model.dsq_cfg = cfg
     return model
+
+
+def _name_layers_added_later(report: PatchReport, seen: set[int]):
+    """A forward pre-hook naming, once each, the Linear layers added to the model after it was
+    patched (a LoRA adapter added later): they run unquantized, and the report and a warning
+    say so instead of the report's "none"."""
+    import warnings
+
+    def hook(model, args):
+        for name, module in model.named_modules():
+            if id(module) in seen:
+                continue
+            seen.add(id(module))
+            if isinstance(module, nn.Linear) and not hasattr(module, "dsq_cfg"):
+                line = f"{name} (Linear: added after quantize_model; unpatch and quantize again)"
+                report.unquantized.append(line)
+                warnings.warn(f"dsq: {line} runs unquantized", stacklevel=2)
+
+    return hook
 
 
 # -- undoing a patch ------------------------------------------------------------------------------

@@ -296,6 +296,24 @@ def test_unpatch_gives_back_the_model_as_it_was(kind):
         dsq.unpatch(build(kind, "sdpa"))
 
 
+def test_a_linear_added_after_patching_is_named_in_the_report():
+    """A LoRA-style adapter added after quantize_model runs unquantized: the next forward names
+    it in the report's unquantized list, with a warning, once."""
+    model = quantize_model(build("llama", "sdpa"), DSQ)
+    model(*batch())
+    assert model.dsq_report.unquantized == []
+    model.model.layers[0].self_attn.adapter = nn.Linear(64, 64)
+    with pytest.warns(UserWarning, match="adapter .Linear: added after quantize_model"):
+        model(*batch())
+    assert model.dsq_report.unquantized == [
+        "model.layers.0.self_attn.adapter (Linear: added after quantize_model; unpatch and "
+        "quantize again)"
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(*batch())  # named once
+
+
 def test_a_frozen_spec_quantizes_as_its_config_does():
     from dsq.presets import get_preset
 
