@@ -435,7 +435,8 @@ OVERRIDES_HELP = (
     "quant.rounding.q1=stochastic (noise seeded by seed, continued on resume). "
     "quant.gemm_unit=auto (default) runs each quantized GEMM on the fastest unit exact for its "
     "two operands' formats: bf16 (CPUs with AVX512-BF16, GPUs) where both are exact in bf16 "
-    "(bfp2..bfp9, bf16, e4m3, e5m2, fixed<=9), TF32 on GPUs (up to bfp12, fp16), bf16x2 (an "
+    "(bfp2..bfp9, bf16, e4m3, e5m2, fixed<=9, the MX formats; NVFP4's scale product is not), "
+    "TF32 on GPUs (up to bfp12, fp16), bf16x2 (an "
     "exact split of a fixed16 operand into two bf16 GEMMs, beside a bf16 one) on GPUs and on "
     "CPUs where it pays (AMD EPYC Zen 5), float32 otherwise (fp32, fixed32, and two operands "
     "both wider than bf16, such as fixed16 by fixed16); quant.gemm_unit=fp32 runs "
@@ -447,8 +448,43 @@ OVERRIDES_HELP = (
 )
 
 
+def _by_family(group: str) -> str:
+    """The files of conf/<group>/ by the family they declare: ``translation: demo, ...; glue:
+    ...``, read from the files themselves."""
+    import yaml
+
+    from dsq_cli.presets import CONF_DIR
+
+    families: dict[str, list[str]] = {}
+    for path in sorted((CONF_DIR / group).glob("*.yaml")):
+        data = yaml.safe_load(path.read_text()) or {}
+        family = (data.get("task") or {}).get("family") if group == "task" else data.get("family")
+        families.setdefault(str(family), []).append(path.stem)
+    return "; ".join(f"{family}: {', '.join(names)}" for family, names in families.items())
+
+
+def _names(group: str) -> list[str]:
+    from dsq_cli.presets import CONF_DIR
+
+    return sorted(path.stem for path in (CONF_DIR / group).glob("*.yaml"))
+
+
+def _train_help() -> str:
+    from dsq_cli.presets import PRESET_ORDER
+
+    return (
+        "Train one run with DSQ (fairseq translation, GLUE fine-tuning or a causal language "
+        "model) into a new run directory under run.root.\n\n"
+        f"Groups: task ({_by_family('task')}); model ({_by_family('model')}); quant "
+        f"({', '.join(PRESET_ORDER)}); logger ({', '.join(_names('logger'))}).\n\n"
+        "Exit codes: 0 completed, 2 bad config or data or a refused resume, 3 diverged, "
+        "130/143 interrupted (continue with resume=RUN_DIR), 1 failed."
+    )
+
+
 @app.command(
     "train",
+    help=_train_help(),
     context_settings={"allow_extra_args": False, "ignore_unknown_options": True},
 )
 @usage_errors
@@ -458,16 +494,8 @@ def train_cmd(
         False, "--cfg", help="Print the resolved config and exit without training."
     ),
 ):
-    """Train one run with DSQ (fairseq translation, or GLUE fine-tuning) into a new run
-    directory under run.root.
-
-    Groups: task (demo, multi30k, iwslt17, wmt14, translation; GLUE: sst2, rte, cola, mrpc,
-    qnli, mnli, qqp, stsb), model (transformer_small, transformer_tiny, transformer_iwslt;
-    GLUE encoders: minilm, roberta_base, roberta_tiny), quant (the Table 1 presets),
-    logger (wandb, none).
-    Exit codes: 0 completed, 2 bad config or data or a refused resume, 3 diverged, 130/143
-    interrupted (continue with resume=RUN_DIR), 1 failed.
-    """
+    """Train one run with DSQ into a new run directory under run.root (the groups and exit
+    codes below)."""
     from dsq_cli.config import compose, to_yaml
     from dsq_cli.train import family_of, load_resume, quiet_library_warnings, train
 
@@ -504,9 +532,7 @@ def train_cmd(
 @app.command("data")
 @usage_errors
 def data_cmd(
-    task: str = typer.Argument(
-        ..., help="A task (conf/task/): demo, multi30k, iwslt17, wmt14, sst2, rte, cola, ..."
-    ),
+    task: str = typer.Argument(..., help=f"A task (conf/task/): {', '.join(_names('task'))}."),
     overrides: list[str] = typer.Argument(None, help="More overrides, e.g. data.raw_dir=DIR."),
 ):
     """Prepare a task once into the cache: translation (download or read raw text,
