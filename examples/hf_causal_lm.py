@@ -27,8 +27,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from dsq.engine import QuantConfig
-from dsq.integrations import quantize_model
+from dsq import QuantConfig, quantize_model
 from dsq.integrations.hf import DSQCallback, quiet_logs
 
 PAD, EOS = 0, 1

