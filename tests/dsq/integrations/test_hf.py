@@ -204,11 +204,17 @@ class Wrapper(nn.Module):
         return self.inner(*args, **kwargs)
 
 
-def test_a_wrapped_model_has_its_attention_routed_as_the_bare_model():
+def test_a_wrapped_model_has_its_attention_routed_as_the_bare_model(monkeypatch):
     bare = quantize_model(build("llama", "sdpa"), DSQ, strict=True)
     wrapped = quantize_model(Wrapper(build("llama", "sdpa")), DSQ, strict=True)
     assert wrapped.dsq_report.attention == [f"inner.{n}" for n in bare.dsq_report.attention]
     assert wrapped.dsq_report.attention  # both layers' attention, routed
+    assert wrapped.dsq_report.unquantized == []
+    # no GEMM, the fused SDPA kernel included, runs unquantized inside the wrapped blocks
+    with GemmSpy(blocks_of(wrapped), monkeypatch) as spy:
+        wrapped(*batch())[0].sum().backward()
+    assert spy.calls == []
+    wrapped.zero_grad(set_to_none=True)
     out, grads = output_and_grads(wrapped)
     want_out, want_grads = output_and_grads(bare)
     torch.testing.assert_close(out, want_out, rtol=0, atol=0)
