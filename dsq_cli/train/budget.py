@@ -36,6 +36,8 @@ class Budget:
     warmup_updates: int
     validate_every: int  # 0: at the end of every epoch
     stop_patience: int = 0  # validations without improvement that end the run; 0: never
+    # where the total comes from, for the lines that show it (not part of the record)
+    source: str = dataclasses.field(default="", compare=False)
 
     @classmethod
     def plan(cls, train: TrainConfig, updates_per_epoch: int) -> Budget:
@@ -46,6 +48,11 @@ class Budget:
         if train.max_epochs:
             limits.append(train.max_epochs * updates_per_epoch)
         total = min(limits)
+        if train.max_updates and total == train.max_updates:
+            source = "train.max_updates"
+        else:
+            cap = "" if train.max_updates else "; train.max_updates=0: no cap"
+            source = f"train.max_epochs={train.max_epochs} x {updates_per_epoch}{cap}"
         warmup = train.warmup_updates
         if warmup == AUTO:
             warmup = min(WARMUP_CAP, max(1, round(WARMUP_SHARE * total)))
@@ -59,12 +66,13 @@ class Budget:
         every = train.validate_every
         if every == AUTO:
             every = min(updates_per_epoch, max(1, math.ceil(total / MIN_VALIDATIONS)))
-        return cls(total, updates_per_epoch, warmup, every, train.get("stop_patience", 0))
+        return cls(total, updates_per_epoch, warmup, every, train.get("stop_patience", 0), source)
 
     def describe(self) -> str:
         every = f"every {self.validate_every} updates" if self.validate_every else "every epoch"
+        origin = f": {self.source}" if self.source else ""
         text = (
-            f"budget: {self.total_updates} updates ({self.updates_per_epoch} per epoch), "
+            f"budget: {self.total_updates} updates{origin} ({self.updates_per_epoch} per epoch), "
             f"warmup {self.warmup_updates}, validation {every}"
         )
         if self.stop_patience:
@@ -75,4 +83,7 @@ class Budget:
         return text
 
     def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """result.json's ``budget`` (without `source`, which the numbers already say)."""
+        record = dataclasses.asdict(self)
+        del record["source"]
+        return record

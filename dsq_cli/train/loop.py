@@ -210,6 +210,7 @@ class Trainer(ABC):
             self.budget.total_updates, self.updates, quiet=not self.rank.is_main
         )
         self.progress_line = progress_line
+        progress_line.note(self.budget.describe())
         self._started = time.monotonic()
         self._wall_before = float(self.progress["wall_seconds"])
         # GEMMs this process runs from here on, added to those of the checkpoint's processes

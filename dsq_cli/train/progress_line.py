@@ -59,6 +59,12 @@ class ProgressLine:
             sys.stderr.write(line + "\n")
         sys.stderr.flush()
 
+    def note(self, text: str) -> None:
+        """One line of its own (the run's budget, when it starts)."""
+        if not self.quiet:
+            sys.stderr.write(text + "\n")
+            sys.stderr.flush()
+
     @contextlib.contextmanager
     def phase(self, label: str):
         """A stretch without updates (a validation, the final scoring): a line when it starts

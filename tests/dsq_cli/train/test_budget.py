@@ -56,6 +56,17 @@ def test_a_warmup_longer_than_the_run_warns(caplog):
     assert not caplog.records
 
 
+def test_the_budget_says_where_its_total_comes_from():
+    by_updates = plan(81, max_updates=500, max_epochs=100)
+    assert "budget: 500 updates: train.max_updates (81 per epoch)" in by_updates.describe()
+    by_epochs = plan(81, max_updates=0, max_epochs=10)
+    assert by_epochs.total_updates == 810
+    assert "810 updates: train.max_epochs=10 x 81; train.max_updates=0: no cap" in (
+        by_epochs.describe()
+    )
+    assert "source" not in by_epochs.as_dict()  # the record keeps its fields
+
+
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("dsq-cache")
