@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import logging
+import re
 import sys
 from pathlib import Path
 
@@ -878,6 +880,19 @@ def sweep_cmd(
         typer.echo(f"no table: {err}", err=True)
     if any(j.status not in sweep.NOT_FAILED for j in jobs):
         raise typer.Exit(1)
+
+
+def _reflowed(doc: str) -> str:
+    """A docstring as help: each paragraph's source lines joined into one, so that the help's
+    sentences wrap at the terminal's width, not where the source lines end."""
+    paragraphs = re.split(r"\n\s*\n", inspect.cleandoc(doc))
+    return "\n\n".join(" ".join(line.strip() for line in p.splitlines()) for p in paragraphs)
+
+
+for _app in (app, bench_app):
+    for _command in _app.registered_commands:
+        if _command.help is None and _command.callback is not None and _command.callback.__doc__:
+            _command.help = _reflowed(_command.callback.__doc__)
 
 
 if __name__ == "__main__":  # pragma: no cover
