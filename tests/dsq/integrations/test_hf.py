@@ -356,6 +356,24 @@ def test_torch_compile_of_a_patched_llama_equals_eager():
         torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
 
 
+def test_a_peft_model_is_patched_through_its_wrappers(monkeypatch):
+    """``peft.get_peft_model`` wraps the Llama twice (PeftModel, LoraModel): its attention is
+    routed, the LoRA adapters' own Linear layers are patched with the base layers, the report
+    names nothing unquantized, and no GEMM or fused SDPA call runs unquantized in a block."""
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                             lora_dropout=0.0)  # fmt: skip
+    model = quantize_model(peft.get_peft_model(build("llama", "sdpa"), config), DSQ, strict=True)
+    report = model.dsq_report
+    assert len(report.attention) == 2 and report.unquantized == []
+    assert any(name.endswith("q_proj.lora_A.default") for name in report.linears)
+    assert any(name.endswith("q_proj.base_layer") for name in report.linears)
+    with GemmSpy(blocks_of(model), monkeypatch) as spy:
+        model(*batch())[0].sum().backward()
+    assert spy.calls == []
+    assert all(p.grad is not None for n, p in model.named_parameters() if "lora_" in n)
+
+
 def test_the_callers_config_is_left_as_it_was():
     """Patching switches the model's attention implementation in the model's own copy of its
     config: a second model built from the caller's config (an fp32 reference) runs as built."""
