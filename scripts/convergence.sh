@@ -24,8 +24,9 @@
 #                 commits (docs/results.md, the protocol's amendment)
 #   lm-budget     the language-model study's budget: fp32, seed 1, task=lm on Tiny Shakespeare,
 #                 train.stop_patience=3 under a cap of 5,000 updates
-#   lm            the language-model study's eight rows on seeds 1-5, each trained for that budget
-#                 (docs/results.md, "Protocol": the rising stash on a language model)
+#   lm            the language-model study's eight rows on seeds 1-5, each trained for that budget,
+#                 or for the cap where fp32 did not stall within it (docs/results.md, "Protocol":
+#                 the rising stash on a language model)
 #   all           every stage above, in that order
 #
 # STUDY_LANES (default 2) runs the stages in that many processes at once, one thread each
@@ -63,14 +64,19 @@ find_budget() {  # find_budget ROOT CAP TASK_OVERRIDES...: fp32 trained until it
     dsq sweep --resume-unfinished seed=1 "$@" quant=fp32 "train.max_updates=$cap" \
         train.stop_patience=3 "run.root=$root"
 }
-budget_of() {  # budget_of ROOT: the update at which that budget run stopped; fails without one
-    "${PYTHON:-python}" - "$1" <<'PY'
+budget_of() {  # budget_of ROOT [cap]: the update at which that budget run stopped; fails without
+    # one. With "cap": a budget run that completed its cap without a stall gives the cap (the
+    # language-model study's rule, docs/results.md, "Protocol")
+    "${PYTHON:-python}" - "$1" "${2:-}" <<'PY'
 import json, pathlib, sys
 results = sorted(pathlib.Path(sys.argv[1]).glob("*/result.json"))
 if not results:
     sys.exit(f"no budget run in {sys.argv[1]} yet: run its budget stage first")
 result = json.loads(results[0].read_text())
 stopped = (result.get("budget") or {}).get("stopped_early")
+if result.get("status") == "completed" and not stopped and sys.argv[2] == "cap":
+    print(result["updates"])
+    sys.exit(0)
 if result.get("status") != "completed" or not stopped:
     sys.exit(f"{results[0]}: fp32 has not stopped at a stall within its cap (yet)")
 print(stopped["update"])
@@ -94,7 +100,7 @@ en_de_rows_of() {  # en_de_rows_of SEED [ROWS [ROOT]]: en->de rows on one seed, 
 }
 lm_rows_of() {  # lm_rows_of SEED: the language-model rows on one seed, once their budget is known
     local budget
-    if ! budget=$(budget_of results/lm-budget 2>/dev/null); then
+    if ! budget=$(budget_of results/lm-budget cap 2>/dev/null); then
         echo "convergence.sh: the language-model seed $1 waits for its budget run" >&2
         return 0
     fi
