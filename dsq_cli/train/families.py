@@ -98,6 +98,15 @@ def _scored_model(evaluation: Mapping[str, Any]) -> str:
     )
 
 
+def _priced_from_its_records(what: str, cfg: RunConfig) -> None:
+    """`check_priceable`'s refusal for the families whose models dsq cost does not derive."""
+    raise ConfigError(
+        f"dsq cost derives the translation transformers' GEMMs; {what} "
+        f"(model={cfg.model['name']}) is priced in its result.json from the GEMMs its first "
+        "update recorded (dsq table shows them)"
+    )
+
+
 def _sizes(data: Any) -> str:
     return ", ".join(f"{k} {v}" for k, v in data.manifest["sizes"].items())
 
@@ -155,11 +164,7 @@ class Glue(TaskFamily):
         return f"{task}: {data.source} ({_sizes(data)})"
 
     def check_priceable(self, cfg: RunConfig) -> None:
-        raise ConfigError(
-            f"dsq cost derives the translation transformers' GEMMs; a GLUE run "
-            f"(model={cfg.model['name']}) is priced in its result.json from the GEMMs its first "
-            "update recorded (dsq table shows them)"
-        )
+        _priced_from_its_records("a GLUE run", cfg)
 
 
 @register
@@ -192,11 +197,7 @@ class LanguageModel(TaskFamily):
                 f"{data.manifest['vocab_size']} characters)")  # fmt: skip
 
     def check_priceable(self, cfg: RunConfig) -> None:
-        raise ConfigError(
-            f"dsq cost derives the translation transformers' GEMMs; a language-model run "
-            f"(model={cfg.model['name']}) is priced in its result.json from the GEMMs its first "
-            "update recorded (dsq table shows them)"
-        )
+        _priced_from_its_records("a language-model run", cfg)
 
 
 if set(FAMILIES) != set(FAMILY_NAMES):  # every name of the vocabulary is one unit here

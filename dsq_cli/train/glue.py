@@ -34,7 +34,7 @@ from . import ranks
 from .glue_metrics import compute_metrics
 from .loop import Trainer
 from .recorder import RunRecorder
-from .stop import StopRequest, check_finite
+from .stop import StopRequest
 
 log = logging.getLogger(__name__)
 
@@ -186,16 +186,7 @@ class GlueTrainer(Trainer):
         torch.manual_seed(self.seed + self.updates)  # dropout, as fairseq seeds it
         tokens, labels = self._collate(self.train_set, batch)
         loss = self._loss(self._forward(tokens), labels)
-        loss_value = float(loss.detach())
-        check_finite("training loss", loss_value, self.updates + 1)  # before the step uses it
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if self.train_cfg.clip_norm > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.train_cfg.clip_norm)
-        self.optimizer.step()
-        self.scheduler.step()
-        self._updates += 1
-        return loss_value, {}
+        return self.step_on(loss), {}
 
     # -- validation and evaluation --------------------------------------------------------------
     def dev_scores(self) -> tuple[float, dict]:

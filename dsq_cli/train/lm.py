@@ -33,12 +33,12 @@ from dsq.engine import QuantConfig
 from dsq.engine.chunked_output import chunked_output_loss
 from dsq_cli.data.lm import LMData
 from dsq_cli.models.causal_lm import body_and_head, build_causal_lm, decoder_layers
-from dsq_cli.run_config import ModelConfig, RunConfig, TrainConfig
+from dsq_cli.run_config import RunConfig
 
 from . import ranks
 from .loop import Trainer
 from .recorder import RunRecorder
-from .stop import StopRequest, check_finite
+from .stop import StopRequest
 
 log = logging.getLogger(__name__)
 
@@ -79,23 +79,13 @@ class LMTrainer(Trainer):
 
     @classmethod
     def from_run_config(cls, cfg: RunConfig, quant, data, recorder, device, rank):
-        return cls(cfg.train, cfg.model, cfg.seed, quant, data, recorder, device, rank,
-                   cfg.eval.checkpoint)  # fmt: skip
+        return cls(cfg, quant, data, recorder, device, rank)
 
-    def __init__(
-        self,
-        train: TrainConfig,
-        model: ModelConfig,
-        seed: int,
-        quant: QuantConfig,
-        data: LMData,
-        recorder: RunRecorder,
-        device: str,
-        rank: ranks.Rank = ranks.SINGLE,
-        checkpoint: str = "best",
-    ):
-        super().__init__(train, quant, recorder, device, rank)
-        self.seed, self.headline = seed, checkpoint
+    def __init__(self, cfg: RunConfig, quant: QuantConfig, data: LMData, recorder: RunRecorder,
+                 device: str, rank: ranks.Rank = ranks.SINGLE):  # fmt: skip
+        super().__init__(cfg.train, quant, recorder, device, rank)
+        train, model = cfg.train, cfg.model
+        self.seed, self.headline = cfg.seed, cfg.eval.checkpoint
         self.seq_len = int(model["seq_len"])
         torch.manual_seed(self.seed)  # the initialisation
         lm = build_causal_lm(
@@ -192,16 +182,7 @@ class LMTrainer(Trainer):
         self.model.train()
         torch.manual_seed(self.seed + self.updates)  # dropout, as the other trainers seed it
         loss = self.model(self._windows(self.train_ids, starts))
-        loss_value = float(loss.detach())
-        check_finite("training loss", loss_value, self.updates + 1)  # before the step uses it
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if self.train_cfg.clip_norm > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.train_cfg.clip_norm)
-        self.optimizer.step()
-        self.scheduler.step()
-        self._updates += 1
-        return loss_value, {}
+        return self.step_on(loss), {}
 
     # -- validation and evaluation --------------------------------------------------------------
     def valid_loss(self) -> float:

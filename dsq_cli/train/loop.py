@@ -142,6 +142,23 @@ class Trainer(ABC):
     def evaluate(self, stop: StopRequest) -> dict:
         """result.json's evaluation fields; ``value`` is the run's headline metric."""
 
+    def step_on(self, loss: torch.Tensor) -> float:
+        """The update of a trainer holding ``optimizer`` and ``scheduler`` (GLUE, LM): the loss
+        checked finite before anything uses it, its gradients (clipped at ``train.clip_norm``),
+        the optimizer's and the schedule's step, the update counted (``_updates``); returns the
+        loss's value."""
+        loss_value = float(loss.detach())
+        check_finite("training loss", loss_value, self.updates + 1)  # before the step uses it
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if self.train_cfg.clip_norm > 0:
+            torch.nn.utils.clip_grad_norm_(self.trained_model().parameters(),
+                                           self.train_cfg.clip_norm)  # fmt: skip
+        self.optimizer.step()
+        self.scheduler.step()
+        self._updates += 1
+        return loss_value
+
     def training_context(self) -> contextlib.AbstractContextManager:
         """A context the whole loop runs in (nothing by default)."""
         return contextlib.nullcontext()
