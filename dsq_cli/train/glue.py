@@ -32,7 +32,7 @@ from dsq_cli.run_config import ModelConfig, RunConfig, TrainConfig
 
 from . import ranks
 from .glue_metrics import compute_metrics
-from .loop import Trainer
+from .loop import PlainTrainer
 from .recorder import RunRecorder
 from .stop import StopRequest
 
@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 _NO_DECAY = ("bias", "layer_norm", "layernorm", "LayerNorm")
 
 
-class GlueTrainer(Trainer):
+class GlueTrainer(PlainTrainer):
     """One GLUE run: `train` to the budget, `evaluate` reports the best (or the last) dev
     metric."""
 
@@ -117,19 +117,9 @@ class GlueTrainer(Trainer):
         total = self.budget.total_updates
         return max(0.0, (total - update) / max(1, total - warmup))
 
-    def trained_model(self):
-        return self.model
-
-    @property
-    def updates(self) -> int:
-        return self._updates
-
     @property
     def epoch(self) -> int:
         return self._epoch
-
-    def lr(self) -> float:
-        return self.optimizer.param_groups[0]["lr"]
 
     # -- state --------------------------------------------------------------------------------
     def own_state(self) -> dict:

@@ -36,7 +36,7 @@ from dsq_cli.models.causal_lm import body_and_head, build_causal_lm, decoder_lay
 from dsq_cli.run_config import RunConfig
 
 from . import ranks
-from .loop import Trainer
+from .loop import PlainTrainer
 from .recorder import RunRecorder
 from .stop import StopRequest
 
@@ -73,7 +73,7 @@ def _summed_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.T
     return F.cross_entropy(logits.float(), target, reduction="sum")
 
 
-class LMTrainer(Trainer):
+class LMTrainer(PlainTrainer):
     """One language-modelling run: `train` to the budget, `evaluate` reports the perplexity of
     the best (or the last) validation."""
 
@@ -140,19 +140,9 @@ class LMTrainer(Trainer):
         done = min(1.0, (update - warmup) / max(1, total - warmup))
         return FINAL_LR_FRACTION + (1 - FINAL_LR_FRACTION) * 0.5 * (1 + math.cos(math.pi * done))
 
-    def trained_model(self):
-        return self.model
-
-    @property
-    def updates(self) -> int:
-        return self._updates
-
     @property
     def epoch(self) -> int:
         return self._updates // self.updates_per_epoch + 1
-
-    def lr(self) -> float:
-        return self.optimizer.param_groups[0]["lr"]
 
     # -- state --------------------------------------------------------------------------------
     def own_state(self) -> dict:

@@ -142,23 +142,6 @@ class Trainer(ABC):
     def evaluate(self, stop: StopRequest) -> dict:
         """result.json's evaluation fields; ``value`` is the run's headline metric."""
 
-    def step_on(self, loss: torch.Tensor) -> float:
-        """The update of a trainer holding ``optimizer`` and ``scheduler`` (GLUE, LM): the loss
-        checked finite before anything uses it, its gradients (clipped at ``train.clip_norm``),
-        the optimizer's and the schedule's step, the update counted (``_updates``); returns the
-        loss's value."""
-        loss_value = float(loss.detach())
-        check_finite("training loss", loss_value, self.updates + 1)  # before the step uses it
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if self.train_cfg.clip_norm > 0:
-            torch.nn.utils.clip_grad_norm_(self.trained_model().parameters(),
-                                           self.train_cfg.clip_norm)  # fmt: skip
-        self.optimizer.step()
-        self.scheduler.step()
-        self._updates += 1
-        return loss_value
-
     def training_context(self) -> contextlib.AbstractContextManager:
         """A context the whole loop runs in (nothing by default)."""
         return contextlib.nullcontext()
@@ -425,3 +408,40 @@ class Trainer(ABC):
             digest.update(name.encode())
             digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
         return digest.hexdigest()[:16]
+
+
+class PlainTrainer(Trainer, ABC):
+    """A trainer that holds its model, optimizer and learning-rate scheduler itself (GLUE, LM;
+    translation's are fairseq's): ``self.model``, ``self.optimizer``, ``self.scheduler`` and
+    ``self._updates``, set by the subclass's constructor."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    _updates: int
+
+    def trained_model(self) -> torch.nn.Module:
+        return self.model
+
+    @property
+    def updates(self) -> int:
+        return self._updates
+
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def step_on(self, loss: torch.Tensor) -> float:
+        """The end of an update: the loss checked finite before anything uses it, its gradients
+        (clipped at ``train.clip_norm``), the optimizer's and the schedule's step, the update
+        counted; returns the loss's value."""
+        loss_value = float(loss.detach())
+        check_finite("training loss", loss_value, self.updates + 1)  # before the step uses it
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if self.train_cfg.clip_norm > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                           self.train_cfg.clip_norm)  # fmt: skip
+        self.optimizer.step()
+        self.scheduler.step()
+        self._updates += 1
+        return loss_value
