@@ -1,6 +1,6 @@
-"""`Trainer`: the training loop both task families share, as a template the trainers fill in.
+"""`Trainer`: the training loop every task family shares, as a template the trainers fill in.
 
-`Trainer.train` owns what happens around every update, the same for translation and GLUE:
+`Trainer.train` owns what happens around every update, the same for translation, GLUE and LM:
 
 * the first update of a process records its GEMMs (`record_gemms`): their shapes price the run
   (docs/spec.md §4);
