@@ -72,11 +72,27 @@ class ProgressLine:
         if self.quiet:
             yield
             return
-        started = time.monotonic()
+        started = self._phase_started = time.monotonic()
         sys.stderr.write(("\n" if self.tty else "") + f"{label} ...\n")
         sys.stderr.flush()
         yield
         sys.stderr.write(f"{label}: done in {_duration(time.monotonic() - started)}\n")
+        sys.stderr.flush()
+
+    def tick(self, label: str, done: int, total: int) -> None:
+        """Progress inside a phase (the batches of a scoring pass): ``done`` of ``total`` and an
+        ETA from the phase's time so far; redrawn on a terminal, else at most every
+        ``interval`` seconds."""
+        now = time.monotonic()
+        if self.quiet or (not self.tty and now - self.last_print < self.interval):
+            return
+        self.last_print = now
+        elapsed = now - getattr(self, "_phase_started", now)
+        eta = _duration(elapsed / done * (total - done)) if done else "-"
+        line = f"{label}: {done}/{total} | ETA {eta}"
+        sys.stderr.write(("\r" + line.ljust(60)) if self.tty else line + "\n")
+        if self.tty and done == total:
+            sys.stderr.write("\n")
         sys.stderr.flush()
 
     def close(self) -> None:

@@ -345,9 +345,11 @@ class TranslationTrainer(Trainer):
         sources = _read(self.data.raw(split, "src"))
         hypotheses = [""] * len(references)  # a sentence skipped as too long scores as empty
         tgt_dict = self.task.target_dictionary
+        batches = len(itr)
         with torch.no_grad():
-            for sample in itr:
+            for number, sample in enumerate(itr, start=1):
                 stop.check()
+                self.progress_line.tick(f"beam search on {split}, batches", number, batches)
                 if self.device == "cuda":
                     sample = utils.move_to_cuda(sample)
                 outputs = self.task.inference_step(generator, [model], sample)

@@ -62,3 +62,17 @@ def test_a_phase_says_when_it_starts_and_how_long_it_took(clock, capsys):
     with quiet.phase("validation at update 10"):
         pass
     assert capsys.readouterr().err == ""
+
+
+def test_a_scoring_pass_shows_its_batches_and_an_eta(clock, capsys):
+    line = ProgressLine(100, interval=0.0)
+    with line.phase("final evaluation"):
+        clock[0] += 10
+        line.tick("beam search on test, batches", 2, 8)
+        clock[0] += 10
+        line.tick("beam search on test, batches", 4, 8)
+    err = capsys.readouterr().err.splitlines()
+    assert err[1:3] == [
+        "beam search on test, batches: 2/8 | ETA 0m30s",
+        "beam search on test, batches: 4/8 | ETA 0m20s",
+    ]
