@@ -62,8 +62,9 @@ class _ChunkedOutputLoss(torch.autograd.Function):
         ctx.feature_grad = feature_grad is not None
         ctx.params_count = params_count
         ctx.extra_count = len(extra_inputs)
-        saved = ([feature_grad] if feature_grad is not None else []) + param_grads
-        ctx.save_for_backward(*saved)
+        # gradients, not activations: kept on ctx, out of reach of saved-tensor hooks, which
+        # would pack them in a stash format under stash_scope="all"
+        ctx.grads = ([feature_grad] if feature_grad is not None else []) + param_grads
         if total is None:  # no token: an empty sum
             total = features.new_zeros(())
         ctx.mark_non_differentiable(*(stats or []))
@@ -71,7 +72,7 @@ class _ChunkedOutputLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_total, *grad_stats):
-        saved = list(ctx.saved_tensors)
+        saved = list(ctx.grads)
         feature_grad = saved.pop(0) * grad_total if ctx.feature_grad else None
         param_grads = iter(saved)
         params = [next(param_grads) * grad_total if w else None for w in ctx.wanted]

@@ -256,3 +256,29 @@ def test_the_table_reads_a_lower_perplexity_as_better(tmp_path):
     (by,) = dominated["by"]
     assert by["row"] == "dsq" and by["holds"] and by["difference"]["mean"] == pytest.approx(-0.5)
     assert "a lower perplexity is better" in table.against_heading(found)
+
+
+def test_stash_scope_all_leaves_the_chunked_heads_gradients_exact(monkeypatch):
+    """The output layer's chunks run inside the patched model's call, under stash_scope=all's
+    hooks: the gradients the chunked loss keeps for the backward pass are not packed (a 2-bit
+    stash of them was 40-50% off)."""
+    from dsq.engine import patch as patch_module
+
+    torch.manual_seed(0)
+    lm = build_causal_lm("llama", vocab=12, layers=1, width=32, heads=2, kv_heads=1, seq_len=16)
+    model = NextTokenLoss(lm, 8)
+    cfg = QuantConfig(q0="fp32", q1="bfp2", q2="fp32", q3="fp32", stash_scope="all")
+    quantize_model(model, cfg)
+    packed = []
+    original = patch_module._PackedSave
+
+    class Spy(original):
+        __slots__ = ()
+
+        def __init__(self, packed_tensor, requires_grad):
+            packed.append(tuple(packed_tensor.unpack().shape))
+            super().__init__(packed_tensor, requires_grad)
+
+    monkeypatch.setattr(patch_module, "_PackedSave", Spy)
+    model(torch.randint(0, 12, (2, 17))).backward()
+    assert (12, 32) not in packed and (32, 32) not in packed  # the head's, the features' grads
