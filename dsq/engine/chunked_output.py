@@ -32,6 +32,14 @@ import torch
 DEFAULT_CHUNK_TOKENS = 1024
 
 
+def _add_chunk(total, stats, out):
+    """The running (loss, further sums) with a chunk's ``loss_fn`` output added, detached."""
+    loss, *more = out if isinstance(out, tuple) else (out,)
+    loss, more = loss.detach(), [m.detach() for m in more]
+    total = loss if total is None else total + loss
+    return total, (more if stats is None else [a + b for a, b in zip(stats, more)])
+
+
 class _ChunkedOutputLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, features, head, loss_fn, target, chunk_tokens, params_count, *rest):
@@ -45,7 +53,7 @@ class _ChunkedOutputLoss(torch.autograd.Function):
                 chunk = features[start : start + chunk_tokens].detach()
                 chunk.requires_grad_(feature_grad is not None)
                 out = loss_fn(head(chunk), target[start : start + chunk_tokens], *extra_inputs)
-                loss, *more = out if isinstance(out, tuple) else (out,)
+                loss = out[0] if isinstance(out, tuple) else out
                 inputs = ([chunk] if feature_grad is not None else []) + wanted
                 grads = torch.autograd.grad(loss, inputs, allow_unused=True) if inputs else ()
                 if feature_grad is not None:
@@ -54,10 +62,7 @@ class _ChunkedOutputLoss(torch.autograd.Function):
                 for acc, grad in zip(param_grads, grads):
                     if grad is not None:
                         acc += grad
-                loss = loss.detach()
-                total = loss if total is None else total + loss
-                more = [m.detach() for m in more]
-                stats = more if stats is None else [a + b for a, b in zip(stats, more)]
+                total, stats = _add_chunk(total, stats, out)
         ctx.wanted = [p.requires_grad for p in params]
         ctx.feature_grad = feature_grad is not None
         ctx.params_count = params_count
@@ -96,7 +101,8 @@ def chunked_output_loss(
     loss, or a tuple of it and further sums to report (an NLL beside a smoothed loss), which are
     returned without gradients. ``params`` are the head's parameters (its weight, tied to an
     embedding or not, and bias): their gradients are added to whatever else reaches them.
-    Returns ``(loss, *further sums)``. ``chunk_tokens`` of 0 or at least N: one chunk.
+    Returns ``(loss, *further sums)``. ``chunk_tokens`` of 0 or at least N: one chunk. With
+    gradients disabled (a validation under ``torch.no_grad``) the chunks run forward only.
     """
     if features.dim() != 2 or target.shape[0] != features.shape[0]:
         raise ValueError(
@@ -105,6 +111,13 @@ def chunked_output_loss(
         )
     chunk = chunk_tokens if chunk_tokens and chunk_tokens > 0 else max(1, features.shape[0])
     params = list(params)
+    if not torch.is_grad_enabled():  # a validation: the sums alone, no gradient per chunk
+        total, stats = None, None
+        for start in range(0, features.shape[0], chunk):
+            out = loss_fn(head(features[start : start + chunk]), target[start : start + chunk],
+                          *extra_inputs)  # fmt: skip
+            total, stats = _add_chunk(total, stats, out)
+        return (features.new_zeros(()) if total is None else total, *(stats or []))
     return _ChunkedOutputLoss.apply(
         features, head, loss_fn, target, chunk, len(params), *params, *extra_inputs
     )

@@ -75,8 +75,13 @@ def _stash_restore(header, tensors) -> PackedTensor:
 
 
 # -- under torch.autocast ------------------------------------------------------------------------
+_AUTOCAST_DTYPES = (torch.float16, torch.bfloat16)
+
+
 def _float32(x):
-    if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.float32:
+    """``x`` in float32 where autocast may have made it narrower (float64 stays as it is, as
+    autocast leaves it)."""
+    if isinstance(x, torch.Tensor) and x.dtype in _AUTOCAST_DTYPES:
         return x.float()
     return x
 
@@ -89,7 +94,8 @@ def outside_autocast(operation):
 
     @functools.wraps(operation)
     def run(*args, **kwargs):
-        tensor = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        tensors = (a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
+        tensor = next(tensors, None)
         if tensor is None or not torch.is_autocast_enabled(tensor.device.type):
             return operation(*args, **kwargs)
         args = tuple(_float32(a) for a in args)

@@ -8,9 +8,9 @@ execute. ``dsq.integrations.quantize_model`` chooses the patchers a model needs 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import fnmatch
+import threading
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -171,6 +171,35 @@ def patch_model(
         return filter_fn is not None and not filter_fn(modules[name], name)
 
     report = PatchReport(stash_scope=cfg.stash_scope)
+    try:
+        _walk(model, cfg, patchers, excluded, report)
+        for patcher in patchers:
+            patcher.finish(model, cfg, report, excluded)
+        if strict and report.unquantized:
+            raise ValueError(
+                "quantize_model(strict=True): GEMMs would run unquantized: "
+                + "; ".join(report.unquantized)
+            )
+        if not report.linears and not report.attention:
+            raise ValueError(
+                f"quantize_model found nothing to patch in {type(model).__name__}: no nn.Linear "
+                f"or attention module outside the excluded patterns {list(exclude)}"
+            )
+    except BaseException:
+        _undo(model)  # a refused model is left as it came, not half patched
+        raise
+    if cfg.stash_scope == "all":
+        enter_stash_all_on_call(model, cfg)
+    for module in model.modules():
+        module.dsq_seen = True
+    on_unpatch(model, "remove", model.register_forward_pre_hook(name_layers_added_later))
+    model.dsq_report = report
+    model.dsq_cfg = cfg
+    return model
+
+
+def _walk(model: nn.Module, cfg: QuantConfig, patchers, excluded, report: PatchReport) -> None:
+    """Patch each module of ``model`` by the Linear rule, the mask rule or its patcher."""
     for name, module in model.named_modules():
         if not name:
             continue
@@ -192,72 +221,73 @@ def patch_model(
             report.left[kind] = report.left.get(kind, 0) + 1
             if _does_gemm(module) and not excluded(name):
                 report.unquantized.append(f"{name} ({kind}: not a layer dsq knows)")
-    for patcher in patchers:
-        patcher.finish(model, cfg, report, excluded)
-    if strict and report.unquantized:
-        raise ValueError(
-            "quantize_model(strict=True): GEMMs would run unquantized: "
-            + "; ".join(report.unquantized)
-        )
-    if not report.linears and not report.attention:
-        raise ValueError(
-            f"quantize_model found nothing to patch in {type(model).__name__}: no nn.Linear or "
-            f"attention module outside the excluded patterns {list(exclude)}"
-        )
-    if cfg.stash_scope == "all":
-        enter_stash_all_on_call(model, cfg)
-    added_later = _name_layers_added_later(report, {id(m) for m in model.modules()})
-    on_unpatch(model, model.register_forward_pre_hook(added_later).remove)
-    model.dsq_report = report
-    model.dsq_cfg = cfg
-    return model
 
 
-def _name_layers_added_later(report: PatchReport, seen: set[int]):
-    """A forward pre-hook naming, once each, the Linear layers added to the model after it was
-    patched (a LoRA adapter added later): they run unquantized, and the report and a warning
-    say so instead of the report's "none"."""
+def name_layers_added_later(model: nn.Module, args) -> None:
+    """A patched model's forward pre-hook: it names, once each, the Linear layers added after
+    the model was patched (a LoRA adapter added later), which run unquantized, in the report and
+    a warning instead of the report's "none". Patching marks every module it saw
+    (``dsq_seen``), so a copy of the model (``copy.deepcopy``) knows its own."""
     import warnings
 
-    def hook(model, args):
-        for name, module in model.named_modules():
-            if id(module) in seen:
-                continue
-            seen.add(id(module))
-            if isinstance(module, nn.Linear) and not hasattr(module, "dsq_cfg"):
-                line = f"{name} (Linear: added after quantize_model; unpatch and quantize again)"
-                report.unquantized.append(line)
-                warnings.warn(f"dsq: {line} runs unquantized", stacklevel=2)
-
-    return hook
+    for name, module in model.named_modules():
+        if getattr(module, "dsq_seen", False):
+            continue
+        module.dsq_seen = True
+        if isinstance(module, nn.Linear) and not hasattr(module, "dsq_cfg"):
+            line = f"{name} (Linear: added after quantize_model; unpatch and quantize again)"
+            model.dsq_report.unquantized.append(line)
+            warnings.warn(f"dsq: {line} runs unquantized", stacklevel=2)
 
 
 # -- undoing a patch ------------------------------------------------------------------------------
-def on_unpatch(module: nn.Module, undo: Callable[[], object]) -> None:
-    """Book ``undo`` (a hook handle's ``remove``, a class or attribute put back) for
-    `unpatch_model`, which runs a module's in the reverse order of booking."""
-    module.__dict__.setdefault("dsq_undo", []).append(undo)
+# Undo steps are data about the module they are booked on, not closures over it: a copy of a
+# patched model (copy.deepcopy) undoes its own modules, not the original's, and torch.save
+# pickles a patched model whole.
+def on_unpatch(module: nn.Module, action: str, *data) -> None:
+    """Book one step for `unpatch_model`, which takes a module's in the reverse order of
+    booking: ``("remove", handle)`` removes a hook, ``("setattr", name, value)`` puts an
+    attribute (the class included) back, ``("call", method, *args)`` calls
+    ``module.method(*args)``."""
+    if action not in _UNDO_ACTIONS:
+        raise ValueError(f"unknown undo action {action!r}; one of {sorted(_UNDO_ACTIONS)}")
+    module.__dict__.setdefault("dsq_undo", []).append((action, *data))
+
+
+_UNDO_ACTIONS = {
+    "remove": lambda module, handle: handle.remove(),
+    "setattr": lambda module, name, value: setattr(module, name, value),
+    "call": lambda module, method, *args: getattr(module, method)(*args),
+}
 
 
 def reclass(module: nn.Module, cls: type) -> None:
     """``module.__class__ = cls``, booked to be put back by `unpatch_model`."""
-    original = type(module)
+    on_unpatch(module, "setattr", "__class__", type(module))
     module.__class__ = cls
-    on_unpatch(module, lambda: setattr(module, "__class__", original))
 
 
 def unpatch_model(model: nn.Module) -> nn.Module:
     """Undo `patch_model` in place and return ``model``: every module's class, hooks and the
     attention routing as they were before, and no ``dsq_*`` attribute left, so that the model
-    computes what it computed before patching (and can be patched again)."""
+    computes what it computed before patching (and can be patched again). A ``stash_scope=all``
+    context a call left open (interrupted by ``KeyboardInterrupt``) is closed."""
     if getattr(model, "dsq_cfg", None) is None:
         raise ValueError(f"{type(model).__name__} is not quantized: nothing to unpatch")
+    _undo(model)
+    return model
+
+
+def _undo(model: nn.Module) -> None:
+    """Take every booked undo step of ``model``'s modules and drop their ``dsq_*`` attributes."""
     for module in model.modules():
-        for undo in reversed(module.__dict__.get("dsq_undo", [])):
-            undo()
+        entry = module.__dict__.get("dsq_stash_all")
+        if entry is not None:
+            entry.close()
+        for action, *data in reversed(module.__dict__.get("dsq_undo", [])):
+            _UNDO_ACTIONS[action](module, *data)
         for key in [k for k in module.__dict__ if k.startswith("dsq_")]:
             del module.__dict__[key]
-    return model
 
 
 def make_dsq_linear(module: nn.Module, cfg: QuantConfig, mixin: type | None = None) -> None:
@@ -272,16 +302,33 @@ def make_dsq_linear(module: nn.Module, cfg: QuantConfig, mixin: type | None = No
     module.dsq_cfg = cfg
 
 
-_SUBCLASSES: dict[type, type] = {}
+_SUBCLASSES: dict[tuple[type, type], type] = {}
 
 
 def dsq_subclass(module: nn.Module, mixin: type) -> type:
     """``mixin`` (its DSQ forward) over the module's own class, which it keeps for isinstance
     checks: a Linear subclass, or ``transformers``' Conv1D."""
-    cls = type(module)
-    if cls not in _SUBCLASSES:
-        _SUBCLASSES[cls] = type(f"DSQ{cls.__name__}", (mixin, cls), {})
-    return _SUBCLASSES[cls]
+    return _subclass(type(module), mixin)
+
+
+def _subclass(cls: type, mixin: type) -> type:
+    key = (cls, mixin)
+    if key not in _SUBCLASSES:
+        # made at run time, so not found by name when unpickled: an instance pickles as its
+        # two classes (_rebuild_subclass), which every process can import
+        _SUBCLASSES[key] = type(f"DSQ{cls.__name__}", (mixin, cls),
+                                {"__reduce_ex__": _reduce_subclass})  # fmt: skip
+    return _SUBCLASSES[key]
+
+
+def _reduce_subclass(module: nn.Module, protocol):
+    mixin, cls = type(module).__bases__
+    return _rebuild_subclass, (cls, mixin), module.__dict__
+
+
+def _rebuild_subclass(cls: type, mixin: type) -> nn.Module:
+    """An empty instance of the DSQ subclass of ``cls``; pickle then sets its state."""
+    return object.__new__(_subclass(cls, mixin))
 
 
 # ----------------------------------------------------------------------------- stash_scope=all
@@ -343,27 +390,49 @@ class _StashAllEntry:
     """The `stash_all_hooks` of one patched model, entered by whichever of its modules is called
     first and left when that call returns: calls nested inside it (the model's own submodules)
     and a recomputation in the backward pass (activation checkpointing, which holds its own
-    saved-tensor hooks there) enter nothing."""
+    saved-tensor hooks there) enter nothing. Each thread has its own depth and context
+    (``nn.DataParallel`` runs the replicas' forwards on threads of their own)."""
 
     def __init__(self, cfg: QuantConfig):
         self.cfg = cfg
-        self.depth = 0
-        self.context: contextlib.AbstractContextManager | None = None
+        self.local = threading.local()
+
+    def __getstate__(self):  # a thread's open call is not part of a saved model
+        return {"cfg": self.cfg}
+
+    def __setstate__(self, state):
+        self.__init__(state["cfg"])
 
     def enter(self, module, args):
-        if self.depth == 0 and torch._C._current_graph_task_id() != -1:
+        local = self.local
+        depth = getattr(local, "depth", 0)
+        if depth and module is local.outermost:
+            # the outermost module called again while its call is open: that call ended by an
+            # exception no hook saw (KeyboardInterrupt skips the forward hooks), so close it
+            self.close()
+            depth = 0
+        if depth == 0 and torch._C._current_graph_task_id() != -1:
             return  # in a backward pass: a checkpointed layer run again
-        if self.depth == 0:
-            self.context = stash_all_hooks(self.cfg)
-            self.context.__enter__()
-        self.depth += 1
+        if depth == 0:
+            local.context = stash_all_hooks(self.cfg)
+            local.context.__enter__()
+            local.outermost = module
+        local.depth = depth + 1
 
     def leave(self, module, args, output):
-        if self.depth == 0:  # a call `enter` let pass
+        local = self.local
+        if getattr(local, "depth", 0) == 0:  # a call `enter` let pass
             return
-        self.depth -= 1
-        if self.depth == 0:
-            context, self.context = self.context, None
+        local.depth -= 1
+        if local.depth == 0:
+            self.close()
+
+    def close(self) -> None:
+        """Leave this thread's open context, if any."""
+        local = self.local
+        context = getattr(local, "context", None)
+        local.depth, local.context, local.outermost = 0, None, None
+        if context is not None:
             context.__exit__(None, None, None)
 
 
@@ -372,6 +441,7 @@ def enter_stash_all_on_call(model: nn.Module, cfg: QuantConfig) -> None:
     for a loss of one's own, a wrapper's call of an inner model) packs what autograd saves
     while it runs (`stash_all_hooks`), once, however deeply the calls nest."""
     entry = _StashAllEntry(cfg)
+    model.dsq_stash_all = entry
     for module in model.modules():
-        on_unpatch(module, module.register_forward_pre_hook(entry.enter).remove)
-        on_unpatch(module, module.register_forward_hook(entry.leave, always_call=True).remove)
+        on_unpatch(module, "remove", module.register_forward_pre_hook(entry.enter))
+        on_unpatch(module, "remove", module.register_forward_hook(entry.leave, always_call=True))

@@ -52,11 +52,8 @@ class _TorchWithDSQBmm(types.ModuleType):
         return dsq_matmul(a, b, cfg)
 
 
-def _enter_attention(cfg):
-    def hook(module, args):
-        _ATTENTION_TOKENS.setdefault(id(module), []).append(_ACTIVE_ATTENTION.set(cfg))
-
-    return hook
+def _enter_attention(module, args):
+    _ATTENTION_TOKENS.setdefault(id(module), []).append(_ACTIVE_ATTENTION.set(module.dsq_cfg))
 
 
 def _exit_attention(module, args, output):
@@ -118,11 +115,12 @@ class MultiheadAttentionPatcher:
     def patch(self, name: str, module: nn.Module, cfg: QuantConfig, report: PatchReport) -> None:
         skipped = module.skip_embed_dim_check
         module._set_skip_embed_dim_check()  # the slow path: projections run as modules
-        on_unpatch(module, lambda: setattr(module, "skip_embed_dim_check", skipped))
+        on_unpatch(module, "setattr", "skip_embed_dim_check", skipped)
         reclass(module, dsq_subclass(module, DSQMultiheadAttention))
         module.dsq_cfg = cfg
-        on_unpatch(module, module.register_forward_pre_hook(_enter_attention(cfg)).remove)
-        on_unpatch(module, module.register_forward_hook(_exit_attention, always_call=True).remove)
+        on_unpatch(module, "remove", module.register_forward_pre_hook(_enter_attention))
+        exit_hook = module.register_forward_hook(_exit_attention, always_call=True)
+        on_unpatch(module, "remove", exit_hook)
         report.attention.append(name)
 
     def finish(self, model, cfg, report, excluded) -> None:
@@ -194,7 +192,7 @@ class MaskPatcher:
         if isinstance(module, _LAYERS):
             original = module.activation_fn
             module.activation_fn = dsq_relu
-            on_unpatch(module, lambda: setattr(module, "activation_fn", original))
+            on_unpatch(module, "setattr", "activation_fn", original)
         else:
             reclass(module, DSQFairseqDropout)
         report.masks.append(name)

@@ -155,7 +155,7 @@ def route_attention(model: nn.Module, cfg: QuantConfig, exclude) -> tuple[list, 
             module.dsq_cfg = cfg
             routed.append(name)
     model.set_attn_implementation(REPLACED[implementation])
-    on_unpatch(model, lambda: model.set_attn_implementation(implementation))
+    on_unpatch(model, "call", "set_attn_implementation", implementation)
     how = "as written" if implementation == "eager" else (
         "with SDPA's masking, causal flag, scaling and dropout probability (not its fused kernel)"
     )  # fmt: skip
@@ -192,8 +192,8 @@ class TransformersPatcher:
         stochastic = [p for p, mode in cfg.rounding.items() if mode == "stochastic"]
         for prefix, inner in outermost_transformers_models(model):
             if stochastic:
-                hook = inner.register_forward_pre_hook(_refuse_checkpointing(stochastic))
-                on_unpatch(inner, hook.remove)
+                hook = inner.register_forward_pre_hook(_RefuseCheckpointing(stochastic))
+                on_unpatch(inner, "remove", hook)
             where = f" of {prefix}" if prefix else ""
             try:
                 routed, excluded_names, note = route_attention(
@@ -207,12 +207,15 @@ class TransformersPatcher:
             report.notes.append(note + where)
 
 
-def _refuse_checkpointing(stochastic: list[str]):
+class _RefuseCheckpointing:
     """A forward pre-hook refusing a training forward under the model's gradient checkpointing
     (``gradient_checkpointing_enable``), which runs each layer's forward again in the backward
     pass: stochastic rounding would draw other noise there (docs/dsq.md, "Rounding")."""
 
-    def hook(model, args):
+    def __init__(self, stochastic: list[str]):
+        self.stochastic = stochastic
+
+    def __call__(self, model, args):
         if (
             model.training
             and torch.is_grad_enabled()
@@ -220,11 +223,9 @@ def _refuse_checkpointing(stochastic: list[str]):
         ):
             raise ValueError(
                 f"gradient checkpointing runs a layer's forward twice; stochastic rounding at "
-                f"{stochastic} would draw other noise the second time. Round to nearest, or "
-                "call gradient_checkpointing_disable()"
+                f"{self.stochastic} would draw other noise the second time. Round to nearest, "
+                "or call gradient_checkpointing_disable()"
             )
-
-    return hook
 
 
 def outermost_transformers_models(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -305,6 +306,7 @@ class DSQCallback(transformers.TrainerCallback):
         line are there before the logging integrations (wandb, TensorBoard) send it."""
         callback = cls(cfg)
         trainer.callback_handler.callbacks.insert(0, callback)
+        trainer.train = _TrainEnds(trainer.train, callback)
         return callback
 
     @property
@@ -438,8 +440,17 @@ class DSQCallback(transformers.TrainerCallback):
         return control
 
     def on_train_end(self, args, state, control, **kwargs):
-        self._training = False
+        self.end_training()
         return control
+
+    def end_training(self) -> None:
+        """Evaluations from now on leave the schedule as it is; a first step's recording that
+        a failed step left open is dropped, not kept as the run's GEMMs."""
+        self._training = False
+        if self._recording is not None:
+            ended = RuntimeError("trainer.train() ended inside its first step")
+            self._recording.__exit__(RuntimeError, ended, None)
+            self._recording = None
 
     def _restore(self, args, state) -> None:
         candidates = [Path(args.output_dir) / f"checkpoint-{state.global_step}" / CHECKPOINT_FILE]
@@ -456,6 +467,22 @@ class DSQCallback(transformers.TrainerCallback):
         self.cfg.load_noise_state(saved["noise"])
         self.history = PrecisionHistory(dict(saved["history"]))
         log.info("dsq: schedule restored from %s: %s", found, self.cfg.current())
+
+
+class _TrainEnds:
+    """``trainer.train`` as `DSQCallback.attach` leaves it: a ``train()`` that raises ends the
+    callback's training as ``on_train_end`` would (which the Trainer then never calls), so a
+    later ``trainer.evaluate()`` leaves the schedule as it is."""
+
+    def __init__(self, train, callback: DSQCallback):
+        self.train, self.callback = train, callback
+
+    def __call__(self, *args, **kwargs):
+        try:
+            return self.train(*args, **kwargs)
+        except BaseException:
+            self.callback.end_training()
+            raise
 
 
 def versions() -> dict[str, str | None]:

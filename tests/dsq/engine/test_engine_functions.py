@@ -146,3 +146,24 @@ def test_no_stash_is_packed_when_no_backward_can_come():
     with record_gemms() as record:
         dsq_linear(x, w, b, cfg)
     assert record.stash_bytes == 16 * 64 * 4.5 / 8
+
+
+def test_under_autocast_an_operation_casts_only_autocasts_dtypes_wherever_its_tensors_are():
+    """A DSQ operation under torch.autocast finds the device from keyword tensors too, casts
+    bf16 and fp16 inputs to float32, and leaves float64 as autocast leaves it."""
+    from dsq.engine.functions import outside_autocast
+
+    seen = {}
+
+    @outside_autocast
+    def operation(*args, **kwargs):
+        seen["dtypes"] = [t.dtype for t in (*args, *kwargs.values())]
+        seen["autocast"] = torch.is_autocast_enabled("cpu")
+
+    half, double = torch.ones(2, dtype=torch.bfloat16), torch.ones(2, dtype=torch.float64)
+    with torch.autocast("cpu", torch.bfloat16):
+        operation(a=half, b=double)
+    assert seen == {"dtypes": [torch.float32, torch.float64], "autocast": False}
+    with torch.autocast("cpu", torch.bfloat16):
+        operation(double, torch.ones(2, dtype=torch.float16))
+    assert seen == {"dtypes": [torch.float64, torch.float32], "autocast": False}

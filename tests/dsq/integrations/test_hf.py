@@ -440,3 +440,29 @@ def test_hf_minilm_and_the_fairseq_path_minilm_are_the_same_quantized_model():
     assert len(hf_gemms) == len(fairseq_gemms) == 6 * (6 + 2)
     assert sorted(map(repr, hf_gemms)) == sorted(map(repr, fairseq_gemms))
     assert (a - b).abs().mean() < 0.05 * a.abs().mean()  # rounding flips, not another model
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_a_patched_model_pickles_whole_and_its_copy_names_no_layer_as_added_later(kind):
+    """torch.save of a patched model (GPT-2's Conv1D patched into a class made at run time,
+    stochastic rounding's hook, stash_scope=all's hooks) loads a model computing the same; a deep
+    copy with an excluded Linear does not take it for one added later."""
+    import io
+
+    cfg = QuantConfig(q0="bfp8", q1="bfp4", q2="bfp8", q3="fixed16", stash_scope="all",
+                      rounding={"q1": "stochastic"})  # fmt: skip
+    model = quantize_model(build(kind, "sdpa"), cfg, exclude=["lm_head"])
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    ids, mask = batch()
+    model.eval(), loaded.eval()  # no dropout; a stash's stochastic noise never reaches outputs
+    with torch.no_grad():
+        want = model(ids, attention_mask=mask)[0]
+        torch.testing.assert_close(loaded(ids, attention_mask=mask)[0], want, rtol=0, atol=0)
+    twin = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="dsq: ")
+        twin(ids, attention_mask=mask)
+    assert twin.dsq_report.unquantized == []

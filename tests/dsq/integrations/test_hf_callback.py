@@ -149,3 +149,22 @@ def test_resuming_without_the_schedule_is_refused(tmp_path):
     again, _ = trainer(tmp_path, config(), max_steps=4)
     with pytest.raises(FileNotFoundError, match="without the DSQ schedule"):
         again.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+
+
+def test_a_train_that_raises_leaves_later_evaluations_outside_training(tmp_path):
+    """A train() that raises never reaches on_train_end: the callback ends its training itself,
+    so a trainer.evaluate() afterwards leaves the schedule as it is."""
+    cfg = config()
+    t, callback = trainer(tmp_path, cfg, max_steps=4)
+
+    class Failing(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 3:
+                raise RuntimeError("a step failed")
+
+    t.add_callback(Failing())
+    with pytest.raises(RuntimeError, match="a step failed"):
+        t.train()
+    level, changes = cfg.format("q1").spec, len(callback.changes)
+    t.evaluate()
+    assert (cfg.format("q1").spec, len(callback.changes)) == (level, changes)

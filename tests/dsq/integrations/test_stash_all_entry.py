@@ -130,3 +130,80 @@ def test_a_checkpointed_layer_run_again_in_the_backward_pass_enters_nothing(monk
     checkpointed(IDS, labels=IDS).loss.backward()
     assert spy.entered == 1
     assert all(p.grad is not None for p in checkpointed.parameters())
+
+
+def hooks_pushed() -> bool:
+    """Whether saved-tensor hooks are pushed on this thread (torch keeps one stack a thread)."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+
+
+def test_two_threads_in_the_model_at_once_each_pack_their_own(monkeypatch):
+    """nn.DataParallel runs its replicas' forwards on threads of their own: each thread's call
+    enters the hooks on its own thread, and leaves none pushed."""
+    import threading
+
+    model = llama()
+    spy = Spy(monkeypatch)
+    model(IDS, labels=IDS).loss.backward()
+    alone = spy.packed
+    spy.packed = spy.entered = 0
+    both_inside = threading.Barrier(2, timeout=60)
+
+    def meet(module, args):  # both threads inside the model's call before either goes on
+        both_inside.wait()
+
+    model.model.layers[1].register_forward_pre_hook(meet)
+    errors, left_pushed = [], []
+
+    def train():
+        try:
+            model(IDS, labels=IDS).loss.backward()
+            left_pushed.append(hooks_pushed())
+        except BaseException as err:  # reported below, from the test's thread
+            errors.append(err)
+
+    threads = [threading.Thread(target=train) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    assert spy.entered == 2 and spy.packed == 2 * alone
+    assert left_pushed == [False, False]
+
+
+class Interrupt:
+    """A forward pre-hook raising KeyboardInterrupt once (Ctrl-C in the middle of a forward)."""
+
+    def __init__(self):
+        self.armed = True
+
+    def __call__(self, module, args):
+        if self.armed:
+            self.armed = False
+            raise KeyboardInterrupt
+
+
+def test_a_forward_interrupted_by_ctrl_c_leaves_no_hooks_behind(monkeypatch):
+    """KeyboardInterrupt skips the forward hooks that would leave the stash context: the next
+    call of the model closes it and opens its own, and unpatching closes a context left open."""
+    import dsq
+
+    model = llama()
+    spy = Spy(monkeypatch)
+    model(IDS, labels=IDS).loss.backward()
+    alone = spy.packed
+    model.model.layers[1].register_forward_pre_hook(Interrupt())
+    spy.packed = spy.entered = 0
+    with pytest.raises(KeyboardInterrupt):
+        model(IDS, labels=IDS)
+    assert hooks_pushed()  # what the interrupted call left
+    spy.packed = 0
+    model(IDS, labels=IDS).loss.backward()
+    assert spy.packed == alone and spy.entered == 2
+    assert not hooks_pushed()
+    model.model.layers[0].register_forward_pre_hook(Interrupt())
+    with pytest.raises(KeyboardInterrupt):
+        model(IDS, labels=IDS)
+    dsq.unpatch(model)
+    assert not hooks_pushed()

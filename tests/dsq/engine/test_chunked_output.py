@@ -1,0 +1,34 @@
+"""The chunked output layer and loss (dsq.engine.chunked_output) without gradients: a validation
+under torch.no_grad runs each chunk forward only, with the same sums."""
+
+from __future__ import annotations
+
+import torch
+
+from dsq.engine.chunked_output import chunked_output_loss
+
+
+def test_without_gradients_the_chunks_run_forward_only_with_the_same_sums(monkeypatch):
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 11)
+    features, target = torch.randn(37, 8), torch.randint(0, 11, (37,))
+
+    def loss_fn(logits, t):
+        summed = torch.nn.functional.cross_entropy(logits, t, reduction="sum")
+        return summed, (logits.argmax(-1) == t).sum().float()
+
+    with_grad = chunked_output_loss(features, head, loss_fn, target, list(head.parameters()), 16)
+
+    def no_backward(*args, **kwargs):
+        raise AssertionError("a chunk's backward pass ran under torch.no_grad")
+
+    monkeypatch.setattr(torch.autograd, "grad", no_backward)
+    with torch.no_grad():
+        without = chunked_output_loss(features, head, loss_fn, target, list(head.parameters()), 16)
+    assert len(without) == 2 and not any(t.requires_grad for t in without)
+    for a, b in zip(without, with_grad):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    with torch.no_grad():
+        (empty,) = chunked_output_loss(features[:0], head, lambda x, t: x.sum(), target[:0],
+                                       list(head.parameters()), 16)  # fmt: skip
+    assert empty.item() == 0.0
