@@ -112,6 +112,9 @@ def compose(overrides: Sequence[str] = ()) -> DictConfig:
 
 # quant.<point>.policy and the policies' parameters, set on a ladder the preset defines
 _POLICY_KEY = re.compile(r"quant\.(q[0-3])\.(\w+)")
+# quant.saved.<kind>: what stash_scope=all holds of a kind of saved tensor; no preset writes the
+# rules (their defaults are the engine's, dsq.engine.spec.SAVED_DEFAULT), so Hydra has no key
+_SAVED_KEY = re.compile(r"quant\.saved\.(\w+)")
 
 
 def _split_policy_overrides(overrides: list[str]) -> tuple[list[str], list[tuple[str, str, str]]]:
@@ -126,20 +129,26 @@ def _split_policy_overrides(overrides: list[str]) -> tuple[list[str], list[tuple
         match = _POLICY_KEY.fullmatch(key)
         if sep and match and (match[2] == "policy" or match[2] in all_parameter_names()):
             ours.append((match[1], match[2], value))
+        elif sep and _SAVED_KEY.fullmatch(key.lstrip("+")):
+            ours.append(("saved", _SAVED_KEY.fullmatch(key.lstrip("+"))[1], value))
         else:
             for_hydra.append(override)
     return for_hydra, ours
 
 
 def _apply_policy_overrides(quant: DictConfig, overrides: list[tuple[str, str, str]]) -> None:
-    """Set each point's policy, then its parameters. A new policy drops the parameters the
-    preset gave the old one (``quant=dsq quant.q1.policy=cyclic`` leaves out dsq's patience);
-    a parameter given on the command line that the policy does not take stays, so that
-    `QuantConfig` refuses it by name."""
+    """Set ``quant.saved``'s kinds given; then each point's policy, then its parameters. A new
+    policy drops the parameters the preset gave the old one (``quant=dsq quant.q1.policy=cyclic``
+    leaves out dsq's patience); a parameter given on the command line that the policy does not
+    take stays, so that `QuantConfig` refuses it by name."""
     import yaml
 
     from dsq.engine.policies import DEFAULT_POLICY, all_parameter_names
 
+    saved = {kind: value for point, kind, value in overrides if point == "saved"}
+    if saved:  # checked with the rest of the spec (QuantSpec)
+        quant.saved = dict(quant.get("saved") or {}) | saved
+    overrides = [o for o in overrides if o[0] != "saved"]
     for point in dict.fromkeys(point for point, _, _ in overrides):
         node = quant.get(point)
         if not isinstance(node, DictConfig):

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 
 import torch
 
-from dsq.formats import Format
+from dsq.formats import Format, parse_format
 
 from .schedule import LevelChange, Schedule
 from .spec import (  # noqa: F401  (POINTS and the quant keys are defined in spec.py; named here too)
@@ -57,11 +57,12 @@ class QuantConfig:
         gemm_unit: str = "auto",
         engine: str = "dsq",
         attention: str = "tiled",
+        saved: Mapping[str, str] | None = None,
     ):
         given = dict(zip(POINTS, (q0, q1, q2, q3)))
         self.spec = QuantSpec(
             **given, stash_scope=stash_scope, rounding=rounding, gemm_unit=gemm_unit,
-            engine=engine, attention=attention,
+            engine=engine, attention=attention, saved=saved,
         )  # fmt: skip
         self.schedules: dict[str, Schedule] = self.spec.schedules()
         self.schedules |= {p: v for p, v in given.items() if isinstance(v, Schedule)}
@@ -129,6 +130,14 @@ class QuantConfig:
     def format(self, point: str) -> Format:
         """The format in force at ``point``."""
         return self.schedule(point).format
+
+    def saved_format(self, kind: str | None) -> Format | None:
+        """The format ``stash_scope="all"`` holds a saved tensor of ``kind`` in (`SAVED_KINDS`;
+        None: a GEMM's input, held in q1), or None where it is kept as autograd saved it."""
+        what = "q1" if kind is None else self.spec.saved[kind]
+        if what == "keep":
+            return None
+        return self.format("q1") if what == "q1" else parse_format(what)
 
     def rounding_of(self, point: str, device: torch.device) -> tuple[str, torch.Generator | None]:
         """(rounding, generator) for a quantizer at ``point`` on ``device``: the generator draws

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -190,6 +191,8 @@ def patch_model(
         raise
     if cfg.stash_scope == "all":
         enter_stash_all_on_call(model, cfg)
+        held = ", ".join(f"{kind} {what}" for kind, what in cfg.spec.saved.items())
+        report.notes.append(f"saved tensors held: GEMM inputs q1, {held}")
     for module in model.modules():
         module.dsq_seen = True
     on_unpatch(model, "remove", model.register_forward_pre_hook(name_layers_added_later))
@@ -333,7 +336,7 @@ def _rebuild_subclass(cls: type, mixin: type) -> nn.Module:
 
 # ----------------------------------------------------------------------------- stash_scope=all
 class _PackedSave:
-    """What a saved-tensor hook keeps instead of a floating activation: the q1-packed tensor."""
+    """What a saved-tensor hook keeps instead of a floating activation: the packed tensor."""
 
     __slots__ = ("packed", "requires_grad")
 
@@ -348,11 +351,38 @@ class _PackedSave:
 # which a block of one value would round to a power of two; they stay as they are.
 STASH_ALL_MIN_ROW = 16
 
+# Class-name marks of the pointwise activation modules (torch's own are found by their module)
+_ACTIVATION_MARKS = ("GELU", "SiLU", "Swish", "Mish", "ReLU", "Tanh", "Sigmoid", "Softplus")
 
-def stash_all_hooks(cfg: QuantConfig):
-    """Saved-tensor hooks that pack every floating activation autograd saves in q1 (the stash
-    format), leaving parameters and their views, non-floating tensors (bit masks, indices),
-    tensors of rows shorter than `STASH_ALL_MIN_ROW` and tiny tensors as they are."""
+
+def saved_kind(module: nn.Module | None, t: torch.Tensor) -> str | None:
+    """The kind (``SAVED_KINDS``) of ``t``, saved while ``module`` (the innermost module called)
+    runs: None for a GEMM layer's input (held in q1), else ``constant`` for a tensor needing no
+    gradient, ``norm`` inside a normalization, ``activation`` inside a pointwise activation,
+    ``elementwise`` for the rest of the graph (a product's operands, a softmax's output)."""
+    if not t.requires_grad:
+        return "constant"
+    if module is None:
+        return "elementwise"
+    name = type(module).__name__
+    if "Norm" in name:
+        return "norm"
+    if type(module).__module__ == nn.modules.activation.__name__ or name.endswith("Activation"):
+        return "activation"
+    if any(mark in name for mark in _ACTIVATION_MARKS):
+        return "activation"
+    if isinstance(module, nn.Linear) or _does_gemm(module):
+        return None
+    return "elementwise"
+
+
+def stash_all_hooks(cfg: QuantConfig, innermost=lambda: None, packed_once=None):
+    """Saved-tensor hooks packing the floating activations autograd saves, each in the format
+    its kind holds (`saved_kind` of the tensor and ``innermost()``, the module running;
+    ``cfg.saved_format``), leaving parameters and their views, non-floating tensors (bit
+    masks, indices), tensors of rows shorter than `STASH_ALL_MIN_ROW`, tiny tensors and the
+    kinds kept as they are. ``packed_once`` (a dict) packs a tensor saved twice (a norm's input,
+    read by two of its operations) once."""
 
     def pack(t: torch.Tensor):
         if (
@@ -365,11 +395,19 @@ def stash_all_hooks(cfg: QuantConfig):
             or getattr(t, "dsq_packed", False)  # a stash already in its format (engine.attention)
         ):
             return t
-        fmt = cfg.format("q1")
-        if fmt.spec == "fp32":
+        fmt = cfg.saved_format(saved_kind(innermost(), t))
+        if fmt is None or fmt.spec == "fp32":
             return t
+        key = (id(t), t._version, fmt.spec)
+        if packed_once is not None and key in packed_once:
+            alive, saved = packed_once[key]
+            if alive() is t:  # the same tensor, not a later one at its address
+                return saved
         rounding, generator = cfg.rounding_of("q1", t.device)
-        return _PackedSave(fmt.pack(t.detach(), -1, rounding, generator), t.requires_grad)
+        saved = _PackedSave(fmt.pack(t.detach(), -1, rounding, generator), t.requires_grad)
+        if packed_once is not None:
+            packed_once[key] = (weakref.ref(t), saved)
+        return saved
 
     def unpack(saved):
         if isinstance(saved, _PackedSave):
@@ -390,7 +428,8 @@ class _StashAllEntry:
     """The `stash_all_hooks` of one patched model, entered by whichever of its modules is called
     first and left when that call returns: calls nested inside it (the model's own submodules)
     and a recomputation in the backward pass (activation checkpointing, which holds its own
-    saved-tensor hooks there) enter nothing. Each thread has its own depth and context
+    saved-tensor hooks there) enter nothing, but each call's module is known to the hooks (the
+    kind of what it saves). Each thread has its own depth, modules and context
     (``nn.DataParallel`` runs the replicas' forwards on threads of their own)."""
 
     def __init__(self, cfg: QuantConfig):
@@ -403,6 +442,10 @@ class _StashAllEntry:
     def __setstate__(self, state):
         self.__init__(state["cfg"])
 
+    def innermost(self) -> nn.Module | None:
+        modules = getattr(self.local, "modules", None)
+        return modules[-1] if modules else None
+
     def enter(self, module, args):
         local = self.local
         depth = getattr(local, "depth", 0)
@@ -414,9 +457,11 @@ class _StashAllEntry:
         if depth == 0 and torch._C._current_graph_task_id() != -1:
             return  # in a backward pass: a checkpointed layer run again
         if depth == 0:
-            local.context = stash_all_hooks(self.cfg)
+            local.modules, local.packed_once = [], {}
+            local.context = stash_all_hooks(self.cfg, self.innermost, local.packed_once)
             local.context.__enter__()
             local.outermost = module
+        local.modules.append(module)
         local.depth = depth + 1
 
     def leave(self, module, args, output):
@@ -424,6 +469,7 @@ class _StashAllEntry:
         if getattr(local, "depth", 0) == 0:  # a call `enter` let pass
             return
         local.depth -= 1
+        local.modules.pop()
         if local.depth == 0:
             self.close()
 
@@ -432,6 +478,7 @@ class _StashAllEntry:
         local = self.local
         context = getattr(local, "context", None)
         local.depth, local.context, local.outermost = 0, None, None
+        local.modules, local.packed_once = [], {}
         if context is not None:
             context.__exit__(None, None, None)
 

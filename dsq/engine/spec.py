@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from dsq.formats import Format
+from dsq.formats import Format, parse_format
 from dsq.formats.base import ROUNDINGS
 
 from .policies import DEFAULT_POLICY
@@ -38,7 +38,20 @@ ENGINES = ("dsq", "autocast")
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # the keys of a quant config (a conf/quant preset, result.json's quant): the points, the stash
 # scope, the rounding of each point, where its GEMMs run and the engine that trains
-QUANT_KEYS = (*POINTS, "stash_scope", "rounding", "gemm_unit", "engine", "attention")
+QUANT_KEYS = (*POINTS, "stash_scope", "rounding", "gemm_unit", "engine", "attention", "saved")
+# What stash_scope="all" holds of each kind of tensor autograd saves outside the GEMMs (docs/dsq.md,
+# "What stash_scope=all holds"): the inputs of a normalization, of a pointwise activation, the
+# other tensors of the graph (an elementwise product's operands, a softmax's output) and tensors
+# that need no gradient (RoPE's cos and sin). Each holds a format spec, "q1" (the stash point's
+# format in force) or "keep" (as autograd saved it). A GEMM's input is always held in q1.
+SAVED_KINDS = ("norm", "activation", "elementwise", "constant")
+SAVED_HOLDS = ("q1", "keep")
+# Eight-bit blocks for what the derivatives read: the 2-bit stash everywhere did not train (a
+# Llama LM and the demo barely learned); GEMM inputs, whose errors the DSQ schedule manages, stay
+# in q1.
+SAVED_DEFAULT = MappingProxyType(
+    {"norm": "bfp8", "activation": "bfp8", "elementwise": "bfp8", "constant": "keep"}
+)
 # How the attention products run (docs/dsq.md, "Attention in tiles"): ``tiled``, a block of query
 # rows at a time, holding nothing sequence x sequence; ``explicit``, the definition, with the
 # scores and probabilities whole. The same values up to float32 summation order.
@@ -122,6 +135,7 @@ class QuantSpec:
     gemm_unit: str = "auto"
     engine: str = "dsq"
     attention: str = "tiled"
+    saved: Mapping[str, str] | None = None
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_KERNELS:
@@ -144,6 +158,7 @@ class QuantSpec:
             object.__setattr__(self, point, _point_spec(point, getattr(self, point)))
         schedules = self.schedules()  # every format and ladder checked here
         object.__setattr__(self, "rounding", MappingProxyType(_as_rounding(self.rounding)))
+        object.__setattr__(self, "saved", _as_saved(self.saved, self.stash_scope))
         if self.engine == "autocast":
             self._check_autocast(schedules)
 
@@ -181,7 +196,7 @@ class QuantSpec:
         if unknown:
             raise ValueError(
                 f"unknown quantization point(s) {sorted(unknown)}; the points are {POINTS} "
-                "(plus stash_scope, rounding, gemm_unit, engine and attention)"
+                "(plus stash_scope, rounding, gemm_unit, engine, attention and saved)"
             )
         return cls(**{k: v for k, v in config.items() if k != "name"})
 
@@ -199,21 +214,25 @@ class QuantSpec:
             out["engine"] = self.engine
         if self.attention != "tiled":
             out["attention"] = self.attention
+        if self.stash_scope == "all":
+            out["saved"] = dict(self.saved)
         return out
 
     def __reduce__(self):  # pickle and deepcopy (a read-only mapping is neither): rebuilt anew
-        fields = self.keywords() | {"rounding": dict(self.rounding)}
+        fields = self.keywords() | {"rounding": dict(self.rounding), "saved": dict(self.saved)}
         return (type(self), tuple(fields.values()))
 
     def __hash__(self) -> int:
         points = tuple(getattr(self, p) for p in POINTS)
         rounding = tuple(self.rounding.items())
         return hash((points, self.stash_scope, rounding, self.gemm_unit, self.engine,
-                     self.attention))  # fmt: skip
+                     self.attention, tuple(self.saved.items())))  # fmt: skip
 
     def __repr__(self) -> str:
         fields = [f"{p}={getattr(self, p)!r}" for p in POINTS]
         fields.append(f"stash_scope={self.stash_scope!r}")
+        if self.stash_scope == "all":
+            fields.append(f"saved={dict(self.saved)!r}")
         stochastic = {p: m for p, m in self.rounding.items() if m != "nearest"}
         if stochastic:
             fields.append(f"rounding={stochastic!r}")
@@ -251,6 +270,35 @@ def _schedule(point: str, value: PointSpec) -> Schedule:
 
 def _point_dict(value: PointSpec):
     return value if isinstance(value, str) else value.to_dict()
+
+
+def _as_saved(saved: Mapping | None, stash_scope: str) -> Mapping[str, str]:
+    """What each kind of saved tensor is held in (`SAVED_KINDS`): the defaults with ``saved``'s
+    kinds over them under ``stash_scope="all"``; nothing under ``gemm``, where the rules would
+    not apply and are refused."""
+    saved = dict(saved or {})
+    if stash_scope != "all":
+        if saved:
+            raise ValueError(
+                "quant.saved says what stash_scope=all holds of each saved tensor; set "
+                "quant.stash_scope=all or drop quant.saved"
+            )
+        return MappingProxyType({})
+    unknown = set(saved) - set(SAVED_KINDS)
+    if unknown:
+        raise ValueError(
+            f"quant.saved: unknown kind(s) {sorted(unknown)}; the kinds are {SAVED_KINDS}"
+        )
+    held = dict(SAVED_DEFAULT) | {k: str(v) for k, v in saved.items()}
+    for kind, what in held.items():
+        if what not in SAVED_HOLDS:
+            try:
+                parse_format(what)
+            except ValueError as err:
+                raise ValueError(
+                    f"quant.saved.{kind}={what!r}: {err}; or one of {SAVED_HOLDS}"
+                ) from None
+    return MappingProxyType(held)
 
 
 def _as_rounding(rounding: Mapping | None) -> dict[str, str]:

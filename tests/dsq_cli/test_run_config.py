@@ -286,3 +286,15 @@ def test_a_run_from_before_one_family_vocabulary_resumes_with_its_model_family_r
     cfg, _ = load_resume(str(run), [f"resume={run}"])
     assert cfg.model.family == new == cfg.task.family
     assert yaml.safe_load((run / "config.yaml").read_text())["model"]["family"] == new
+
+
+def test_quant_saved_kinds_are_set_from_the_command_line_with_or_without_a_plus():
+    """No preset writes quant.saved (the engine holds its defaults), so its kinds are set after
+    composition, as a ladder's policy parameters are; the spec checks them."""
+    from dsq.engine import QuantConfig
+
+    cfg = compose(["quant=dsq", "quant.stash_scope=all", "quant.saved.norm=bf16",
+                   "+quant.saved.constant=q1"])  # fmt: skip
+    assert dict(cfg.quant.saved) == {"norm": "bf16", "constant": "q1"}
+    held = QuantConfig.from_dict(dict(cfg.quant)).to_dict()["saved"]
+    assert held == {"norm": "bf16", "activation": "bfp8", "elementwise": "bfp8", "constant": "q1"}

@@ -38,9 +38,9 @@ class Spy:
                 spy.packed += 1
                 super().__init__(*args)
 
-        def counted_hooks(cfg):
+        def counted_hooks(*args):
             self.entered += 1
-            return hooks(cfg)
+            return hooks(*args)
 
         monkeypatch.setattr(patch_module, "_PackedSave", CountedSave)
         monkeypatch.setattr(patch_module, "stash_all_hooks", counted_hooks)

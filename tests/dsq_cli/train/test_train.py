@@ -51,6 +51,7 @@ def train(args):
         ("quant.q1.policy=sawtooth", "unknown precision policy 'sawtooth'; choose one of"),
         ("quant.q1.periods=3", "periods is a parameter of policy cyclic, not plateau"),
         ("quant.q1.policy=cyclic", "q1: policy cyclic: 32 periods do not fit in 8 updates"),
+        ("quant.saved.norm=bf16", "set quant.stash_scope=all or drop quant.saved"),
     ],
 )
 def test_config_errors_exit_2_and_leave_no_run(tmp_path, cache_dir, override, message):
