@@ -229,8 +229,8 @@ def _transformers_bench(model, presets, layers, width, heads, kv_heads, vocab, s
                         scopes, checkpointing, repeats, budget, threads, refused):  # fmt: skip
     """The rows of ``dsq bench memory|step --model llama|gpt2|bert``; ``refused`` names the
     fairseq-only options given, each a usage error."""
-    from dsq.engine.config import STASH_SCOPES
     from dsq_cli.bench import memory, transformers_models
+    from dsq_cli.bench.step import SCOPES
 
     if model not in transformers_models.MODELS:
         choices = ["fairseq", *transformers_models.MODELS]
@@ -253,11 +253,19 @@ def _transformers_bench(model, presets, layers, width, heads, kv_heads, vocab, s
         raise ValueError(f"--seq-lens: expected lengths like 256,1024, got {seq_lens!r}")
     shape = transformers_models.ModelShape(model, layers, width, heads, kv_heads, vocab)
     rows = transformers_models.rows_of(
-        _preset_names(presets), _choices("--scopes", scopes, STASH_SCOPES),
+        _preset_names(presets), _choices("--scopes", scopes, tuple(SCOPES)),
         _variant_options(checkpointing),
     )  # fmt: skip
     return transformers_models.run(shape, rows, lengths, memory.parse_size(budget), repeats,
                                    threads=threads)  # fmt: skip
+
+
+SCOPES_OPTION = typer.Option(
+    "gemm,all",
+    help="Comma-separated stash scopes of every patched preset: gemm (GEMM inputs only, the "
+    "paper's), all (every saved activation, each kind by quant.saved's defaults) and all-q1 "
+    "(every saved activation in the stash, q1).",
+)
 
 
 @bench_app.command("step")
@@ -274,11 +282,7 @@ def bench_step(
     src_len: int = typer.Option(32, min=2, help="Sentence length."),
     vocab: int = typer.Option(8000, min=16, help="Vocabulary size (source and target)."),
     repeats: int = typer.Option(5, min=1, help="Timed steps per row (median reported)."),
-    scopes: str = typer.Option(
-        "gemm,all",
-        help="Comma-separated stash scopes timed for every patched preset: gemm (GEMM inputs "
-        "only, the paper's) and all (every saved activation).",
-    ),
+    scopes: str = SCOPES_OPTION,
     gemm_units: str = typer.Option(
         "auto",
         help="Comma-separated quant.gemm_unit settings timed for every patched preset: auto "
@@ -318,9 +322,9 @@ def bench_step(
 ):
     """Time a training step of a small fairseq transformer per quant preset, stash scope, GEMM
     unit setting and checkpointing, side by side."""
-    from dsq.engine.config import STASH_SCOPES
     from dsq.engine.units import SETTINGS
     from dsq_cli.bench import step
+    from dsq_cli.bench.step import SCOPES
 
     if model != "fairseq":
         from dsq_cli.bench import transformers_models
@@ -333,7 +337,7 @@ def bench_step(
         _print_bench(result, as_json, transformers_models.format_step)
         return
     names = _preset_names(presets)
-    scope_list = _choices("--scopes", scopes, STASH_SCOPES)
+    scope_list = _choices("--scopes", scopes, tuple(SCOPES))
     unit_list = _choices("--gemm-units", gemm_units, SETTINGS)
     ckpt = _variant_options(checkpointing)
     _check_device(device)
@@ -375,9 +379,7 @@ def bench_memory(
     width: int = typer.Option(256, min=64, help="Model width (heads of 64)."),
     src_len: int = typer.Option(32, min=2, help="Sentence length."),
     vocab: int = typer.Option(8000, min=16, help="Vocabulary size (source and target)."),
-    scopes: str = typer.Option(
-        "gemm,all", help="Comma-separated stash scopes of every patched preset: gemm, all."
-    ),
+    scopes: str = SCOPES_OPTION,
     checkpointing: str = typer.Option(
         "off", help="Comma-separated: off, on (every layer checkpointed), for every preset."
     ),
@@ -398,8 +400,8 @@ def bench_memory(
 ):
     """The largest batch (whole sentences) whose training step's peak memory fits the budget,
     per quant preset, stash scope and checkpointing, side by side."""
-    from dsq.engine.config import STASH_SCOPES
     from dsq_cli.bench import memory
+    from dsq_cli.bench.step import SCOPES
 
     if model != "fairseq":
         from dsq_cli.bench import transformers_models
@@ -412,7 +414,7 @@ def bench_memory(
         return
     size = memory.parse_size(budget)
     names = _preset_names(presets)
-    scope_list = _choices("--scopes", scopes, STASH_SCOPES)
+    scope_list = _choices("--scopes", scopes, tuple(SCOPES))
     ckpt = _variant_options(checkpointing)
     _check_device(device)
     result = memory.run(

@@ -34,6 +34,7 @@ import torch
 from dsq.engine import POINTS, QuantConfig, units
 from dsq.engine.checkpointing import checkpoint_layers
 from dsq.engine.chunked_output import DEFAULT_CHUNK_TOKENS, chunked_output_loss
+from dsq.engine.spec import SAVED_KINDS
 from dsq.integrations import quantize_model
 from dsq_cli.cpu_allocator import keep_freed_memory
 from dsq_cli.presets import at_first_level, load_quant_preset
@@ -135,7 +136,7 @@ class Setup:
     def build(
         cls, preset: str, variant: Variant, layers: int, width: int, vocab: int, dev: torch.device
     ) -> Setup:
-        points = at_first_level(load_quant_preset(preset)) | {"stash_scope": variant.scope}
+        points = at_first_level(load_quant_preset(preset)) | scope_points(variant.scope)
         points["gemm_unit"] = variant.gemm_unit
         cfg = QuantConfig.from_dict(points)
         model = build_model(layers, width, vocab).to(dev)
@@ -197,6 +198,21 @@ class Setup:
         state = self.state_bytes()
         peak = allocated_during(lambda: self.step(batch), batch.src.device).peak
         return StepMemory(state, peak)
+
+
+# The stash scopes a bench row can take: the engine's two, and `all` with every kind of saved
+# tensor in q1 (docs/dsq.md, "What stash_scope=all holds"), which is what `all` held before its
+# rules, the figures it was measured by
+SCOPES = {
+    "gemm": {"stash_scope": "gemm"},
+    "all": {"stash_scope": "all"},
+    "all-q1": {"stash_scope": "all", "saved": dict.fromkeys(SAVED_KINDS, "q1")},
+}
+
+
+def scope_points(scope: str) -> dict:
+    """The quant keys of a bench scope (`SCOPES`), merged over a preset's points."""
+    return SCOPES[scope]
 
 
 def row_label(preset: str, variant: Variant) -> str:

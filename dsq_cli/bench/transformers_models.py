@@ -101,12 +101,11 @@ def measure(shape: ModelShape, row: Row, seq_len: int, batch: int, repeats: int)
     from dsq_cli.cpu_allocator import keep_freed_memory
     from dsq_cli.presets import at_first_level, load_quant_preset
 
-    from .step import allocated_during
+    from .step import allocated_during, scope_points
 
     keep_freed_memory()  # as `dsq train` and `dsq bench step` run on CPU
-    cfg = QuantConfig.from_dict(
-        at_first_level(load_quant_preset(row.preset)) | {"stash_scope": row.scope}
-    )
+    points = at_first_level(load_quant_preset(row.preset)) | scope_points(row.scope)
+    cfg = QuantConfig.from_dict(points)
     model = shape.build(seq_len)
     if row.preset != "fp32" and cfg.engine == "dsq":
         quantize_model(model, cfg)

@@ -179,3 +179,21 @@ def test_the_breakdown_sorts_operators_and_counts_gemm_work():
     )
     assert category(mm, True) == ("optimizer", 0.0)  # inside Optimizer.step
     assert category(event("aten::native_layer_norm"), False)[0] == "other"
+
+
+def test_a_bench_scope_sets_the_stash_scope_and_all_q1_holds_every_kind_in_q1():
+    """``--scopes all-q1`` measures what stash_scope=all held before its rules: every kind of
+    saved tensor in the stash; ``all`` takes quant.saved's defaults."""
+    from dsq.engine import QuantConfig
+    from dsq.engine.spec import SAVED_DEFAULT, SAVED_KINDS
+    from dsq_cli.bench.step import SCOPES, scope_points
+    from dsq_cli.presets import at_first_level, load_quant_preset
+
+    def saved(scope):
+        points = at_first_level(load_quant_preset("dsq")) | scope_points(scope)
+        return dict(QuantConfig.from_dict(points).spec.saved)
+
+    assert set(SCOPES) == {"gemm", "all", "all-q1"}
+    assert saved("gemm") == {}
+    assert saved("all") == dict(SAVED_DEFAULT)
+    assert saved("all-q1") == dict.fromkeys(SAVED_KINDS, "q1")
