@@ -745,6 +745,7 @@ def static_controls(table: Table, row: str) -> list[str]:
         same = all(_same_format(theirs.get(p), quant.get(p)) for p in ("q0", "q2", "q3"))
         same &= theirs.get("stash_scope", "gemm") == quant.get("stash_scope", "gemm")
         same &= (theirs.get("rounding") or {}) == (quant.get("rounding") or {})
+        same &= (theirs.get("saved") or {}) == (quant.get("saved") or {})
         if same:
             controls.append(other)
     return controls

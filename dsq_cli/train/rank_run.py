@@ -164,20 +164,24 @@ def _record_result(recorder: RunRecorder, result: RunResult) -> bool:
 
 
 # -- what result.json says about the run ------------------------------------------------------
+def recorded_quant(preset: str, points: dict) -> dict:
+    """result.json's ``quant``: the preset's name, the run's quant keys and whether they differ
+    from the preset's (``modified``); under ``stash_scope=all`` its rules in force, defaults
+    included (``saved``), which no preset file writes."""
+    if points.get("stash_scope") == "all":
+        points = points | {"saved": QuantConfig.from_dict(points).to_dict()["saved"]}
+    modified = preset_differences({"preset": preset, **points}) != []
+    return {"preset": preset, **points, "modified": modified}
+
+
 def started_result(cfg: RunConfig, data, device: str, resumed: bool) -> RunResult:
     """result.json as a run starts (status ``running``)."""
-    preset = cfg.choices["quant"]
-    points = to_plain(cfg.quant)
     return RunResult(
         status="running",
         task=cfg.task.name,
         model=cfg.model["name"],
         seed=cfg.seed,
-        quant={
-            "preset": preset,
-            **points,
-            "modified": preset_differences({"preset": preset, **points}) != [],
-        },
+        quant=recorded_quant(cfg.choices["quant"], to_plain(cfg.quant)),
         metric=cfg.task.metric,
         cost=unpriced(COST_BASELINE),
         versions=runs.versions(),

@@ -392,3 +392,17 @@ def test_a_failure_after_training_is_recorded_not_left_running(tmp_path, cache_d
     res = json.loads((only_run(root) / "result.json").read_text())
     assert res["status"] == "failed"
     assert "summarising the run: ValueError: dram" in res["error"]
+
+
+def test_a_runs_record_holds_the_rules_in_force_under_all_and_none_under_gemm():
+    """result.json's quant: the rules with their defaults under stash_scope=all (no preset file
+    writes them), nothing new for the paper's scope; the preset's own run is not modified."""
+    from dsq.engine.spec import SAVED_DEFAULT
+    from dsq_cli.presets import load_quant_preset
+    from dsq_cli.train.rank_run import recorded_quant
+
+    dsq = load_quant_preset("dsq")
+    assert recorded_quant("dsq", dict(dsq)) == {"preset": "dsq", **dsq, "modified": False}
+    record = recorded_quant("dsq", dsq | {"stash_scope": "all", "saved": {"norm": "bf16"}})
+    assert record["saved"] == dict(SAVED_DEFAULT) | {"norm": "bf16"}
+    assert record["modified"] is True
