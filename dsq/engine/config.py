@@ -213,7 +213,8 @@ class QuantConfig:
         rounding = f", stochastic rounding at {stochastic}" if stochastic else ""
         unit = f", gemm_unit={self.gemm_unit!r}" if self.gemm_unit != "auto" else ""
         engine = f", engine={self.engine!r}" if self.engine != "dsq" else ""
+        saved = f", saved={dict(self.spec.saved)!r}" if self.stash_scope == "all" else ""
         return (
-            f"QuantConfig({self.current()}, stash_scope={self.stash_scope!r}{rounding}{unit}"
-            f"{engine})"
+            f"QuantConfig({self.current()}, stash_scope={self.stash_scope!r}{saved}{rounding}"
+            f"{unit}{engine})"
         )

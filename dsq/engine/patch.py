@@ -156,6 +156,13 @@ def patch_model(
             f"{type(model).__name__} is quantized already (model.dsq_report says how); build "
             "the model anew to quantize it with another config"
         )
+    quantized = [n for n, m in model.named_modules()
+                 if n and ("dsq_undo" in m.__dict__ or "dsq_cfg" in m.__dict__)]  # fmt: skip
+    if quantized:
+        raise ValueError(
+            f"{type(model).__name__} holds {quantized[0]}, patched already by quantize_model; "
+            "unpatch it (dsq.unpatch) before quantizing the model around it"
+        )
     names = [name for name, _ in model.named_modules() if name]
     unmatched = [p for p in exclude if not any(fnmatch.fnmatchcase(n, p) for n in names)]
     if unmatched:
@@ -338,7 +345,7 @@ def _rebuild_subclass(cls: type, mixin: type) -> nn.Module:
 class _PackedSave:
     """What a saved-tensor hook keeps instead of a floating activation: the packed tensor."""
 
-    __slots__ = ("packed", "requires_grad")
+    __slots__ = ("packed", "requires_grad", "__weakref__")
 
     def __init__(self, packed, requires_grad):
         self.packed = packed
@@ -351,15 +358,23 @@ class _PackedSave:
 # which a block of one value would round to a power of two; they stay as they are.
 STASH_ALL_MIN_ROW = 16
 
-# Class-name marks of the pointwise activation modules (torch's own are found by their module)
+# The pointwise activation modules: torch's (not the rest of torch.nn.modules.activation, which
+# holds MultiheadAttention and the softmaxes) and others' by their class names' marks
+_ACTIVATIONS = (
+    nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.PReLU, nn.RReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU,
+    nn.SiLU, nn.Mish, nn.Tanh, nn.Sigmoid, nn.LogSigmoid, nn.Softplus, nn.Softsign,
+    nn.Tanhshrink, nn.Hardtanh, nn.Hardswish, nn.Hardsigmoid, nn.GLU,
+)  # fmt: skip
 _ACTIVATION_MARKS = ("GELU", "SiLU", "Swish", "Mish", "ReLU", "Tanh", "Sigmoid", "Softplus")
 
 
 def saved_kind(module: nn.Module | None, t: torch.Tensor) -> str | None:
     """The kind (``SAVED_KINDS``) of ``t``, saved while ``module`` (the innermost module called)
-    runs: None for a GEMM layer's input (held in q1), else ``constant`` for a tensor needing no
-    gradient, ``norm`` inside a normalization, ``activation`` inside a pointwise activation,
-    ``elementwise`` for the rest of the graph (a product's operands, a softmax's output)."""
+    runs: None for a patched GEMM layer's input (held in q1; its own function packs it, so the
+    hooks rarely see one), else ``constant`` for a tensor needing no gradient, ``norm`` inside a
+    normalization, ``activation`` inside a pointwise activation module, ``elementwise`` for the
+    rest of the graph (a product's operands, a softmax's output, the input of a layer left
+    unquantized)."""
     if not t.requires_grad:
         return "constant"
     if module is None:
@@ -367,11 +382,11 @@ def saved_kind(module: nn.Module | None, t: torch.Tensor) -> str | None:
     name = type(module).__name__
     if "Norm" in name:
         return "norm"
-    if type(module).__module__ == nn.modules.activation.__name__ or name.endswith("Activation"):
+    if isinstance(module, _ACTIVATIONS) or name.endswith("Activation"):
         return "activation"
     if any(mark in name for mark in _ACTIVATION_MARKS):
         return "activation"
-    if isinstance(module, nn.Linear) or _does_gemm(module):
+    if getattr(module, "dsq_cfg", None) is not None and _does_gemm(module):
         return None
     return "elementwise"
 
@@ -400,13 +415,16 @@ def stash_all_hooks(cfg: QuantConfig, innermost=lambda: None, packed_once=None):
             return t
         key = (id(t), t._version, fmt.spec)
         if packed_once is not None and key in packed_once:
-            alive, saved = packed_once[key]
-            if alive() is t:  # the same tensor, not a later one at its address
+            alive, kept = packed_once[key]
+            saved = kept()
+            # the same tensor, not a later one at its address, and its packed copy still held by
+            # a graph (held weakly here: a graph freed during the forward frees its copy)
+            if alive() is t and saved is not None:
                 return saved
         rounding, generator = cfg.rounding_of("q1", t.device)
         saved = _PackedSave(fmt.pack(t.detach(), -1, rounding, generator), t.requires_grad)
         if packed_once is not None:
-            packed_once[key] = (weakref.ref(t), saved)
+            packed_once[key] = (weakref.ref(t), weakref.ref(saved))
         return saved
 
     def unpack(saved):
@@ -449,9 +467,10 @@ class _StashAllEntry:
     def enter(self, module, args):
         local = self.local
         depth = getattr(local, "depth", 0)
-        if depth and module is local.outermost:
-            # the outermost module called again while its call is open: that call ended by an
-            # exception no hook saw (KeyboardInterrupt skips the forward hooks), so close it
+        if depth and any(open_call is module for open_call in local.modules):
+            # a module called again while its own call is open (modules do not call themselves):
+            # that call ended by an exception no hook saw (KeyboardInterrupt skips the forward
+            # hooks), so close it
             self.close()
             depth = 0
         if depth == 0 and torch._C._current_graph_task_id() != -1:

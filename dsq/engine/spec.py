@@ -50,7 +50,7 @@ SAVED_HOLDS = ("q1", "keep")
 # Llama LM and the demo barely learned); GEMM inputs, whose errors the DSQ schedule manages, stay
 # in q1.
 SAVED_DEFAULT = MappingProxyType(
-    {"norm": "bfp8", "activation": "bfp8", "elementwise": "bfp8", "constant": "keep"}
+    {"norm": "bfp8e8b16", "activation": "bfp8e8b16", "elementwise": "bfp8e8b16", "constant": "keep"}
 )
 # How the attention products run (docs/dsq.md, "Attention in tiles"): ``tiled``, a block of query
 # rows at a time, holding nothing sequence x sequence; ``explicit``, the definition, with the
@@ -293,7 +293,7 @@ def _as_saved(saved: Mapping | None, stash_scope: str) -> Mapping[str, str]:
     for kind, what in held.items():
         if what not in SAVED_HOLDS:
             try:
-                parse_format(what)
+                held[kind] = parse_format(what).spec  # bfp8 and bfp8e8b16: one rule
             except ValueError as err:
                 raise ValueError(
                     f"quant.saved.{kind}={what!r}: {err}; or one of {SAVED_HOLDS}"

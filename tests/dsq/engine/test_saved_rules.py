@@ -59,8 +59,12 @@ def test_each_saved_tensor_gets_the_kind_of_the_module_saving_it():
     assert saved_kind(nn.SiLU(), t) == "activation" and saved_kind(nn.GELU(), t) == "activation"
     assert saved_kind(GatedMLP(4, 8), t) == "elementwise"
     assert saved_kind(None, t) == "elementwise"
-    assert saved_kind(nn.Linear(4, 4), t) is None  # a GEMM's input: q1
     assert saved_kind(nn.SiLU(), constant) == "constant"
+    # a layer left unquantized (excluded, a GLUE run's fp32 head): not held in the 2-bit stash
+    assert saved_kind(nn.Linear(4, 4), t) == "elementwise"
+    # torch.nn.modules.activation also holds attention and the softmaxes: not activations
+    assert saved_kind(nn.MultiheadAttention(8, 2), t) == "elementwise"
+    assert saved_kind(nn.Softmax(-1), t) == "elementwise"
 
 
 def spy_packs(monkeypatch) -> list[tuple[str, tuple]]:
@@ -127,11 +131,13 @@ def test_keep_holds_a_kind_as_autograd_saved_it_and_q1_follows_the_stash(monkeyp
 
 def test_the_rules_are_in_the_spec_record_and_the_report_and_refused_under_gemm():
     spec = QuantSpec(q1="bfp2", stash_scope="all", saved={"norm": "bf16"})
+    same = QuantSpec(q1="bfp2", stash_scope="all", saved={"norm": "bf16", "activation": "bfp8"})
+    assert same == spec and same.saved["activation"] == "bfp8e8b16"  # one rule, one spelling
     assert spec.to_dict()["saved"] == dict(SAVED_DEFAULT) | {"norm": "bf16"}
     assert QuantSpec.from_dict(spec.to_dict()) == spec
     assert "saved" not in QuantSpec(q1="bfp2").to_dict()  # the paper's scope: as before
     model = quantize_model(Block(), QuantConfig.from_spec(spec))
-    assert "saved tensors held: GEMM inputs q1, norm bf16, activation bfp8" in (
+    assert "saved tensors held: GEMM inputs q1, norm bf16, activation bfp8e8b16" in (
         model.dsq_report.summary()
     )
     with pytest.raises(ValueError, match="set quant.stash_scope=all or drop quant.saved"):
@@ -140,3 +146,30 @@ def test_the_rules_are_in_the_spec_record_and_the_report_and_refused_under_gemm(
         QuantSpec(q1="bfp2", stash_scope="all", saved={"softmax": "bf16"})
     with pytest.raises(ValueError, match="quant.saved.norm='bfp99'"):
         QuantSpec(q1="bfp2", stash_scope="all", saved={"norm": "bfp99"})
+
+
+def test_a_packed_copy_is_shared_only_while_a_graph_holds_it():
+    """The packed-once table holds its copies weakly: a graph freed during the forward (a chunk
+    of the output layer run forward and backward at once) frees its packed copy."""
+    import gc
+
+    cfg = QuantConfig(q1="bfp2", stash_scope="all", saved={"elementwise": "bfp4"})
+    packed_once: dict = {}
+    leaf, x = activation(8, 64)
+    with patch_module.stash_all_hooks(cfg, packed_once=packed_once):
+        y = x * x  # saves x twice: packed once
+        assert len(packed_once) == 1
+        del y
+        gc.collect()
+        assert all(kept() is None for _, kept in packed_once.values())
+        z = x * x  # packed again, not a freed copy
+    z.sum().backward()
+    assert torch.equal(leaf.grad, 2 * parse_format("bfp4").quantize(x.detach(), -1))
+
+
+def test_a_model_around_a_patched_module_is_refused_and_the_module_stays_patched():
+    inner = quantize_model(Block(), QuantConfig(q0="bfp8", q1="bfp4", q2="bfp8", q3="fixed16"))
+    outer = nn.Sequential(inner, nn.Linear(32, 32))
+    with pytest.raises(ValueError, match="holds 0, patched already"):
+        quantize_model(outer, QuantConfig(q0="bfp8", q1="bfp4", q2="bfp8", q3="fixed16"))
+    assert type(inner.mlp.gate).__name__ == "DSQLinear" and inner.dsq_cfg is not None

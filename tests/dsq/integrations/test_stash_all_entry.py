@@ -207,3 +207,17 @@ def test_a_forward_interrupted_by_ctrl_c_leaves_no_hooks_behind(monkeypatch):
         model(IDS, labels=IDS)
     dsq.unpatch(model)
     assert not hooks_pushed()
+
+
+def test_after_ctrl_c_a_call_of_an_inner_module_closes_the_open_context(monkeypatch):
+    model = llama()
+    spy = Spy(monkeypatch)
+    model.model(IDS).last_hidden_state.sum().backward()
+    alone = spy.packed
+    model.model.layers[1].register_forward_pre_hook(Interrupt())
+    with pytest.raises(KeyboardInterrupt):
+        model(IDS, labels=IDS)
+    spy.packed = spy.entered = 0
+    model.model(IDS).last_hidden_state.sum().backward()
+    assert spy.packed == alone and spy.entered == 1
+    assert not hooks_pushed()
