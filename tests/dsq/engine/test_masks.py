@@ -10,8 +10,6 @@ from torch import nn
 
 from dsq.engine import QuantConfig
 from dsq.engine.masks import dsq_dropout, dsq_relu, pack_bits, unpack_bits
-from dsq.engine.patch import stash_all_hooks
-from dsq.formats import parse_format
 
 
 @pytest.mark.parametrize("shape", [(1,), (7,), (8,), (3, 5, 17), (64, 1024)])
@@ -115,24 +113,3 @@ def test_patch_model_reclasses_relu_and_dropout_modules():
     assert model.dsq_report.masks == ["1", "2"]
     assert "masks held as bits in 2" in model.dsq_report.summary()
     assert isinstance(model[1], nn.ReLU) and isinstance(model[2], nn.Dropout)
-
-
-def test_stash_all_packs_rows_and_leaves_per_row_statistics():
-    """A layer norm under stash_scope=all: its input is packed in the format norms hold
-    (quant.saved.norm); its mean and reciprocal standard deviation (one value a row) are not, so
-    its gradient is ATen's layer-norm backward on the packed input with the exact statistics."""
-    cfg = QuantConfig(q1="bfp2", stash_scope="all", saved={"norm": "bfp4"})
-    leaf = torch.randn(128, 64).requires_grad_()
-    x = leaf * 1.0  # an activation: a leaf that requires grad is a parameter, kept as it is
-    norm = nn.LayerNorm(64)
-    dy = torch.randn(128, 64)
-    with stash_all_hooks(cfg, innermost=lambda: norm):
-        y = norm(x)
-    y.backward(dy)
-    _, mean, rstd = torch.ops.aten.native_layer_norm(x.detach(), [64], norm.weight, norm.bias,
-                                                     norm.eps)  # fmt: skip
-    x_packed = parse_format("bfp4").quantize(x.detach(), -1)
-    expected = torch.ops.aten.native_layer_norm_backward(
-        dy, x_packed, [64], mean, rstd, norm.weight, norm.bias, [True, False, False]
-    )[0]
-    assert torch.equal(leaf.grad, expected)

@@ -102,8 +102,9 @@ def test_a_block_holds_each_kind_in_its_format_and_a_tensor_saved_twice_once(mon
 
 
 def test_the_norm_input_held_in_its_format_gives_the_gradient_of_that_input(monkeypatch):
-    """A layer norm's backward pass reads its input packed in the norm's format: the gradient
-    is ATen's layer-norm backward on that input quantized, with the exact statistics."""
+    """A layer norm's backward pass reads its input packed in the norm's format; its mean and
+    reciprocal deviation (one value a row, shorter than a block) are kept, so the gradient is
+    ATen's layer-norm backward on that input quantized, with the exact statistics."""
     cfg = QuantConfig(q1="bfp2", stash_scope="all", saved={"norm": "bfp5"})
     norm = nn.LayerNorm(64)
     (leaf, x), dy = activation(8, 64), torch.randn(8, 64)
