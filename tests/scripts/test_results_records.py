@@ -180,7 +180,11 @@ def test_a_record_is_self_consistent(record):
     assert result["seed"] == config["seed"]
     assert result["quant"]["preset"] == config["choices"]["quant"]
     points = {k: v for k, v in result["quant"].items() if k not in ("preset", "modified")}
-    assert points == config["quant"]
+    assert {k: v for k, v in points.items() if k != "saved"} == config["quant"]
+    if "saved" in points:  # stash_scope=all: its rules in force, the defaults included
+        from dsq.engine.spec import QuantSpec
+
+        assert QuantSpec.from_dict(points) == QuantSpec.from_dict(config["quant"])
     assert result["task"] == config["task"]["name"] and result["model"] == config["model"]["name"]
     assert result["world_size"] == config["train"]["distributed_world_size"]
 
