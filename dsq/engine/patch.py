@@ -447,7 +447,7 @@ class _StashAllEntry:
     first and left when that call returns: calls nested inside it (the model's own submodules)
     and a recomputation in the backward pass (activation checkpointing, which holds its own
     saved-tensor hooks there) enter nothing, but each call's module is known to the hooks (the
-    kind of what it saves). Each thread has its own depth, modules and context
+    kind of what it saves). Each thread has its own open calls and context
     (``nn.DataParallel`` runs the replicas' forwards on threads of their own)."""
 
     def __init__(self, cfg: QuantConfig):
@@ -465,39 +465,36 @@ class _StashAllEntry:
         return modules[-1] if modules else None
 
     def enter(self, module, args):
-        local = self.local
-        depth = getattr(local, "depth", 0)
-        if depth and any(open_call is module for open_call in local.modules):
+        # the modules whose calls are open on this thread, outermost first: their count is the
+        # depth of nesting, and the last is the one saving what the hooks see
+        modules = getattr(self.local, "modules", None)
+        if modules and any(open_call is module for open_call in modules):
             # a module called again while its own call is open (modules do not call themselves):
             # that call ended by an exception no hook saw (KeyboardInterrupt skips the forward
             # hooks), so close it
             self.close()
-            depth = 0
-        if depth == 0 and torch._C._current_graph_task_id() != -1:
-            return  # in a backward pass: a checkpointed layer run again
-        if depth == 0:
-            local.modules, local.packed_once = [], {}
-            local.context = stash_all_hooks(self.cfg, self.innermost, local.packed_once)
-            local.context.__enter__()
-            local.outermost = module
-        local.modules.append(module)
-        local.depth = depth + 1
+            modules = None
+        if not modules:
+            if torch._C._current_graph_task_id() != -1:
+                return  # in a backward pass: a checkpointed layer run again
+            self.local.modules, self.local.packed_once = [], {}
+            self.local.context = stash_all_hooks(self.cfg, self.innermost, self.local.packed_once)
+            self.local.context.__enter__()
+        self.local.modules.append(module)
 
     def leave(self, module, args, output):
-        local = self.local
-        if getattr(local, "depth", 0) == 0:  # a call `enter` let pass
+        modules = getattr(self.local, "modules", None)
+        if not modules:  # a call `enter` let pass
             return
-        local.depth -= 1
-        local.modules.pop()
-        if local.depth == 0:
+        modules.pop()
+        if not modules:
             self.close()
 
     def close(self) -> None:
         """Leave this thread's open context, if any."""
         local = self.local
         context = getattr(local, "context", None)
-        local.depth, local.context, local.outermost = 0, None, None
-        local.modules, local.packed_once = [], {}
+        local.context, local.modules, local.packed_once = None, [], {}
         if context is not None:
             context.__exit__(None, None, None)
 
