@@ -121,6 +121,13 @@ def backward_outside_autocast(backward):
     return run
 
 
+def _by_rows(point: _Point) -> bool:
+    """Whether q2 may quantize the incoming gradient a slice of tokens at a time and give the
+    whole tensor's values: a scale per block (not one spanning the tensor) and nearest rounding
+    (stochastic rounding's noise is drawn for the whole tensor, as it always was)."""
+    return point.rounding == "nearest" and not point.fmt.whole_tensor_scale
+
+
 class DSQLinearFunction(torch.autograd.Function):
     """``y = x W^T + b`` with the four DSQ quantization points.
 
@@ -178,16 +185,27 @@ class DSQLinearFunction(torch.autograd.Function):
         weight, *stash_tensors = ctx.saved_tensors
         f2, f3 = ctx.points
         dx = dw = db = None
-        if ctx.needs_input_grad[0]:
+        n, m = dy.shape
+        if ctx.needs_input_grad[0] and not _by_rows(f2):
             # g = q3(dy) as fetched (blocks along N), then q2(g) (blocks along M): one pass where
             # the path fuses the two
             g, g2 = f3.quantize_chain(dy, 0, f2, 1)
             dx = units.gemm(g2, f2.quantize(weight, 0), ctx.plans[1], "linear.dx")  # blocks on M
+            del g2
         else:
             g = f3.quantize(dy, 0)
+        if ctx.needs_input_grad[0] and dx is None:
+            # q2(g) a slice of tokens at a time: its blocks lie along M, within a token, so each
+            # slice holds the whole tensor's values, and no second copy of g exists (the output
+            # layer's [N, vocabulary] gradient is a step's largest tensor)
+            w2 = f2.quantize(weight, 0)
+            dx = units.gemm_by_rows(lambda rows: f2.quantize(g[rows], 1), n, m, w2,
+                                    ctx.plans[1], "linear.dx")  # fmt: skip
         if ctx.needs_input_grad[1]:
             stash = _stash_restore(ctx.stash_header, stash_tensors).unpack()
-            dw = units.gemm(g.t(), stash, ctx.plans[2], "linear.dw")
+            # by rows of dW (output features): the unit's copies of g a slice at a time
+            dw = units.gemm_by_rows(lambda rows: g[:, rows].t(), m, n, stash, ctx.plans[2],
+                                    "linear.dw")  # fmt: skip
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = g.sum(0)
         return dx, dw, db, None, None

@@ -59,6 +59,10 @@ SMALLEST = 2.0**-63
 # cost about 0.1 ms, more than a bf16 unit saves below this size (docs/benchmarks.md, "GEMM
 # units": a 256x256x256 GEMM gains 1.1x, attention's 30x64x30 matrices lose).
 MIN_MACS = 2**24
+# `gemm_by_rows`: a slice of an operand made by rows holds about this many values (4 MiB in
+# float32) and a multiple of this many rows
+SLICE_ELEMENTS = 2**20
+SLICE_ROWS = 64
 
 log = logging.getLogger("dsq.engine")
 
@@ -196,6 +200,34 @@ def gemm(a: torch.Tensor, b: torch.Tensor, how: GemmPlan, kind: str, bias=None) 
     """``a @ b`` (+ ``bias``) in float32, on the unit of ``how`` when every value passes the
     exactness check there, else in float32. ``a`` [..., m, k], ``b`` [..., k, n]; ``bias`` [n]
     only with 2-D operands. ``kind`` (one of GEMM_KINDS) is what the call is counted as."""
+    out, unit = _gemm(a, b, how, bias)
+    _TALLY[(kind, unit)] += 1
+    return out
+
+
+def gemm_by_rows(a_rows, rows: int, cols: int, b: torch.Tensor, how: GemmPlan, kind: str):
+    """``a @ b`` as `gemm` runs it, for a 2-D ``a [rows, cols]`` made a slice of rows at a time
+    by ``a_rows(slice)``: no whole ``a`` (nor its converted copies) exists, only a slice of at
+    most about `SLICE_ELEMENTS` values. Each output row is the same dot products as in one
+    GEMM; whether the unit sums them in the same order for fewer rows is the unit's choice
+    (on the CPUs measured, slices of a multiple of `SLICE_ROWS` rows gave the same bits). Counted
+    as one GEMM, on ``how``'s unit unless a slice ran in float32."""
+    step = max(SLICE_ROWS, SLICE_ELEMENTS // max(1, cols) // SLICE_ROWS * SLICE_ROWS)
+    if step >= rows:
+        return gemm(a_rows(slice(0, rows)), b, how, kind)
+    out, ran = None, set()
+    for r0 in range(0, rows, step):
+        part, unit = _gemm(a_rows(slice(r0, min(r0 + step, rows))), b, how, None)
+        if out is None:
+            out = part.new_empty(rows, part.shape[-1])
+        out[r0 : r0 + part.shape[0]] = part
+        ran.add(unit)
+    _TALLY[(kind, "fp32" if "fp32" in ran else how.unit)] += 1
+    return out
+
+
+def _gemm(a, b, how: GemmPlan, bias):
+    """(``a @ b`` + ``bias``, the unit it ran on): `gemm` without the count."""
     out = None
     # the units are exact for float32 operands (a float64 model keeps its float64 GEMMs)
     float32 = a.dtype == b.dtype == torch.float32 and (bias is None or bias.dtype == a.dtype)
@@ -206,8 +238,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, how: GemmPlan, kind: str, bias=None) 
     if out is None:
         unit = "fp32"
         out = torch.addmm(bias, a, b) if bias is not None else torch.matmul(a, b)
-    _TALLY[(kind, unit)] += 1
-    return out
+    return out, unit
 
 
 def _fallback(how: GemmPlan) -> None:

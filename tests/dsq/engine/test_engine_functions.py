@@ -167,3 +167,43 @@ def test_under_autocast_an_operation_casts_only_autocasts_dtypes_wherever_its_te
     with torch.autocast("cpu", torch.bfloat16):
         operation(double, torch.ones(2, dtype=torch.float16))
     assert seen == {"dtypes": [torch.float64, torch.float32], "autocast": False}
+
+
+@pytest.mark.parametrize(
+    "points, sliced",
+    [
+        (("bfp8", "bfp2", "bfp8", "fixed16"), True),  # dsq's first level
+        (("mxfp8_e4m3", "mxfp4_e2m1", "mxfp8_e4m3", "fixed16"), True),
+        (("nvfp4", "nvfp4", "nvfp4", "nvfp4"), False),  # q2's scale spans the tensor: whole
+    ],
+)
+def test_the_gradient_gemms_run_by_slices_of_rows_with_the_whole_tensors_values(
+    monkeypatch, points, sliced
+):
+    """dx by slices of tokens, dW by slices of output features: the written-out values, and no
+    operand of either GEMM is whole (q2(g) and g^T come a slice at a time)."""
+    from dsq.engine import units
+
+    monkeypatch.setattr(units, "SLICE_ELEMENTS", 1)  # one SLICE_ROWS slice at a time
+    shapes = []
+    real = units._gemm
+    monkeypatch.setattr(
+        units, "_gemm", lambda a, b, *rest: shapes.append(a.shape) or real(a, b, *rest)
+    )
+    x, w, b, dy = data((200, 48), m=150)
+    before = units.tally()
+    got = run_linear(x, w, b, dy, QuantConfig(*points))
+    ran = units.merge_tallies(units.tally(), units.negated(before))
+    expected = linear_by_hand(x, w, b, dy, *points)
+    for name, a, e in zip(("y", "dx", "dW", "db"), got, expected):
+        torch.testing.assert_close(a, e, rtol=0, atol=0, msg=name)
+    backward = shapes[1:]  # after the forward GEMM
+    if sliced:
+        assert [s[0] for s in backward] == [64, 64, 64, 8] + [64, 64, 22]
+    else:
+        assert [s[0] for s in backward] == [200, 64, 64, 22]
+    assert {kind: sum(n.values()) for kind, n in ran.items()} == {
+        "linear.forward": 1,
+        "linear.dx": 1,
+        "linear.dw": 1,
+    }  # a GEMM counted once, whatever its slices
