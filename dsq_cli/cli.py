@@ -263,8 +263,9 @@ def _transformers_bench(model, presets, layers, width, heads, kv_heads, vocab, s
 SCOPES_OPTION = typer.Option(
     "gemm,all",
     help="Comma-separated stash scopes of every patched preset: gemm (GEMM inputs only, the "
-    "paper's), all (every saved activation, each kind by quant.saved's defaults) and all-q1 "
-    "(every saved activation in the stash, q1).",
+    "paper's), all (every saved activation, each kind by quant.saved's defaults), all-q1 "
+    "(every saved activation in the stash, q1) and all-held (all, and under checkpointing each "
+    "checkpointed layer's input held in bfp8: quant.saved.checkpoint=bfp8).",
 )
 
 

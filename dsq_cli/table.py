@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from dsq.engine.config import POINTS
+from dsq.engine.spec import SAVED_DEFAULT
 from dsq.presets import preset_differences
 from dsq_cli.intervals import (
     Interval,
@@ -745,10 +746,18 @@ def static_controls(table: Table, row: str) -> list[str]:
         same = all(_same_format(theirs.get(p), quant.get(p)) for p in ("q0", "q2", "q3"))
         same &= theirs.get("stash_scope", "gemm") == quant.get("stash_scope", "gemm")
         same &= (theirs.get("rounding") or {}) == (quant.get("rounding") or {})
-        same &= (theirs.get("saved") or {}) == (quant.get("saved") or {})
+        same &= _saved_rules(theirs) == _saved_rules(quant)
         if same:
             controls.append(other)
     return controls
+
+
+def _saved_rules(quant: Mapping) -> dict:
+    """A record's ``quant.saved`` with the defaults of the kinds it does not name (a record
+    written before a kind existed held that kind as its default says)."""
+    if quant.get("stash_scope", "gemm") != "all":
+        return {}
+    return dict(SAVED_DEFAULT) | dict(quant.get("saved") or {})
 
 
 def _valid_losses(run: Run) -> dict[int, float]:

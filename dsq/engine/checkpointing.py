@@ -9,19 +9,32 @@ force do not change between a forward and its backward). The run's records count
 as its first forward ran it (`accounting.recomputation`). Stochastic rounding would draw new
 noise for the second forward, so its stash would not be the one the loss was computed with:
 `checkpoint_layers` refuses it.
+
+The input a checkpointed layer keeps is float32, a layer's width of 4-byte values a token. Under
+``stash_scope=all`` the rule ``quant.saved.checkpoint`` may hold it in a format instead
+(`held_input_checkpoint`): the layer then computes on the input's values in that format, in its
+forward pass and again in the backward pass, so the two runs agree, and the gradient reaching
+the input passes to the residual stream unchanged (as through a rounding that is not there).
+What changes numerically is the layer's input, rounded to the format at every checkpointed
+layer; the residual stream itself, outside the layers, stays float32.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from dsq.formats import Format
+
 from . import accounting
+from .accounting import recomputation
 from .config import QuantConfig
+from .functions import _stash_header, _stash_restore
 
 
 def _contexts():
@@ -33,7 +46,8 @@ def _contexts():
 def checkpoint_layers(layers: Iterable[nn.Module], cfg: QuantConfig | None = None) -> int:
     """Run each of ``layers`` under non-reentrant activation checkpointing from now on (its
     ``forward`` replaced on the instance), where a gradient can follow; return how many. ``cfg``,
-    the model's QuantConfig if it is patched: stochastic rounding at any point is refused."""
+    the model's QuantConfig if it is patched: stochastic rounding at any point is refused, and
+    a ``quant.saved.checkpoint`` format holds each layer's input (`held_input_checkpoint`)."""
     if cfg is not None:
         stochastic = [p for p, mode in cfg.rounding.items() if mode == "stochastic"]
         if stochastic:
@@ -42,6 +56,7 @@ def checkpoint_layers(layers: Iterable[nn.Module], cfg: QuantConfig | None = Non
                 f"{stochastic} would draw other noise the second time. Round to nearest, or "
                 "turn checkpointing off"
             )
+    held = None if cfg is None else cfg.saved_format("checkpoint")
     count = 0
     for layer in layers:
         forward = layer.forward
@@ -49,9 +64,107 @@ def checkpoint_layers(layers: Iterable[nn.Module], cfg: QuantConfig | None = Non
         def checkpointed(*args, _forward=forward, **kwargs):
             if not torch.is_grad_enabled():
                 return _forward(*args, **kwargs)
+            if held is not None:
+                return held_input_checkpoint(held, _forward, *args, **kwargs)
             return checkpoint(_forward, *args, use_reentrant=False,
                               context_fn=_contexts, **kwargs)  # fmt: skip
 
         layer.forward = checkpointed
         count += 1
     return count
+
+
+# -- a checkpointed layer's input held in a format ------------------------------------------------
+def _needs_grad(value) -> bool:
+    """Whether ``value`` is or holds (in a tuple, list or dict) a tensor needing a gradient."""
+    if isinstance(value, torch.Tensor):
+        return value.requires_grad
+    if isinstance(value, (tuple, list)):
+        return any(_needs_grad(v) for v in value)
+    if isinstance(value, dict):
+        return any(_needs_grad(v) for v in value.values())
+    return False
+
+
+def held_input_checkpoint(fmt: Format, function, *args, **kwargs):
+    """``function(*args, **kwargs)`` checkpointed with its first argument held in ``fmt``
+    (module docstring): the layer computes on that argument's values in ``fmt``, in the forward
+    pass and when the backward pass runs it again, and its gradient passes to the argument
+    unchanged. The other positional arguments are kept as given and get their gradients; a
+    keyword argument needing a gradient is refused (it would not get one)."""
+    x = args[0] if args else None
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise ValueError(
+            "quant.saved.checkpoint holds a checkpointed layer's first positional argument, and "
+            f"this layer got {type(x).__name__}: pass its hidden states positionally, or set "
+            "quant.saved.checkpoint=keep"
+        )
+    needing = sorted(k for k, v in kwargs.items() if _needs_grad(v))
+    if needing:
+        raise ValueError(
+            f"quant.saved.checkpoint: keyword argument(s) {needing} of a checkpointed layer need "
+            "a gradient, which this checkpoint passes to positional arguments only; pass them "
+            "positionally, or set quant.saved.checkpoint=keep"
+        )
+    run = functools.partial(function, **kwargs) if kwargs else function
+    return _HeldInputCheckpoint.apply(run, fmt, *args)
+
+
+def _drop(t: torch.Tensor) -> None:
+    return None
+
+
+def _dropped(_) -> torch.Tensor:
+    raise RuntimeError("a checkpointed layer's first forward pass keeps no tensor for backward")
+
+
+def _detached(out):
+    if isinstance(out, torch.Tensor):
+        return out.detach()
+    if isinstance(out, tuple):
+        return tuple(_detached(o) for o in out)
+    return out
+
+
+class _HeldInputCheckpoint(torch.autograd.Function):
+    """`held_input_checkpoint`. The forward pass runs ``run`` with every tensor it would save
+    dropped (as ``torch.utils.checkpoint`` drops them: the DSQ layers still note their GEMMs and
+    stash bytes) and keeps the first input packed; the backward pass unpacks it, runs ``run``
+    again with the random number generators' states of the first run, and passes the outputs'
+    gradients back through it."""
+
+    @staticmethod
+    def forward(ctx, run, fmt, x, *rest):
+        packed = fmt.pack(x.detach(), -1)
+        held = packed.unpack()
+        ctx.header, payload = _stash_header(packed)
+        for t in payload:  # already in its format: a stash_scope=all hook leaves it be
+            t.dsq_packed = True
+        ctx.save_for_backward(*payload)
+        # the other arguments as given (not through saved-tensor hooks, which could change
+        # their values for the second run)
+        ctx.run, ctx.rest = run, rest
+        ctx.rng = torch.get_rng_state()
+        ctx.cuda_rng = torch.cuda.get_rng_state(x.device) if x.is_cuda else None
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_drop, _dropped):
+            out = run(held, *rest)
+        return _detached(out)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x = _stash_restore(ctx.header, ctx.saved_tensors).unpack().requires_grad_()
+        rest = [a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
+                for a in ctx.rest]  # fmt: skip
+        devices = [x.device] if x.is_cuda else []
+        with torch.random.fork_rng(devices=devices), torch.enable_grad(), recomputation():
+            torch.set_rng_state(ctx.rng)
+            if ctx.cuda_rng is not None:
+                torch.cuda.set_rng_state(ctx.cuda_rng, x.device)
+            out = ctx.run(x, *rest)
+        outs = out if isinstance(out, tuple) else (out,)
+        pairs = [(o, g) for o, g in zip(outs, grads)
+                 if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]  # fmt: skip
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        rest_grads = [a.grad if isinstance(a, torch.Tensor) else None for a in rest]
+        return (None, None, x.grad, *rest_grads)

@@ -133,8 +133,9 @@ class QuantConfig:
 
     def saved_format(self, kind: str | None) -> Format | None:
         """The format ``stash_scope="all"`` holds a saved tensor of ``kind`` in (`SAVED_KINDS`;
-        None: a GEMM's input, held in q1), or None where it is kept as autograd saved it."""
-        what = "q1" if kind is None else self.spec.saved[kind]
+        None: a GEMM's input, held in q1), or None where it is kept as autograd saved it (every
+        kind under ``stash_scope="gemm"``, which has no rules)."""
+        what = "q1" if kind is None else self.spec.saved.get(kind, "keep")
         if what == "keep":
             return None
         return self.format("q1") if what == "q1" else parse_format(what)

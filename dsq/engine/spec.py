@@ -42,15 +42,24 @@ QUANT_KEYS = (*POINTS, "stash_scope", "rounding", "gemm_unit", "engine", "attent
 # What stash_scope="all" holds of each kind of tensor autograd saves outside the GEMMs (docs/dsq.md,
 # "What stash_scope=all holds"): the inputs of a normalization, of a pointwise activation, the
 # other tensors of the graph (an elementwise product's operands, a softmax's output) and tensors
-# that need no gradient (RoPE's cos and sin). Each holds a format spec, "q1" (the stash point's
-# format in force) or "keep" (as autograd saved it). A GEMM's input is always held in q1.
-SAVED_KINDS = ("norm", "activation", "elementwise", "constant")
+# that need no gradient (RoPE's cos and sin), and the input a checkpointed layer keeps in place of
+# its activations (docs/dsq.md, "What the backward pass holds"). Each holds a format spec, "q1"
+# (the stash point's format in force) or "keep" (as autograd saved it). A GEMM's input is always
+# held in q1.
+SAVED_KINDS = ("norm", "activation", "elementwise", "constant", "checkpoint")
 SAVED_HOLDS = ("q1", "keep")
 # Eight-bit blocks for what the derivatives read: the 2-bit stash everywhere did not train (a
 # Llama LM and the demo barely learned); GEMM inputs, whose errors the DSQ schedule manages, stay
 # in q1.
 SAVED_DEFAULT = MappingProxyType(
-    {"norm": "bfp8e8b16", "activation": "bfp8e8b16", "elementwise": "bfp8e8b16", "constant": "keep"}
+    {
+        "norm": "bfp8e8b16",
+        "activation": "bfp8e8b16",
+        "elementwise": "bfp8e8b16",
+        "constant": "keep",
+        # float32 until its quality is measured: holding it narrow rounds every layer's input
+        "checkpoint": "keep",
+    }
 )
 # How the attention products run (docs/dsq.md, "Attention in tiles"): ``tiled``, a block of query
 # rows at a time, holding nothing sequence x sequence; ``explicit``, the definition, with the

@@ -26,6 +26,7 @@ the same GEMMs and block axes as ``DSQLinearFunction``, on the transposed weight
 from __future__ import annotations
 
 import copy
+import functools
 import importlib
 import importlib.metadata
 import json
@@ -37,11 +38,13 @@ from pathlib import Path
 import torch
 import transformers
 from torch import nn
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.pytorch_utils import Conv1D
 
 from dsq import cost
 from dsq.atomic_files import atomic_path, write_atomic
 from dsq.engine.attention import dsq_attention, explicit_attention
+from dsq.engine.checkpointing import held_input_checkpoint
 from dsq.engine.config import POINTS, QuantConfig
 from dsq.engine.functions import dsq_linear
 from dsq.engine.history import PrecisionHistory
@@ -190,10 +193,13 @@ class TransformersPatcher:
 
     def finish(self, model, cfg, report, excluded) -> None:
         stochastic = [p for p, mode in cfg.rounding.items() if mode == "stochastic"]
+        held = cfg.saved_format("checkpoint")
         for prefix, inner in outermost_transformers_models(model):
             if stochastic:
                 hook = inner.register_forward_pre_hook(_RefuseCheckpointing(stochastic))
                 on_unpatch(inner, "remove", hook)
+            if held is not None:
+                _hold_checkpointed_inputs(inner, held, report, prefix)
             where = f" of {prefix}" if prefix else ""
             try:
                 routed, excluded_names, note = route_attention(
@@ -226,6 +232,52 @@ class _RefuseCheckpointing:
                 f"{self.stochastic} would draw other noise the second time. Round to nearest, "
                 "or call gradient_checkpointing_disable()"
             )
+
+
+class _HoldCheckpointedInput:
+    """Forward pre-hook and hook of a ``transformers`` layer that checkpoints
+    (``gradient_checkpointing_enable``): for the length of its call its checkpointing function is
+    `held_input_checkpoint` in the ``quant.saved.checkpoint`` format, and after the call the
+    model's own again, so that unpatching, or a later ``gradient_checkpointing_enable``, finds
+    the model's function in place."""
+
+    def __init__(self, fmt):
+        self.fmt = fmt
+
+    def __call__(self, module, args, *output):
+        own = module.__dict__.pop("dsq_own_checkpointing", None)
+        if output:  # after the call (or its exception)
+            if own is not None:
+                module._gradient_checkpointing_func = own
+            return None
+        if own is not None:  # a call cut short before its hook ran
+            module._gradient_checkpointing_func = own
+        if module.gradient_checkpointing:
+            module.dsq_own_checkpointing = module._gradient_checkpointing_func
+            module._gradient_checkpointing_func = functools.partial(held_input_checkpoint,
+                                                                    self.fmt)  # fmt: skip
+        return None
+
+
+def _hold_checkpointed_inputs(model, fmt, report: PatchReport, prefix: str) -> None:
+    """Every layer of ``model`` that ``transformers`` checkpoints holds its input in ``fmt``
+    when checkpointing is on; a rule no layer would apply is refused."""
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    if not layers:
+        raise ValueError(
+            f"quant.saved.checkpoint={fmt.spec}: {type(model).__name__} has no layer that "
+            "transformers checkpoints (GradientCheckpointingLayer); set quant.saved.checkpoint="
+            "keep"
+        )
+    hook = _HoldCheckpointedInput(fmt)
+    for layer in layers:
+        on_unpatch(layer, "remove", layer.register_forward_pre_hook(hook))
+        on_unpatch(layer, "remove", layer.register_forward_hook(hook, always_call=True))
+    where = f" of {prefix}" if prefix else ""
+    report.notes.append(
+        f"checkpointed layer inputs{where} held in {fmt.spec} under gradient checkpointing "
+        f"({len(layers)} layers)"
+    )
 
 
 def outermost_transformers_models(model: nn.Module) -> list[tuple[str, nn.Module]]:

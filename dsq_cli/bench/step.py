@@ -206,7 +206,14 @@ class Setup:
 SCOPES = {
     "gemm": {"stash_scope": "gemm"},
     "all": {"stash_scope": "all"},
-    "all-q1": {"stash_scope": "all", "saved": dict.fromkeys(SAVED_KINDS, "q1")},
+    # every kind of saved tensor in q1; a checkpointed layer's input stays float32, as the rows
+    # measured before that rule existed held it
+    "all-q1": {
+        "stash_scope": "all",
+        "saved": dict.fromkeys(SAVED_KINDS, "q1") | {"checkpoint": "keep"},
+    },
+    # all, and a checkpointed layer's input held in eight-bit blocks
+    "all-held": {"stash_scope": "all", "saved": {"checkpoint": "bfp8e8b16"}},
 }
 
 

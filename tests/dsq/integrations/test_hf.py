@@ -242,6 +242,72 @@ def test_stochastic_rounding_under_the_models_gradient_checkpointing_is_refused(
     model(*batch())
 
 
+HELD = QuantConfig(q0="bfp8", q1="bfp4", q2="bfp8", q3="fixed16", stash_scope="all",
+                   saved={"norm": "keep", "activation": "keep", "elementwise": "keep",
+                          "checkpoint": "bfp8"})  # fmt: skip
+
+
+def test_checkpointed_layers_hold_their_inputs_in_the_rule_s_format(monkeypatch):
+    """Under ``gradient_checkpointing_enable`` with ``quant.saved.checkpoint=bfp8``, each
+    decoder layer keeps its input packed: the loss and gradients are those of the model run
+    without checkpointing on each layer's input rounded to bfp8 (its gradient passed through),
+    and after the call the model's own checkpointing function is back in place."""
+    from dsq.engine import checkpointing
+    from dsq.formats import parse_format
+
+    bfp8 = parse_format("bfp8")
+    ids, mask = batch()
+    calls = []
+    real = checkpointing.held_input_checkpoint
+
+    def spy(fmt, function, *args, **kwargs):
+        calls.append(fmt.spec)
+        return real(fmt, function, *args, **kwargs)
+
+    monkeypatch.setattr("dsq.integrations.hf.held_input_checkpoint", spy)
+    model = quantize_model(build("llama", "sdpa"), HELD)
+    assert any("checkpointed layer inputs held in bfp8e8b16" in n for n in model.dsq_report.notes)
+    model.train()
+    model.gradient_checkpointing_enable({"use_reentrant": False})
+    own = [layer._gradient_checkpointing_func for layer in model.model.layers]
+    loss = model(ids, attention_mask=mask, labels=ids).loss
+    loss.backward()
+    got = [loss.detach()] + [p.grad.clone() for p in model.parameters()]
+    assert calls == ["bfp8e8b16", "bfp8e8b16"]  # one per layer
+    assert [layer._gradient_checkpointing_func for layer in model.model.layers] == own
+
+    reference = quantize_model(build("llama", "sdpa"), HELD)
+    reference.train()
+    for layer in reference.model.layers:  # the input rounded, its gradient passed as it is
+        layer.register_forward_pre_hook(
+            lambda m, args: (
+                args[0] + (bfp8.quantize(args[0].detach(), -1) - args[0]).detach(),
+                *args[1:],
+            )  # fmt: skip
+        )
+    loss = reference(ids, attention_mask=mask, labels=ids).loss
+    loss.backward()
+    expected = [loss.detach()] + [p.grad for p in reference.parameters()]
+    for a, e in zip(got, expected):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-7)
+    dsq.unpatch(model)
+    assert [layer._gradient_checkpointing_func for layer in model.model.layers] == own
+    assert not any(layer._forward_pre_hooks for layer in model.model.layers)
+
+
+def test_a_checkpoint_rule_on_a_model_without_checkpointed_layers_is_refused():
+    class NoLayers(transformers.PreTrainedModel):
+        config_class = transformers.PretrainedConfig
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.proj = nn.Linear(8, 8)
+
+    NoLayers.__module__ = "transformers.models.no_layers"  # a model of transformers' own
+    with pytest.raises(ValueError, match="no layer that transformers checkpoints"):
+        quantize_model(NoLayers(transformers.PretrainedConfig()), HELD)
+
+
 def test_under_bf16_autocast_a_patched_llama_computes_what_it_computes_without():
     """dsq's operations run as autocast's float32 ones (their formats decide every GEMM) and a
     Llama's other operations (RMSNorm upcasts itself, SiLU, the loss) are none autocast lowers:

@@ -196,4 +196,4 @@ def test_a_bench_scope_sets_the_stash_scope_and_all_q1_holds_every_kind_in_q1():
     assert set(SCOPES) == {"gemm", "all", "all-q1"}
     assert saved("gemm") == {}
     assert saved("all") == dict(SAVED_DEFAULT)
-    assert saved("all-q1") == dict.fromkeys(SAVED_KINDS, "q1")
+    assert saved("all-q1") == dict.fromkeys(SAVED_KINDS, "q1") | {"checkpoint": "keep"}

@@ -1,0 +1,114 @@
+"""A checkpointed layer's input held in a format (docs/dsq.md, "What the backward pass holds"):
+the layer computes on the held values in both of its runs, its gradients are those of the layer
+run once on those values, and the backward pass keeps only the packed input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from dsq.engine.checkpointing import held_input_checkpoint
+from dsq.formats import parse_format
+
+BFP8 = parse_format("bfp8e8b16")
+
+
+class Layer(nn.Module):
+    """A residual block with dropout (random numbers the second run must draw again) and a
+    second input needing a gradient, as a decoder layer's encoder output does."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(32, 64), nn.Linear(64, 32)
+        self.memory = nn.Linear(32, 32)
+
+    def forward(self, x, memory=None, scale=1.0):
+        h = nn.functional.dropout(torch.relu(self.up(x)), p=0.3, training=True)
+        out = x + self.down(h) * scale
+        return out if memory is None else out + self.memory(memory)
+
+
+def grads(layer, *tensors):
+    return [p.grad for p in layer.parameters() if p.grad is not None] + [t.grad for t in tensors]
+
+
+@pytest.mark.parametrize("with_memory", [False, True])
+def test_the_held_values_in_both_runs_and_the_gradients_of_one_run_on_them(with_memory):
+    torch.manual_seed(0)
+    layer = Layer()
+    x = torch.randn(4, 8, 32, requires_grad=True)
+    memory = torch.randn(4, 8, 32, requires_grad=True) if with_memory else None
+    extra = (memory,) if with_memory else ()
+    dy = torch.randn(4, 8, 32)
+
+    torch.manual_seed(1)
+    out = held_input_checkpoint(BFP8, layer, x, *extra, scale=0.5)
+    out.backward(dy)
+    got = [g.clone() for g in grads(layer, x, *extra)]
+    layer.zero_grad()
+
+    # the reference: the layer run once on x's values in bfp8, its gradient passed to x as is
+    held = BFP8.quantize(x.detach(), -1).requires_grad_()
+    memory_ref = memory.detach().clone().requires_grad_() if with_memory else None
+    torch.manual_seed(1)
+    expected_out = layer(held, memory_ref, scale=0.5)
+    expected_out.backward(dy)
+    expected = grads(layer, held, *((memory_ref,) if with_memory else ()))
+
+    assert not torch.equal(held, x)  # the held values differ from x: the test can tell
+    torch.testing.assert_close(out, expected_out, rtol=0, atol=0)
+    assert len(got) == len(expected)
+    for a, e in zip(got, expected):
+        torch.testing.assert_close(a, e, rtol=0, atol=0)
+
+
+def test_the_backward_pass_keeps_the_packed_input_and_no_activation():
+    layer = Layer()
+    x = torch.randn(4, 64, 32, requires_grad=True)
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = held_input_checkpoint(BFP8, layer, x)
+    out.sum().backward()
+    assert all(p.grad is not None for p in (*layer.up.parameters(), *layer.down.parameters()))
+    held_bytes = sum(t.numel() * t.element_size() for t in saved)
+    assert held_bytes == BFP8.pack(x.detach(), -1).nbytes  # about a byte a value: x is 4
+    assert held_bytes < x.numel() * 4 / 3
+
+
+def test_a_keyword_argument_needing_a_gradient_is_refused():
+    layer = Layer()
+    x = torch.randn(2, 3, 32, requires_grad=True)
+    memory = torch.randn(2, 3, 32, requires_grad=True)
+    with pytest.raises(ValueError, match=r"keyword argument\(s\) \['memory'\].*positionally"):
+        held_input_checkpoint(BFP8, layer, x, memory=memory)
+
+
+def test_a_layer_without_a_positional_tensor_is_refused():
+    with pytest.raises(ValueError, match="first positional argument.*NoneType"):
+        held_input_checkpoint(BFP8, Layer(), x=torch.randn(2, 32))
+
+
+def test_checkpoint_layers_holds_each_input_by_the_rule():
+    """`checkpoint_layers` (fairseq's ``train.activation_checkpointing``) under a config whose
+    ``quant.saved.checkpoint`` is bfp8: each layer's output is the layer's on its input in
+    bfp8; with the rule ``keep`` (the default), on its input as it is."""
+    from dsq.engine import QuantConfig
+    from dsq.engine.checkpointing import checkpoint_layers
+
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    for rule, held in (("bfp8", BFP8.quantize(x.detach(), -1)), ("keep", x.detach())):
+        torch.manual_seed(0)
+        layer = Layer()
+        cfg = QuantConfig(stash_scope="all", saved={"checkpoint": rule})
+        assert checkpoint_layers([layer], cfg) == 1
+        torch.manual_seed(1)
+        got = layer(x)
+        layer.forward = Layer.forward.__get__(layer)  # the layer as it was
+        torch.manual_seed(1)
+        torch.testing.assert_close(got, layer(held), rtol=0, atol=0)
