@@ -10,10 +10,11 @@ next-token; BERT: masked LM on every token), on random token ids.
 Each (row, sequence length, batch size) runs in a fresh process, so that the process's peak
 resident memory (``ru_maxrss``) is that step's alone; it runs one step to warm up, ``repeats``
 timed steps, and one more measured by the allocator (`step.allocated_during`: what was live
-before it, parameters and Adam's state, plus the most the step held at once). Memory per token
-is the difference of two batch sizes' peaks over the difference of their tokens, so that what
-does not grow with the batch (the model, the optimizer, the libraries) cancels; tokens at a
-budget extrapolate that line. Both peaks are reported: they differ where the allocator's tensors
+before it, parameters and Adam's state, plus the most its forward and backward passes held at
+once; the optimizer step's own peak, which does not grow with the batch, beside it). Memory
+per token is the difference of two batch sizes' peaks over the difference of their tokens, so
+that what does not grow with the batch (the model, the optimizer, the libraries) cancels; tokens
+at a budget extrapolate that line. Both peaks are reported: they differ where the allocator's tensors
 are not all the process holds (the C library's heap, freed memory kept for reuse).
 """
 
@@ -118,14 +119,17 @@ def measure(shape: ModelShape, row: Row, seq_len: int, batch: int, repeats: int)
     )
     losses = []
 
-    def step():
+    def forward_backward():
         optimizer.zero_grad(set_to_none=True)
         dtype = cfg.autocast_dtype
         with torch.autocast("cpu", dtype or torch.float32, enabled=dtype is not None):
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
-        optimizer.step()
         losses.append(float(loss))
+
+    def step():
+        forward_backward()
+        optimizer.step()
 
     step()  # warm-up: Adam's state, first-call costs
     times = []
@@ -141,10 +145,16 @@ def measure(shape: ModelShape, row: Row, seq_len: int, batch: int, repeats: int)
         for t in s.values()
         if isinstance(t, torch.Tensor)
     )
-    peak = allocated_during(step, torch.device("cpu")).peak
+    # the forward and backward passes, whose peak grows with the tokens, and the optimizer step
+    # after them, whose peak (the gradients, Adam's temporaries) does not: a slope through whole
+    # steps' peaks would mix the two where a small batch peaks in the optimizer step
+    cpu = torch.device("cpu")
+    passes = allocated_during(forward_backward, cpu)
+    update = allocated_during(optimizer.step, cpu)
     return {
         "step_s": statistics.median(times),
-        "allocator_bytes": state + peak,
+        "allocator_bytes": state + passes.peak,
+        "optimizer_step_bytes": state + passes.held + update.peak,
         "rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * KIB,
         "first_loss": losses[0],
     }
@@ -166,14 +176,17 @@ def measure_in_fresh_process(shape, row, seq_len, batch, repeats, threads) -> di
 
 def run(shape: ModelShape, rows: list[Row], seq_lens, budget: int, repeats: int = 2,
         batches=None, threads: int | None = None) -> dict:  # fmt: skip
-    """Every row at every sequence length, each at two batch sizes (``batches``, default 1 and
-    2 sequences, 4 and 8 below 512 tokens): per token, the allocator's and the process's bytes
+    """Every row at every sequence length, each at two batch sizes (``batches``, default 2 and
+    3 sequences, 4 and 8 below 512 tokens): per token, the allocator's and the process's bytes
     (the slope between the two), time (the larger batch's step over its tokens), and tokens at
-    ``budget`` (the line through the two peaks, whole sequences)."""
+    ``budget`` (the line through the two peaks, whole sequences). Not 1 and 2 sequences: with
+    checkpointing, one sequence's passes peak at the end of the backward pass (the parameters'
+    gradients), more sequences' at the loss, and a slope across the two phases is no bytes a
+    token (measured: 56 KiB a token from 1 to 2 sequences of 1,024, 110 from 2 to 3)."""
     threads = threads or torch.get_num_threads()
     results = []
     for seq_len in seq_lens:
-        small, large = batches or ((4, 8) if seq_len < 512 else (1, 2))
+        small, large = batches or ((4, 8) if seq_len < 512 else (2, 3))
         for row in rows:
             a = measure_in_fresh_process(shape, row, seq_len, small, repeats, threads)
             b = measure_in_fresh_process(shape, row, seq_len, large, repeats, threads)
