@@ -226,9 +226,10 @@ THREADS_OPTION = typer.Option(0, min=0, help="transformers models: threads a row
 
 
 def _transformers_bench(model, presets, layers, width, heads, kv_heads, vocab, seq_lens,
-                        scopes, checkpointing, repeats, budget, threads, refused):  # fmt: skip
+                        scopes, checkpointing, repeats, budget, threads, refused,
+                        loss_chunk=None):  # fmt: skip
     """The rows of ``dsq bench memory|step --model llama|gpt2|bert``; ``refused`` names the
-    fairseq-only options given, each a usage error."""
+    fairseq-only options given, each a usage error; ``loss_chunk`` None: the model's own loss."""
     from dsq_cli.bench import memory, transformers_models
     from dsq_cli.bench.step import SCOPES
 
@@ -256,8 +257,22 @@ def _transformers_bench(model, presets, layers, width, heads, kv_heads, vocab, s
         _preset_names(presets), _choices("--scopes", scopes, tuple(SCOPES)),
         _variant_options(checkpointing),
     )  # fmt: skip
+    if loss_chunk and model not in transformers_models.CAUSAL:
+        raise ValueError(
+            f"--loss-chunk takes a causal LM's output layer in chunks "
+            f"({list(transformers_models.CAUSAL)}); leave it out for {model}"
+        )
     return transformers_models.run(shape, rows, lengths, memory.parse_size(budget), repeats,
-                                   threads=threads)  # fmt: skip
+                                   threads=threads, loss_chunk=loss_chunk or 0)  # fmt: skip
+
+
+LOSS_CHUNK_OPTION = typer.Option(
+    None,
+    min=0,
+    help="Tokens per chunk of the output layer and its loss (0: the whole batch at once); dsq "
+    "train's train.loss_chunk_tokens. Default: 1024 for fairseq; for a causal LM from "
+    "transformers (llama, gpt2), its own loss.",
+)
 
 
 SCOPES_OPTION = typer.Option(
@@ -301,12 +316,7 @@ def bench_step(
         help="Leave the output projection (width x vocab, the step's largest GEMMs) fp32 in every "
         "row. By default it is quantized as each preset says, as dsq train runs it.",
     ),
-    loss_chunk: int = typer.Option(
-        1024,
-        min=0,
-        help="Tokens per chunk of the output layer and its loss (0: the whole batch at once); "
-        "dsq train's train.loss_chunk_tokens.",
-    ),
+    loss_chunk: int | None = LOSS_CHUNK_OPTION,
     model: str = MODEL_OPTION,
     seq_lens: str = SEQ_LENS_OPTION,
     heads: int = HEADS_OPTION,
@@ -334,7 +344,7 @@ def bench_step(
                    "--gemm-units": gemm_units != "auto"}  # fmt: skip
         result = _transformers_bench(model, presets, layers, width, heads, kv_heads, vocab,
                                      seq_lens, scopes, checkpointing, repeats, "4GiB", threads,
-                                     refused)  # fmt: skip
+                                     refused, loss_chunk)  # fmt: skip
         _print_bench(result, as_json, transformers_models.format_step)
         return
     names = _preset_names(presets)
@@ -344,7 +354,8 @@ def bench_step(
     _check_device(device)
     result = step.run(
         names, layers, width, tokens, src_len, repeats, vocab, device=device, scopes=scope_list,
-        gemm_units=unit_list, checkpointing=ckpt, fp32_head=fp32_head, loss_chunk=loss_chunk,
+        gemm_units=unit_list, checkpointing=ckpt, fp32_head=fp32_head,
+        loss_chunk=step.DEFAULT_CHUNK_TOKENS if loss_chunk is None else loss_chunk,
         breakdown=breakdown,
     )  # fmt: skip
     _print_bench(result, as_json, step.format_table)
@@ -387,9 +398,7 @@ def bench_memory(
     fp32_head: bool = typer.Option(
         False, "--fp32-head", help="Leave the output projection fp32 in every row."
     ),
-    loss_chunk: int = typer.Option(
-        1024, min=0, help="Tokens per chunk of the output layer and its loss (0: whole)."
-    ),
+    loss_chunk: int | None = LOSS_CHUNK_OPTION,
     model: str = MODEL_OPTION,
     seq_lens: str = SEQ_LENS_OPTION,
     heads: int = HEADS_OPTION,
@@ -401,7 +410,7 @@ def bench_memory(
 ):
     """The largest batch (whole sentences) whose training step's peak memory fits the budget,
     per quant preset, stash scope and checkpointing, side by side."""
-    from dsq_cli.bench import memory
+    from dsq_cli.bench import memory, step
     from dsq_cli.bench.step import SCOPES
 
     if model != "fairseq":
@@ -410,7 +419,7 @@ def bench_memory(
         refused = {"--fp32-head": fp32_head, "--device": device != "cpu"}
         result = _transformers_bench(model, presets, layers, width, heads, kv_heads, vocab,
                                      seq_lens, scopes, checkpointing, repeats, budget, threads,
-                                     refused)  # fmt: skip
+                                     refused, loss_chunk)  # fmt: skip
         _print_bench(result, as_json, transformers_models.format_memory)
         return
     size = memory.parse_size(budget)
@@ -420,7 +429,8 @@ def bench_memory(
     _check_device(device)
     result = memory.run(
         names, size, layers, width, src_len, vocab, device=device, scopes=scope_list,
-        checkpointing=ckpt, fp32_head=fp32_head, loss_chunk=loss_chunk,
+        checkpointing=ckpt, fp32_head=fp32_head,
+        loss_chunk=step.DEFAULT_CHUNK_TOKENS if loss_chunk is None else loss_chunk,
     )  # fmt: skip
     _print_bench(result, as_json, memory.format_table)
 

@@ -14,8 +14,8 @@ before it, parameters and Adam's state, plus the most its forward and backward p
 once; the optimizer step's own peak, which does not grow with the batch, beside it). Memory
 per token is the difference of two batch sizes' peaks over the difference of their tokens, so
 that what does not grow with the batch (the model, the optimizer, the libraries) cancels; tokens
-at a budget extrapolate that line. Both peaks are reported: they differ where the allocator's tensors
-are not all the process holds (the C library's heap, freed memory kept for reuse).
+at a budget extrapolate that line. Both peaks are reported: they differ where the allocator's
+tensors are not all the process holds (the C library's heap, freed memory kept for reuse).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import torch
 from dsq_cli.models.causal_lm import KINDS, build_causal_lm
 
 MODELS = ("llama", "gpt2", "bert")
+CAUSAL = KINDS  # the models whose output layer and loss `--loss-chunk` may take in chunks
 KIB = 2**10
 
 
@@ -94,9 +95,12 @@ def rows_of(presets, scopes, checkpointing) -> list[Row]:
     return rows
 
 
-def measure(shape: ModelShape, row: Row, seq_len: int, batch: int, repeats: int) -> dict:
+def measure(shape: ModelShape, row: Row, seq_len: int, batch: int, repeats: int,
+            loss_chunk: int = 0) -> dict:  # fmt: skip
     """In this process: the step's median time, allocator peak and the process's peak resident
-    memory (see the module docstring)."""
+    memory (see the module docstring). ``loss_chunk`` tokens (a causal LM): the output layer and
+    its next-token loss in chunks (`chunked_output_loss`), as ``dsq train task=lm`` takes them;
+    0: the model's own loss."""
     from dsq.engine import QuantConfig
     from dsq.integrations import quantize_model
     from dsq_cli.cpu_allocator import keep_freed_memory
@@ -123,7 +127,8 @@ def measure(shape: ModelShape, row: Row, seq_len: int, batch: int, repeats: int)
         optimizer.zero_grad(set_to_none=True)
         dtype = cfg.autocast_dtype
         with torch.autocast("cpu", dtype or torch.float32, enabled=dtype is not None):
-            loss = model(input_ids=ids, labels=ids).loss
+            loss = (_chunked_loss(model, ids, loss_chunk) if loss_chunk
+                    else model(input_ids=ids, labels=ids).loss)  # fmt: skip
         loss.backward()
         losses.append(float(loss))
 
@@ -160,9 +165,29 @@ def measure(shape: ModelShape, row: Row, seq_len: int, batch: int, repeats: int)
     }
 
 
-def measure_in_fresh_process(shape, row, seq_len, batch, repeats, threads) -> dict:
+def _chunked_loss(model, ids, chunk_tokens: int) -> torch.Tensor:
+    """The mean next-token cross-entropy of ``ids``, the output layer and its loss a chunk of
+    tokens at a time (the model's own loss's values, up to float32 summation order)."""
+    from dsq.engine.chunked_output import chunked_output_loss
+    from dsq_cli.models.causal_lm import body_and_head
+
+    body, head = body_and_head(model)
+    hidden = body(input_ids=ids, use_cache=False).last_hidden_state[:, :-1]
+    targets = ids[:, 1:].reshape(-1)
+    (total,) = chunked_output_loss(
+        hidden.reshape(-1, hidden.shape[-1]), head,
+        lambda logits, target: torch.nn.functional.cross_entropy(logits.float(), target,
+                                                                 reduction="sum"),
+        targets, list(head.parameters()), chunk_tokens,
+    )  # fmt: skip
+    return total / targets.numel()
+
+
+def measure_in_fresh_process(shape, row, seq_len, batch, repeats, threads,
+                             loss_chunk: int = 0) -> dict:  # fmt: skip
     spec = {"shape": dataclasses.asdict(shape), "row": dataclasses.asdict(row),
-            "seq_len": seq_len, "batch": batch, "repeats": repeats}  # fmt: skip
+            "seq_len": seq_len, "batch": batch, "repeats": repeats,
+            "loss_chunk": loss_chunk}  # fmt: skip
     env = os.environ | {"OMP_NUM_THREADS": str(threads)}
     done = subprocess.run(
         [sys.executable, "-m", "dsq_cli.bench.transformers_models", json.dumps(spec)],
@@ -175,7 +200,7 @@ def measure_in_fresh_process(shape, row, seq_len, batch, repeats, threads) -> di
 
 
 def run(shape: ModelShape, rows: list[Row], seq_lens, budget: int, repeats: int = 2,
-        batches=None, threads: int | None = None) -> dict:  # fmt: skip
+        batches=None, threads: int | None = None, loss_chunk: int = 0) -> dict:  # fmt: skip
     """Every row at every sequence length, each at two batch sizes (``batches``, default 2 and
     3 sequences, 4 and 8 below 512 tokens): per token, the allocator's and the process's bytes
     (the slope between the two), time (the larger batch's step over its tokens), and tokens at
@@ -188,8 +213,10 @@ def run(shape: ModelShape, rows: list[Row], seq_lens, budget: int, repeats: int 
     for seq_len in seq_lens:
         small, large = batches or ((4, 8) if seq_len < 512 else (2, 3))
         for row in rows:
-            a = measure_in_fresh_process(shape, row, seq_len, small, repeats, threads)
-            b = measure_in_fresh_process(shape, row, seq_len, large, repeats, threads)
+            a = measure_in_fresh_process(shape, row, seq_len, small, repeats, threads,
+                                         loss_chunk)  # fmt: skip
+            b = measure_in_fresh_process(shape, row, seq_len, large, repeats, threads,
+                                         loss_chunk)  # fmt: skip
             entry = {"row": row.label, "seq_len": seq_len, "batches": [small, large]}
             if "error" in a or "error" in b:
                 results.append(entry | {"error": a.get("error") or b.get("error")})
@@ -216,6 +243,7 @@ def run(shape: ModelShape, rows: list[Row], seq_lens, budget: int, repeats: int 
         "budget_bytes": budget,
         "repeats": repeats,
         "threads": threads,
+        "loss_chunk": loss_chunk,
         "machine": machine_description(torch.device("cpu")).rsplit(",", 1)[0],
         "torch": torch.__version__,
         "rows": results,
@@ -285,15 +313,20 @@ def _footer(result: dict) -> str:
     m = result["model"]
     return (
         f"{m['kind']}: {m['layers']} layers, width {m['width']}, {m['heads']} heads "
-        f"({m['kv_heads']} key/value), vocabulary {m['vocab']}; Adam, the model's own loss; "
+        f"({m['kv_heads']} key/value), vocabulary {m['vocab']}; Adam, {_loss_words(result)}; "
         f"each row and batch a fresh process; {result['machine']}, {result['threads']} threads, "
         f"torch {result['torch']}; median of {result['repeats']} steps"
     )
+
+
+def _loss_words(result: dict) -> str:
+    chunk = result.get("loss_chunk", 0)
+    return f"the loss in chunks of {chunk:,} tokens" if chunk else "the model's own loss"
 
 
 if __name__ == "__main__":  # one measurement, as `measure_in_fresh_process` asks for it
     spec = json.loads(sys.argv[1])
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
     measured = measure(ModelShape(**spec["shape"]), Row(**spec["row"]), spec["seq_len"],
-                       spec["batch"], spec["repeats"])  # fmt: skip
+                       spec["batch"], spec["repeats"], spec.get("loss_chunk", 0))  # fmt: skip
     print(json.dumps(measured))

@@ -23,7 +23,7 @@ def test_bytes_per_token_and_tokens_at_a_budget_come_from_the_line_through_two_b
     monkeypatch,
 ):
     # a row holding 1,000 fixed bytes plus 100 a token (the allocator) or 150 (the process)
-    def fake(shape, row, seq_len, batch, repeats, threads):
+    def fake(shape, row, seq_len, batch, repeats, threads, loss_chunk=0):
         tokens = seq_len * batch
         return {"step_s": tokens * 1e-3, "allocator_bytes": 1000 + 100 * tokens,
                 "rss_bytes": 1000 + 150 * tokens, "first_loss": 1.0}  # fmt: skip
@@ -65,6 +65,7 @@ def test_a_tiny_llama_runs_every_row_in_its_own_process():
     (["--model", "llama", "--fp32-head"], "--fp32-head applies to --model fairseq only"),
     (["--model", "gpt2", "--heads", "4", "--kv-heads", "2"], "equal them but for llama"),
     (["--model", "llama", "--seq-lens", "1k"], "--seq-lens: expected lengths"),
+    (["--model", "bert", "--loss-chunk", "64"], "--loss-chunk takes a causal LM's output layer"),
 ])  # fmt: skip
 def test_bad_options_are_one_line_usage_errors(args, says):
     result = CliRunner().invoke(app, ["bench", "memory", "--budget", "1GiB", *args])
@@ -73,7 +74,7 @@ def test_bad_options_are_one_line_usage_errors(args, says):
 
 
 def test_a_peak_that_does_not_grow_with_the_batch_gives_no_tokens_at_the_budget(monkeypatch):
-    def flat(shape, row, seq_len, batch, repeats, threads):
+    def flat(shape, row, seq_len, batch, repeats, threads, loss_chunk=0):
         return {"step_s": 1.0, "allocator_bytes": 1000 + 100 * seq_len * batch,
                 "rss_bytes": 5000, "first_loss": 1.0}  # fmt: skip
 
@@ -82,3 +83,31 @@ def test_a_peak_that_does_not_grow_with_the_batch_gives_no_tokens_at_the_budget(
     (row,) = result["rows"]
     assert row["rss_kib_per_token"] == 0 and row["rss_tokens_at_budget"] is None
     assert "| - |" in tm.format_memory(result)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_the_loss_in_chunks_is_the_models_own_loss_and_reaches_the_runs_footer(kind, monkeypatch):
+    """``--loss-chunk``: the output layer and its next-token loss a chunk at a time give the
+    model's own loss and gradients, up to float32 summation order."""
+    import torch
+
+    shape = tm.ModelShape(kind, layers=1, width=64, heads=2, kv_heads=1 if kind == "llama" else 2,
+                          vocab=64)  # fmt: skip
+    ids = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for chunked in (False, True):
+        model = shape.build(24)
+        loss = tm._chunked_loss(model, ids, 16) if chunked else model(ids, labels=ids).loss
+        loss.backward()
+        grads.append([loss.detach()] + [p.grad for p in model.parameters()])
+    for own, chunked in zip(*grads):
+        torch.testing.assert_close(chunked, own, rtol=1e-5, atol=1e-7)
+
+    def fake(shape, row, seq_len, batch, repeats, threads, loss_chunk=0):
+        assert loss_chunk == 16
+        return {"step_s": 1.0, "allocator_bytes": 100 * batch, "rss_bytes": 100 * batch,
+                "first_loss": 1.0}  # fmt: skip
+
+    monkeypatch.setattr(tm, "measure_in_fresh_process", fake)
+    result = tm.run(shape, [tm.Row("amp_bf16")], [24], budget=10**6, loss_chunk=16)
+    assert "the loss in chunks of 16 tokens" in tm.format_memory(result)
