@@ -298,4 +298,4 @@ def test_quant_saved_kinds_are_set_from_the_command_line_with_or_without_a_plus(
     assert dict(cfg.quant.saved) == {"norm": "bf16", "constant": "q1"}
     held = QuantConfig.from_dict(dict(cfg.quant)).to_dict()["saved"]
     assert held == {"norm": "bf16", "activation": "bfp8e8b16", "elementwise": "bfp8e8b16",
-                    "constant": "q1"}  # fmt: skip
+                    "constant": "q1", "checkpoint": "keep"}  # fmt: skip
