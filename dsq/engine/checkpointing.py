@@ -27,6 +27,7 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
 from dsq.formats import Format
@@ -56,7 +57,6 @@ def checkpoint_layers(layers: Iterable[nn.Module], cfg: QuantConfig | None = Non
                 f"{stochastic} would draw other noise the second time. Round to nearest, or "
                 "turn checkpointing off"
             )
-    held = None if cfg is None else cfg.saved_format("checkpoint")
     count = 0
     for layer in layers:
         forward = layer.forward
@@ -64,6 +64,8 @@ def checkpoint_layers(layers: Iterable[nn.Module], cfg: QuantConfig | None = Non
         def checkpointed(*args, _forward=forward, **kwargs):
             if not torch.is_grad_enabled():
                 return _forward(*args, **kwargs)
+            # the rule's format at this call: `q1` follows the stash's schedule
+            held = None if cfg is None else cfg.saved_format("checkpoint")
             if held is not None:
                 return held_input_checkpoint(held, _forward, *args, **kwargs)
             return checkpoint(_forward, *args, use_reentrant=False,
@@ -99,7 +101,18 @@ def held_input_checkpoint(fmt: Format, function, *args, **kwargs):
             f"this layer got {type(x).__name__}: pass its hidden states positionally, or set "
             "quant.saved.checkpoint=keep"
         )
-    needing = sorted(k for k, v in kwargs.items() if _needs_grad(v))
+    if not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+        # nothing would connect the layer's parameters to the loss (frozen embeddings)
+        raise ValueError(
+            "quant.saved.checkpoint: no positional argument of a checkpointed layer needs a "
+            "gradient, so its parameters would get none; make the input require grad (PEFT: "
+            "enable_input_require_grads()), or set quant.saved.checkpoint=keep"
+        )
+    # keyword arguments bound beforehand (transformers passes partial(forward, **kwargs)) too
+    bound = dict(function.keywords) if isinstance(function, functools.partial) else {}
+    needing = sorted(k for k, v in (bound | kwargs).items() if _needs_grad(v))
+    needing += [f"positional {i}" for i, a in enumerate(args[1:], 1)
+                if not isinstance(a, torch.Tensor) and _needs_grad(a)]  # fmt: skip
     if needing:
         raise ValueError(
             f"quant.saved.checkpoint: keyword argument(s) {needing} of a checkpointed layer need "
@@ -135,6 +148,11 @@ class _HeldInputCheckpoint(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, run, fmt, x, *rest):
+        # autocast as the first run had it, for the second (torch.utils.checkpoint does the same)
+        kinds = {x.device.type, "cpu"}
+        ctx.autocast = [
+            (k, torch.get_autocast_dtype(k)) for k in kinds if torch.is_autocast_enabled(k)
+        ]
         packed = fmt.pack(x.detach(), -1)
         held = packed.unpack()
         ctx.header, payload = _stash_header(packed)
@@ -151,12 +169,24 @@ class _HeldInputCheckpoint(torch.autograd.Function):
         return _detached(out)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, *grads):
+        if not torch.autograd._is_checkpoint_valid():
+            raise RuntimeError(
+                "a layer checkpointed with quant.saved.checkpoint runs its backward pass through "
+                "loss.backward() only, not torch.autograd.grad or backward(inputs=...); set "
+                "quant.saved.checkpoint=keep"
+            )
         x = _stash_restore(ctx.header, ctx.saved_tensors).unpack().requires_grad_()
         rest = [a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
                 for a in ctx.rest]  # fmt: skip
         devices = [x.device] if x.is_cuda else []
-        with torch.random.fork_rng(devices=devices), torch.enable_grad(), recomputation():
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.random.fork_rng(devices=devices))
+            stack.enter_context(torch.enable_grad())
+            stack.enter_context(recomputation())
+            for kind, dtype in ctx.autocast:
+                stack.enter_context(torch.autocast(kind, dtype))
             torch.set_rng_state(ctx.rng)
             if ctx.cuda_rng is not None:
                 torch.cuda.set_rng_state(ctx.cuda_rng, x.device)

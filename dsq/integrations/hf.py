@@ -199,7 +199,7 @@ class TransformersPatcher:
                 hook = inner.register_forward_pre_hook(_RefuseCheckpointing(stochastic))
                 on_unpatch(inner, "remove", hook)
             if held is not None:
-                _hold_checkpointed_inputs(inner, held, report, prefix)
+                _hold_checkpointed_inputs(inner, cfg, report, prefix)
             where = f" of {prefix}" if prefix else ""
             try:
                 routed, excluded_names, note = route_attention(
@@ -241,8 +241,8 @@ class _HoldCheckpointedInput:
     model's own again, so that unpatching, or a later ``gradient_checkpointing_enable``, finds
     the model's function in place."""
 
-    def __init__(self, fmt):
-        self.fmt = fmt
+    def __init__(self, cfg: QuantConfig):
+        self.cfg = cfg
 
     def __call__(self, module, args, *output):
         own = module.__dict__.pop("dsq_own_checkpointing", None)
@@ -254,28 +254,31 @@ class _HoldCheckpointedInput:
             module._gradient_checkpointing_func = own
         if module.gradient_checkpointing:
             module.dsq_own_checkpointing = module._gradient_checkpointing_func
-            module._gradient_checkpointing_func = functools.partial(held_input_checkpoint,
-                                                                    self.fmt)  # fmt: skip
+            # the rule's format at this call: `q1` follows the stash's schedule
+            held = self.cfg.saved_format("checkpoint")
+            module._gradient_checkpointing_func = functools.partial(held_input_checkpoint, held)
         return None
 
 
-def _hold_checkpointed_inputs(model, fmt, report: PatchReport, prefix: str) -> None:
-    """Every layer of ``model`` that ``transformers`` checkpoints holds its input in ``fmt``
-    when checkpointing is on; a rule no layer would apply is refused."""
+def _hold_checkpointed_inputs(model, cfg: QuantConfig, report: PatchReport, prefix: str) -> None:
+    """Every layer of ``model`` that ``transformers`` checkpoints holds its input as
+    ``quant.saved.checkpoint`` says when checkpointing is on; a rule no layer would apply is
+    refused."""
+    what = cfg.spec.saved["checkpoint"]
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     if not layers:
         raise ValueError(
-            f"quant.saved.checkpoint={fmt.spec}: {type(model).__name__} has no layer that "
+            f"quant.saved.checkpoint={what}: {type(model).__name__} has no layer that "
             "transformers checkpoints (GradientCheckpointingLayer); set quant.saved.checkpoint="
             "keep"
         )
-    hook = _HoldCheckpointedInput(fmt)
+    hook = _HoldCheckpointedInput(cfg)
     for layer in layers:
         on_unpatch(layer, "remove", layer.register_forward_pre_hook(hook))
         on_unpatch(layer, "remove", layer.register_forward_hook(hook, always_call=True))
     where = f" of {prefix}" if prefix else ""
     report.notes.append(
-        f"checkpointed layer inputs{where} held in {fmt.spec} under gradient checkpointing "
+        f"checkpointed layer inputs{where} held in {what} under gradient checkpointing "
         f"({len(layers)} layers)"
     )
 

@@ -112,3 +112,68 @@ def test_checkpoint_layers_holds_each_input_by_the_rule():
         layer.forward = Layer.forward.__get__(layer)  # the layer as it was
         torch.manual_seed(1)
         torch.testing.assert_close(got, layer(held), rtol=0, atol=0)
+
+
+def test_a_bound_keyword_or_no_input_needing_a_gradient_is_refused():
+    """transformers passes ``partial(forward, **kwargs)``: a bound keyword tensor needing a
+    gradient is refused as a keyword argument is; so is a layer none of whose positional
+    inputs needs a gradient (its parameters would get none)."""
+    import functools
+
+    layer = Layer()
+    x = torch.randn(2, 3, 32, requires_grad=True)
+    memory = torch.randn(2, 3, 32, requires_grad=True)
+    with pytest.raises(ValueError, match=r"\['memory'\]"):
+        held_input_checkpoint(BFP8, functools.partial(layer, memory=memory), x)
+    with pytest.raises(ValueError, match="no positional argument .* needs a gradient"):
+        held_input_checkpoint(BFP8, layer, x.detach())
+
+
+def test_the_second_run_is_under_the_first_runs_autocast():
+    """Under bf16 autocast the gradients are those of one run on the held values under it."""
+    torch.manual_seed(0)
+    layer = Layer()
+    x = torch.randn(4, 8, 32, requires_grad=True)
+    with torch.autocast("cpu", torch.bfloat16):
+        torch.manual_seed(1)
+        out = held_input_checkpoint(BFP8, layer, x)
+    out.float().sum().backward()
+    got = [g.clone() for g in grads(layer, x)]
+    layer.zero_grad()
+    held = BFP8.quantize(x.detach(), -1).requires_grad_()
+    with torch.autocast("cpu", torch.bfloat16):
+        torch.manual_seed(1)
+        expected_out = layer(held)
+    expected_out.float().sum().backward()
+    for a, e in zip(got, grads(layer, held)):
+        torch.testing.assert_close(a, e, rtol=0, atol=0)
+
+
+def test_autograd_grad_through_the_checkpoint_is_refused():
+    x = torch.randn(2, 4, 32, requires_grad=True)
+    out = held_input_checkpoint(BFP8, Layer(), x)
+    with pytest.raises(RuntimeError, match="through loss.backward"):
+        torch.autograd.grad(out.sum(), x)
+
+
+def test_a_q1_rule_follows_the_stash_schedule(monkeypatch):
+    from dsq.engine import QuantConfig, checkpointing
+
+    seen = []
+    real = checkpointing.held_input_checkpoint
+
+    def spy(fmt, *args, **kwargs):
+        seen.append(fmt.spec)
+        return real(fmt, *args, **kwargs)
+
+    monkeypatch.setattr(checkpointing, "held_input_checkpoint", spy)
+    cfg = QuantConfig(q1={"levels": ["bfp2", "bfp8"], "patience": 1}, stash_scope="all",
+                      saved={"checkpoint": "q1"})  # fmt: skip
+    layer = Layer()
+    checkpointing.checkpoint_layers([layer], cfg)
+    x = torch.randn(2, 4, 32, requires_grad=True)
+    layer(x).sum().backward()
+    cfg.step(1.0)
+    cfg.step(1.0)  # a stall: q1 rises to bfp8
+    layer(x).sum().backward()
+    assert seen == ["bfp2e8b16", "bfp8e8b16"]
