@@ -757,7 +757,11 @@ def _saved_rules(quant: Mapping) -> dict:
     written before a kind existed held that kind as its default says)."""
     if quant.get("stash_scope", "gemm") != "all":
         return {}
-    return dict(SAVED_DEFAULT) | dict(quant.get("saved") or {})
+    rules = dict(SAVED_DEFAULT) | dict(quant.get("saved") or {})
+    from dsq.formats import parse_format
+
+    # one rule however spelled: bfp8 and bfp8e8b16
+    return {k: v if v in ("q1", "keep") else parse_format(v).spec for k, v in rules.items()}
 
 
 def _valid_losses(run: Run) -> dict[int, float]:

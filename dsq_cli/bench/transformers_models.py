@@ -232,6 +232,9 @@ def run(shape: ModelShape, rows: list[Row], seq_lens, budget: int, repeats: int 
                 entry[f"{name}_tokens_at_budget"] = (
                     None if fits is None else max(0, int(fits // seq_len) * seq_len)
                 )
+            # the optimizer step's peak (it does not grow with the batch; the tokens at a budget
+            # above assume the passes' peak is the step's)
+            entry["optimizer_step_mib"] = b.get("optimizer_step_bytes", 0) / 2**20
             entry["ms_per_token"] = b["step_s"] * 1e3 / (large * seq_len)
             entry["first_loss"] = b["first_loss"]
             results.append(entry)

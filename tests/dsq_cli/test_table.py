@@ -666,3 +666,15 @@ def test_checkpointed_runs_get_a_row_of_their_own(tmp_path):
     _, rows = parse_markdown(invoke("table", root).stdout)
     assert list(rows) == ["dsq", "dsq (checkpointed)"]
     assert rows["dsq"][0] == "28.71" and rows["dsq (checkpointed)"][0] == "28.31"
+
+
+def test_saved_rules_compare_as_one_rule_however_spelled_and_with_defaults_filled_in():
+    """A record of quant.saved with short spellings, or written before a kind existed, matches
+    one with the full specs and every kind."""
+    from dsq.engine.spec import SAVED_DEFAULT
+    from dsq_cli.table import _saved_rules
+
+    rules = {"norm": "bfp8", "activation": "bfp8", "elementwise": "bfp8", "constant": "keep"}
+    short = {"stash_scope": "all", "saved": rules}
+    assert _saved_rules(short) == _saved_rules({"stash_scope": "all"}) == dict(SAVED_DEFAULT)
+    assert _saved_rules({"stash_scope": "gemm"}) == {}
