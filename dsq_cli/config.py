@@ -331,6 +331,11 @@ def _check(cfg: DictConfig) -> None:
             "train.activation_checkpointing=true runs each layer's forward twice, and stochastic "
             "rounding would draw other noise the second time: round to nearest, or turn it off"
         )
+    if quant.saved_format("checkpoint") is not None and not train.activation_checkpointing:
+        raise ConfigError(
+            "quant.saved.checkpoint holds the input of a checkpointed layer, and no layer is "
+            "checkpointed: add train.activation_checkpointing=true, or drop the rule"
+        )
     if train.stop_patience < 0:
         raise ConfigError(
             f"train.stop_patience must be a non-negative integer, got {train.stop_patience!r}"

@@ -67,6 +67,16 @@ def test_config_errors_exit_2_and_leave_no_run(tmp_path, cache_dir, override, me
     assert not root.exists() or not any(root.iterdir())
 
 
+def test_a_checkpoint_rule_without_checkpointing_is_a_config_error(tmp_path, cache_dir):
+    """quant.saved.checkpoint says what a checkpointed layer keeps: with no layer checkpointed
+    it would be recorded and do nothing."""
+    root = tmp_path / "runs"
+    result = train(small(cache_dir, root, "quant.stash_scope=all", "+quant.saved.checkpoint=bfp8"))
+    assert result.exit_code == 2, result.output
+    assert "add train.activation_checkpointing=true, or drop the rule" in result.output
+    assert not root.exists() or not any(root.iterdir())
+
+
 def test_existing_run_dir_is_refused(tmp_path, cache_dir):
     taken = tmp_path / "taken"
     taken.mkdir()
