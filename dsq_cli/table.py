@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from dsq.engine.config import POINTS
-from dsq.engine.spec import SAVED_DEFAULT
+from dsq.engine.spec import saved_rules
 from dsq.presets import preset_differences
 from dsq_cli.intervals import (
     Interval,
@@ -753,15 +753,9 @@ def static_controls(table: Table, row: str) -> list[str]:
 
 
 def _saved_rules(quant: Mapping) -> dict:
-    """A record's ``quant.saved`` with the defaults of the kinds it does not name (a record
-    written before a kind existed held that kind as its default says)."""
-    if quant.get("stash_scope", "gemm") != "all":
-        return {}
-    rules = dict(SAVED_DEFAULT) | dict(quant.get("saved") or {})
-    from dsq.formats import parse_format
-
-    # one rule however spelled: bfp8 and bfp8e8b16
-    return {k: v if v in ("q1", "keep") else parse_format(v).spec for k, v in rules.items()}
+    """A record's ``quant.saved`` as the engine reads it: the defaults of the kinds it does not
+    name (a record written before a kind existed held it so) and one spelling per format."""
+    return dict(saved_rules(quant.get("saved"), quant.get("stash_scope", "gemm")))
 
 
 def _valid_losses(run: Run) -> dict[int, float]:

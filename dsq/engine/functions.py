@@ -194,13 +194,13 @@ class DSQLinearFunction(torch.autograd.Function):
             del g2
         else:
             g = f3.quantize(dy, 0)
-        if ctx.needs_input_grad[0] and dx is None:
-            # q2(g) a slice of tokens at a time: its blocks lie along M, within a token, so each
-            # slice holds the whole tensor's values, and no second copy of g exists (the output
-            # layer's [N, vocabulary] gradient is a step's largest tensor)
-            w2 = f2.quantize(weight, 0)
-            dx = units.gemm_by_rows(lambda rows: f2.quantize(g[rows], 1), n, m, w2,
-                                    ctx.plans[1], "linear.dx")  # fmt: skip
+            if ctx.needs_input_grad[0]:
+                # q2(g) a slice of tokens at a time: its blocks lie along M, within a token, so
+                # each slice holds the whole tensor's values, and no second copy of g exists (the
+                # output layer's [N, vocabulary] gradient is a step's largest tensor)
+                w2 = f2.quantize(weight, 0)
+                dx = units.gemm_by_rows(lambda rows: f2.quantize(g[rows], 1), n, m, w2,
+                                        ctx.plans[1], "linear.dx")  # fmt: skip
         if ctx.needs_input_grad[1]:
             stash = _stash_restore(ctx.stash_header, stash_tensors).unpack()
             # by rows of dW (output features): the unit's copies of g a slice at a time

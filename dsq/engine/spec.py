@@ -167,7 +167,7 @@ class QuantSpec:
             object.__setattr__(self, point, _point_spec(point, getattr(self, point)))
         schedules = self.schedules()  # every format and ladder checked here
         object.__setattr__(self, "rounding", MappingProxyType(_as_rounding(self.rounding)))
-        object.__setattr__(self, "saved", _as_saved(self.saved, self.stash_scope))
+        object.__setattr__(self, "saved", saved_rules(self.saved, self.stash_scope))
         if self.engine == "autocast":
             self._check_autocast(schedules)
 
@@ -281,10 +281,11 @@ def _point_dict(value: PointSpec):
     return value if isinstance(value, str) else value.to_dict()
 
 
-def _as_saved(saved: Mapping | None, stash_scope: str) -> Mapping[str, str]:
+def saved_rules(saved: Mapping | None, stash_scope: str) -> Mapping[str, str]:
     """What each kind of saved tensor is held in (`SAVED_KINDS`): the defaults with ``saved``'s
-    kinds over them under ``stash_scope="all"``; nothing under ``gemm``, where the rules would
-    not apply and are refused."""
+    kinds over them under ``stash_scope="all"``, each format by its full spec (``bfp8`` and
+    ``bfp8e8b16`` are one rule); nothing under ``gemm``, where the rules would not apply and are
+    refused."""
     saved = dict(saved or {})
     if stash_scope != "all":
         if saved:
