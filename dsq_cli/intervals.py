@@ -158,6 +158,22 @@ def p_value(interval: Interval) -> float | None:
     return 2.0 * (1.0 - t_cdf(t, interval.n - 1))
 
 
+def equivalence_p(interval: Interval, margin: float) -> float | None:
+    """The p of two one-sided t tests that the mean lies inside ± ``margin`` (TOST): the larger
+    of the two one-sided p-values, each testing that the mean is at or beyond one edge. None
+    below two values. It is below (1 - level) / 2 exactly where the interval at ``level`` lies
+    inside the margin."""
+    if interval.low is None or interval.sd is None:
+        return None
+    if interval.sd == 0:
+        return 0.0 if abs(interval.mean) < margin else 1.0
+    se = interval.sd / math.sqrt(interval.n)
+    df = interval.n - 1
+    above_lower = 1.0 - t_cdf((interval.mean + margin) / se, df)  # H0: mean <= -margin
+    below_upper = t_cdf((interval.mean - margin) / se, df)  # H0: mean >= +margin
+    return max(above_lower, below_upper)
+
+
 def holm(p_values: Sequence[float | None]) -> list[float | None]:
     """Holm's step-down adjustment of a block of p-values (None left out and kept as None):
     the i-th smallest of m is multiplied by m - i, each kept at least its predecessor's

@@ -27,6 +27,7 @@ from dsq.engine.spec import saved_rules
 from dsq.presets import preset_differences
 from dsq_cli.intervals import (
     Interval,
+    equivalence_p,
     holm,
     mean_interval,
     p_value,
@@ -87,6 +88,8 @@ CSV_COLUMNS = (
     "diff_equivalent",
     "loss_margin",
     "loss_diff_equivalent",
+    "diff_equivalence_p",
+    "loss_diff_equivalence_p",
     "arith_ratio",
     "dram_ratio",
     "arith_reduction",
@@ -259,6 +262,19 @@ class Table:
         adjusted = holm(raw) if self.adjust == "holm" else raw
         return {row: (p, q) for row, p, q in zip(rows, raw, adjusted)}
 
+    def equivalence_p_values(
+        self, column: Column, measure: str
+    ) -> dict[str, tuple[float | None, float | None]]:
+        """Each row's (TOST p, adjusted TOST p) that its paired difference from ``against`` lies
+        inside ± the margin, in the same block as ``p_values`` (empty without a margin)."""
+        if self.against is None or not self.margins:
+            return {}
+        rows = [row for row in self.rows if row != self.against]
+        diffs = [self.difference(row, self.against, column, measure) for row in rows]
+        raw = [equivalence_p(d, self.margins[measure]) if d else None for d in diffs]
+        adjusted = holm(raw) if self.adjust == "holm" else raw
+        return {row: (p, q) for row, p, q in zip(rows, raw, adjusted)}
+
     def cell(self, row: str, column: Column) -> Cell | None:
         return self.cells.get((row, column.label))
 
@@ -271,8 +287,7 @@ class Table:
         diff = self.difference(row, self.against, column, measure)
         if diff is None or diff.low is None:
             return None
-        margin = self.margins[measure]
-        return -margin < diff.low and diff.high < margin
+        return _inside(diff, self.margins[measure])
 
     def difference(self, row: str, other: str, column: Column, measure: str) -> Interval | None:
         """``row`` minus ``other`` in ``measure``, seed by seed, with its interval at the table's
@@ -703,7 +718,8 @@ def render_markdown(table: Table) -> str:
         header, rows = against_grid(table)
         lines += markdown_grid(header, rows)
     if table.post_move:
-        lines += ["", POST_MOVE_HEADING, ""]
+        heading = POST_MOVE_HEADING + (POST_MOVE_MARGIN if table.margins else "")
+        lines += ["", heading, ""]
         lines += [f"- {line}" for line in post_move_lines(table)] or [
             "- (no rising row with a static control)"
         ]
@@ -716,6 +732,10 @@ POST_MOVE_HEADING = (
     "lowest validation loss at the validations after the rising run's first stash move, over "
     "the same updates in both runs; mean, interval, n pairs, p of the paired t test; a lower "
     "loss is better; seeds whose rising run never moved are counted apart):"
+)
+POST_MOVE_MARGIN = (
+    " Within the loss's margin: the interval inside ± it (two one-sided tests), with the TOST p,"
+    " Holm-adjusted over this block where asked."
 )
 
 
@@ -812,10 +832,26 @@ def post_move_records(table: Table) -> list[dict]:
                 records.append({"row": row, "control": control, "column": column.label,
                                 "interval": interval, "unmoved": unmoved,
                                 "p": p_value(interval) if interval else None})  # fmt: skip
-    raw = [r["p"] for r in records]
-    for record, adjusted in zip(records, holm(raw) if table.adjust == "holm" else raw):
-        record["p_adjusted"] = adjusted
+    margin = table.margins[table.loss] if table.margins else None
+    for record in records:
+        interval = record["interval"]
+        record["margin"] = margin
+        record["equivalent"] = _inside(interval, margin)
+        record["equivalence_p"] = (
+            equivalence_p(interval, margin) if interval and margin is not None else None
+        )
+    for key in ("p", "equivalence_p"):
+        raw = [r[key] for r in records]
+        for record, adjusted in zip(records, holm(raw) if table.adjust == "holm" else raw):
+            record[f"{key}_adjusted"] = adjusted
     return records
+
+
+def _inside(interval: Interval | None, margin: float | None) -> bool | None:
+    """Whether ``interval`` lies inside ± ``margin`` (None without either or below two pairs)."""
+    if interval is None or interval.low is None or margin is None:
+        return None
+    return -margin < interval.low and interval.high < margin
 
 
 def post_move_lines(table: Table) -> list[str]:
@@ -823,6 +859,10 @@ def post_move_lines(table: Table) -> list[str]:
     for r in post_move_records(table):
         text = interval_text(r["interval"], 3, signed=True) if r["interval"] else "no pair moved"
         text += _p_text(r["p"], r["p_adjusted"], table.adjust)
+        if r["margin"] is not None:
+            text += f"; within ±{r['margin']:g}: " + _equivalence_text(
+                r["equivalent"], r["equivalence_p"], r["equivalence_p_adjusted"], table.adjust
+            )
         unmoved = ", ".join(map(str, r["unmoved"])) or "none"
         lines.append(f"{r['row']} - {r['control']}, {r['column']}: {text}; "
                      f"seeds without a move: {unmoved}")  # fmt: skip
@@ -837,7 +877,8 @@ def against_heading(table: Table) -> str:
     if table.margins:
         equivalence = (
             "; equivalent: the interval lies inside ± the margin, i.e. two one-sided tests at "
-            f"{_level_text((1 - table.level) / 2)} each, and not shown where it does not"
+            f"{_level_text((1 - table.level) / 2)} each, and not shown where it does not; TOST "
+            "p: the larger of the two one-sided tests' p-values"
         )
     adjusted = ""
     if table.adjust == "holm":
@@ -863,8 +904,18 @@ def _directions(table: Table) -> str:
     return f"a higher metric is better (a lower {' or '.join(lower)})"
 
 
-def _equivalence_text(verdict: bool | None) -> str:
-    return "-" if verdict is None else "equivalent" if verdict else "not shown"
+def _equivalence_text(
+    verdict: bool | None,
+    p: float | None = None,
+    adjusted: float | None = None,
+    adjust: str = "none",
+) -> str:
+    if verdict is None:
+        return "-"
+    text = "equivalent" if verdict else "not shown"
+    if p is None:
+        return text
+    return text + f", TOST p={p:.3f}" + (f", Holm {adjusted:.3f}" if adjust == "holm" else "")
 
 
 def _p_text(p: float | None, adjusted: float | None, adjust: str) -> str:
@@ -892,6 +943,11 @@ def against_grid(table: Table) -> tuple[list[str], list[list[str]]]:
                 f"loss within ±{table.margins[table.loss]:g}",
             ]
     p_values = {(c.label, m): table.p_values(c, m) for c in table.columns for m in table.measures}
+    equivalence_ps = {
+        (c.label, m): table.equivalence_p_values(c, m)
+        for c in table.columns
+        for m in table.measures
+    }
     rows = []
     for row in table.rows:
         texts = [row]
@@ -913,7 +969,12 @@ def against_grid(table: Table) -> tuple[list[str], list[list[str]]]:
                 )
             if table.margins:
                 texts += [
-                    _equivalence_text(table.equivalent(row, column, m)) for m in table.measures
+                    _equivalence_text(
+                        table.equivalent(row, column, m),
+                        *equivalence_ps[(column.label, m)].get(row, (None, None)),
+                        table.adjust,
+                    )
+                    for m in table.measures
                 ]
         rows.append(texts)
     return header, rows
@@ -1016,6 +1077,13 @@ def measure_records(table: Table, row: str, column: Column, cell: Cell) -> dict:
             if table.margins:
                 record["difference"]["margin"] = table.margins[measure]
                 record["difference"]["equivalent"] = table.equivalent(row, column, measure)
+                tost, tost_adjusted = table.equivalence_p_values(column, measure).get(
+                    row, (None, None)
+                )
+                record["difference"]["equivalence_p"] = tost
+                record["difference"]["equivalence_p_adjusted"] = (
+                    tost_adjusted if table.adjust != "none" else None
+                )
         records[column.metric if measure == METRIC else table.loss] = record
     return records
 
@@ -1054,6 +1122,8 @@ def _cell_record(table: Table, row: str, column: Column, cell: Cell) -> dict:
         for key, value in _interval_fields(diff).items():
             record[f"{prefix}_{key}"] = value
         record[f"{prefix}_equivalent"] = table.equivalent(row, column, measure)
+        tost = table.equivalence_p_values(column, measure).get(row, (None, None))[0]
+        record[f"{prefix}_equivalence_p"] = tost
     record["margin"] = table.margins[METRIC] if table.margins else None
     record["loss_margin"] = table.margins[table.loss] if table.margins else None
     record.update(

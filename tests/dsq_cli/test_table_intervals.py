@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from dsq_cli import table
 from dsq_cli.cli import app
-from dsq_cli.intervals import mean_interval, paired_interval, t_quantile
+from dsq_cli.intervals import mean_interval, paired_interval, t_cdf, t_quantile
 
 runner = CliRunner()
 REPO = Path(__file__).resolve().parents[2]
@@ -290,12 +290,16 @@ def test_margin_says_which_rows_are_shown_equivalent(paired_root):
     assert "two one-sided tests at 5% each" in result.stdout
     line = next(x for x in result.stdout.splitlines() if x.startswith("| bfp8 |") and "±" not in x
                 and x.count("|") > 6)  # fmt: skip
-    assert line.endswith("| equivalent | equivalent |")
+    # each verdict carries its TOST p, the larger one-sided p: (1.0 - 1.2) / (sd / 2) on 3 df
+    tost = t_cdf((1.0 - 1.2) / (statistics.stdev(diffs) / 2), 3)
+    assert 0.01 < tost < 0.05  # equivalent at 90% (each side at 5%), as the interval says
+    assert line.endswith(f"| equivalent, TOST p={tost:.3f} | equivalent, TOST p=0.000 |")
     records = json.loads(
         invoke(paired_root, "--against", "fp32", "--margin", "1.2,0.2", "--format", "json").stdout
     )
     bfp8 = records["cells"]["bfp8"]["multi30k"]["measures"]["bleu"]["difference"]
     assert (bfp8["margin"], bfp8["equivalent"]) == (1.2, True)  # at 95% too: +1.00 [0.82, 1.18]
+    assert bfp8["equivalence_p"] == pytest.approx(tost)
     assert records["margins"] == {"metric": 1.2, "best_valid_loss": 0.2}
     csv_text = invoke(paired_root, "--against", "fp32", "--margin", "1.2,0.2", "--format", "csv")
     header, *lines = csv_text.stdout.splitlines()
@@ -305,6 +309,7 @@ def test_margin_says_which_rows_are_shown_equivalent(paired_root):
         "True",
         "True",
     )
+    assert float(fields["diff_equivalence_p"]) == pytest.approx(tost)
     alone = invoke(paired_root, "--margin", "0.5,0.02")
     assert alone.exit_code == 2 and "give --against ROW with it" in alone.output
     for bad_margin in ("0.5", "a,b", "inf,0.02", "0.5,-1"):
