@@ -106,3 +106,105 @@ def test_post_move_prints_a_block_and_bad_endpoints_are_usage_errors():
                        (["--against", "fp32", "--adjust", "bonf"], "--adjust 'bonf'")):  # fmt: skip
         result = CliRunner().invoke(app, ["table", str(CONVERGENCE), *args])
         assert result.exit_code == 2 and says in result.output
+
+
+# The clean control of dsq (docs/results.md, "Protocol"): dsq trained again at the control's
+# commit against dsq_stash_bfp2, in two settings, by two endpoints: one block of four.
+CLEAN_CONTROL = {
+    "de->en": ("convergence-dsq-rerun", "convergence", SEEDS),
+    "en->de": ("convergence-en-de-dsq-rerun", "convergence-en-de", (1, 2, 3)),
+}
+
+
+def _clean_control_pairs(setting: str):
+    rising_root, control_root, seeds = CLEAN_CONTROL[setting]
+    return [
+        (REPO / "results" / rising_root / f"seed{s}" / "quant-dsq",
+         REPO / "results" / control_root / f"seed{s}" / "quant-dsq_stash_bfp2")
+        for s in seeds
+    ]  # fmt: skip
+
+
+def _valid_losses_at(run: Path) -> dict[int, float]:
+    entries = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x]
+    return {e["update"]: e["valid_loss"] for e in entries if e.get("kind") == "valid"}
+
+
+def _scipy_tost(differences, margin):
+    n = len(differences)
+    mean, se = sum(differences) / n, stats.sem(differences)
+    return max(stats.t.sf((mean + margin) / se, n - 1), stats.t.cdf((mean - margin) / se, n - 1))
+
+
+def test_the_clean_controls_block_of_four_is_the_records_recomputed_with_scipy():
+    """Each of the four comparisons from the records with scipy, against `dsq table`'s own numbers
+    and against docs/results.md's table of the block, Holm-adjusted over the four."""
+    found = {}
+    for setting in CLEAN_CONTROL:
+        pairs = _clean_control_pairs(setting)
+        last = [
+            json.loads((a / "result.json").read_text())["checkpoints"]["last"]["valid_loss"]
+            - json.loads((b / "result.json").read_text())["checkpoints"]["last"]["valid_loss"]
+            for a, b in pairs
+        ]
+        post = []
+        for a, b in pairs:
+            moved = json.loads((a / "result.json").read_text())["precision_segments"][0]["updates"]
+            mine, theirs = _valid_losses_at(a), _valid_losses_at(b)
+            after = [u for u in mine if u > moved and u in theirs]
+            post.append(min(mine[u] for u in after) - min(theirs[u] for u in after))
+        for endpoint, differences in (("last-model", last), ("post-move", post)):
+            p = stats.ttest_1samp(differences, 0.0).pvalue
+            found[f"{setting}, {endpoint} loss (n={len(differences)})"] = (
+                p,
+                _scipy_tost(differences, 0.02),
+                differences,
+            )
+        # dsq table's numbers for the same comparison
+        paths = [str(pairs[0][0].parents[1])] + [str(b) for _, b in pairs]
+        table_last = json.loads(
+            CliRunner()
+            .invoke(
+                app,
+                [
+                    "table",
+                    *paths,
+                    "--format",
+                    "json",
+                    "--rows",
+                    "dsq",
+                    "--against",
+                    "dsq_stash_bfp2",
+                    "--margin",
+                    "0.5,0.02",
+                    "--endpoint",
+                    "last-loss",
+                ],
+            )
+            .output  # fmt: skip
+        )["cells"]["dsq"]["multi30k"]["measures"]["last_valid_loss"]["difference"]
+        p, tost, _ = found[f"{setting}, last-model loss (n={len(pairs)})"]
+        assert table_last["p"] == pytest.approx(p, rel=1e-6)
+        assert table_last["equivalence_p"] == pytest.approx(tost, rel=1e-6)
+        collected = table.collect(paths, against="dsq_stash_bfp2", margins=(0.5, 0.02),
+                                  rows=["dsq"], endpoint="post-move")  # fmt: skip
+        (record,) = table.post_move_records(collected)
+        p, tost, _ = found[f"{setting}, post-move loss (n={len(pairs)})"]
+        assert record["p"] == pytest.approx(p, rel=1e-6)
+        assert record["equivalence_p"] == pytest.approx(tost, rel=1e-6)
+    labels = list(found)
+    held = dict(zip(labels, holm([found[k][0] for k in labels])))
+    held_tost = dict(zip(labels, holm([found[k][1] for k in labels])))
+    docs = (REPO / "docs" / "results.md").read_text()
+    for label in labels:
+        p, tost, _ = found[label]
+        line = next(x for x in docs.splitlines() if x.startswith(f"| {label} |"))
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert cells[2:6] == [
+            f"{p:.3f}",
+            f"{held[label]:.3f}",
+            f"{tost:.4f}",
+            f"{held_tost[label]:.4f}",
+        ]
+        assert cells[6] == ("equivalent" if held_tost[label] < 0.05 else "not resolved")
+        assert held[label] > 0.05  # neither better nor worse, as the page says
