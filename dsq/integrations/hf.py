@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 import transformers
 from torch import nn
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.pytorch_utils import Conv1D
 
@@ -253,11 +254,48 @@ class _HoldCheckpointedInput:
         if own is not None:  # a call cut short before its hook ran
             module._gradient_checkpointing_func = own
         if module.gradient_checkpointing:
+            if module.training:
+                _refuse_what_holding_drops(module._gradient_checkpointing_func)
             module.dsq_own_checkpointing = module._gradient_checkpointing_func
             # the rule's format at this call: `q1` follows the stash's schedule
             held = self.cfg.saved_format("checkpoint")
             module._gradient_checkpointing_func = functools.partial(held_input_checkpoint, held)
         return None
+
+
+# torch.utils.checkpoint's options the held checkpoint honours as it stands: it replays the RNG
+# state, checks nothing and logs nothing; use_reentrant is free (it is reentrant-style either way,
+# and refuses the layers the reentrant form cannot train)
+_HELD_CHECKPOINT_AGREES = {
+    "preserve_rng_state": True,
+    "determinism_check": "default",
+    "debug": False,
+}
+
+
+def _refuse_what_holding_drops(own) -> None:
+    """Refuse a layer whose checkpointing function does more than `held_input_checkpoint` would:
+    holding replaces the function for the call, and whatever it did besides checkpointing
+    (``offload=True``'s copies to the host, a ``context_fn``, no RNG replay) would silently stop."""
+    func = own.func if isinstance(own, functools.partial) else own
+    if func is not torch_checkpoint:
+        raise ValueError(
+            "quant.saved.checkpoint replaces a layer's checkpointing function with dsq's, and this "
+            f"model's is {getattr(func, '__qualname__', func)!r}, not torch.utils.checkpoint's "
+            "(gradient_checkpointing_enable(offload=True), or a function of your own), whose "
+            "work would be dropped: enable it without offload, or set quant.saved.checkpoint=keep"
+        )
+    keywords = own.keywords if isinstance(own, functools.partial) else {}
+    dropped = sorted(
+        f"{k}={v!r}" for k, v in keywords.items()
+        if k != "use_reentrant" and _HELD_CHECKPOINT_AGREES.get(k, object()) != v
+    )  # fmt: skip
+    if dropped:
+        raise ValueError(
+            f"quant.saved.checkpoint replaces a layer's checkpointing function with dsq's, which "
+            f"does not apply {', '.join(dropped)} from gradient_checkpointing_kwargs: drop them, "
+            "or set quant.saved.checkpoint=keep"
+        )
 
 
 def _hold_checkpointed_inputs(model, cfg: QuantConfig, report: PatchReport, prefix: str) -> None:

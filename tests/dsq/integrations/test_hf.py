@@ -4,6 +4,7 @@ the SDPA attention implementation. Small random configurations: nothing is downl
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
 
@@ -293,6 +294,30 @@ def test_checkpointed_layers_hold_their_inputs_in_the_rule_s_format(monkeypatch)
     dsq.unpatch(model)
     assert [layer._gradient_checkpointing_func for layer in model.model.layers] == own
     assert not any(layer._forward_pre_hooks for layer in model.model.layers)
+
+
+@pytest.mark.parametrize(
+    "enable, says",
+    [
+        ({"offload": True}, "not torch.utils.checkpoint's"),
+        ({"gradient_checkpointing_kwargs": {"use_reentrant": False, "preserve_rng_state": False}},
+         "does not apply preserve_rng_state=False"),
+        ({"gradient_checkpointing_kwargs": {"context_fn": contextlib.nullcontext}},
+         "does not apply context_fn="),
+    ],
+)  # fmt: skip
+def test_checkpointing_options_that_holding_would_drop_are_refused(enable, says):
+    """Holding swaps the layer's checkpointing function for the call; what the model's own did
+    besides (offload's host copies, a context_fn, no RNG replay) is refused, not dropped. Only a
+    training call checkpoints, so evaluation runs as it is."""
+    model = quantize_model(build("llama", "sdpa"), HELD)
+    model.gradient_checkpointing_enable(**enable)
+    model.train()
+    with pytest.raises(ValueError, match=says):
+        model(*batch())
+    assert not any("dsq_own_checkpointing" in vars(m) for m in model.model.layers)
+    model.eval()
+    model(*batch())
 
 
 def test_a_checkpoint_rule_on_a_model_without_checkpointed_layers_is_refused():
