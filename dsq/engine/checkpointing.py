@@ -16,7 +16,10 @@ The input a checkpointed layer keeps is float32, a layer's width of 4-byte value
 forward pass and again in the backward pass, so the two runs agree, and the gradient reaching
 the input passes to the residual stream unchanged (as through a rounding that is not there).
 What changes numerically is the layer's input, rounded to the format at every checkpointed
-layer; the residual stream itself, outside the layers, stays float32.
+layer; the residual stream itself, outside the layers, stays float32. The layer run again there
+holds what it saves by the model's ``stash_scope=all`` rules (`patch.open_stash_all`), as its
+forward pass would have; under ``torch.utils.checkpoint`` the run again holds it as autograd
+saves it.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from . import accounting
 from .accounting import recomputation
 from .config import QuantConfig
 from .functions import _stash_header, _stash_restore
+from .patch import open_stash_all
 
 
 def _contexts():
@@ -162,6 +166,9 @@ class _HeldInputCheckpoint(torch.autograd.Function):
         # the other arguments as given (not through saved-tensor hooks, which could change
         # their values for the second run)
         ctx.run, ctx.rest = run, rest
+        # a stash_scope=all model's rules, to hold what the second run saves as the forward
+        # pass holds it (the first run saves nothing)
+        ctx.stash_all = open_stash_all()
         ctx.rng = torch.get_rng_state()
         ctx.cuda_rng = torch.cuda.get_rng_state(x.device) if x.is_cuda else None
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_drop, _dropped):
@@ -187,6 +194,8 @@ class _HeldInputCheckpoint(torch.autograd.Function):
             stack.enter_context(recomputation())
             for kind, dtype in ctx.autocast:
                 stack.enter_context(torch.autocast(kind, dtype))
+            if ctx.stash_all is not None:
+                stack.enter_context(ctx.stash_all.recomputing())
             torch.set_rng_state(ctx.rng)
             if ctx.cuda_rng is not None:
                 torch.cuda.set_rng_state(ctx.cuda_rng, x.device)

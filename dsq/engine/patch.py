@@ -8,6 +8,7 @@ execute. ``dsq.integrations.quantize_model`` chooses the patchers a model needs 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fnmatch
 import threading
@@ -442,13 +443,24 @@ def _a_parameter(t: torch.Tensor) -> bool:
     return base.is_leaf and base.requires_grad
 
 
+# the `_StashAllEntry` whose hooks this thread has open (a patched model's forward pass)
+_OPEN = threading.local()
+
+
+def open_stash_all() -> _StashAllEntry | None:
+    """The ``stash_scope=all`` entry of the model whose forward pass runs on this thread, if any:
+    a layer checkpointed inside it (`held_input_checkpoint`) runs its recomputation under it."""
+    return getattr(_OPEN, "entry", None)
+
+
 class _StashAllEntry:
     """The `stash_all_hooks` of one patched model, entered by whichever of its modules is called
     first and left when that call returns: calls nested inside it (the model's own submodules)
-    and a recomputation in the backward pass (activation checkpointing, which holds its own
-    saved-tensor hooks there) enter nothing, but each call's module is known to the hooks (the
-    kind of what it saves). Each thread has its own open calls and context
-    (``nn.DataParallel`` runs the replicas' forwards on threads of their own)."""
+    enter nothing, but each call's module is known to the hooks (the kind of what it saves). In
+    the backward pass a call enters nothing either (``torch.utils.checkpoint``'s recomputation
+    holds its own saved-tensor hooks there), except inside `recomputing`. Each thread has its own
+    open calls and context (``nn.DataParallel`` runs the replicas' forwards on threads of their
+    own)."""
 
     def __init__(self, cfg: QuantConfig):
         self.cfg = cfg
@@ -474,12 +486,13 @@ class _StashAllEntry:
             # hooks), so close it
             self.close()
             modules = None
-        if not modules:
+        if not modules and not getattr(self.local, "recomputing", False):
             if torch._C._current_graph_task_id() != -1:
-                return  # in a backward pass: a checkpointed layer run again
+                return  # in a backward pass: a checkpointed layer run again by torch
             self.local.modules, self.local.packed_once = [], {}
             self.local.context = stash_all_hooks(self.cfg, self.innermost, self.local.packed_once)
             self.local.context.__enter__()
+            _OPEN.entry = self
         self.local.modules.append(module)
 
     def leave(self, module, args, output):
@@ -487,14 +500,34 @@ class _StashAllEntry:
         if not modules:  # a call `enter` let pass
             return
         modules.pop()
-        if not modules:
+        if not modules and not getattr(self.local, "recomputing", False):
             self.close()
+
+    @contextlib.contextmanager
+    def recomputing(self):
+        """The hooks, with the modules called known to them, over a checkpointed layer's forward
+        run again in the backward pass (`held_input_checkpoint`): what it saves is held by the
+        same rules as in a forward pass. This thread's state outside is restored after."""
+        local = self.local
+        outside = {k: getattr(local, k, None) for k in ("context", "modules", "packed_once")}
+        was = getattr(local, "recomputing", False)
+        local.context, local.modules, local.packed_once = None, [], {}
+        local.recomputing = True
+        try:
+            with stash_all_hooks(self.cfg, self.innermost, local.packed_once):
+                yield
+        finally:
+            for key, value in outside.items():
+                setattr(local, key, value)
+            local.recomputing = was
 
     def close(self) -> None:
         """Leave this thread's open context, if any."""
         local = self.local
         context = getattr(local, "context", None)
         local.context, local.modules, local.packed_once = None, [], {}
+        if getattr(_OPEN, "entry", None) is self:
+            _OPEN.entry = None
         if context is not None:
             context.__exit__(None, None, None)
 

@@ -248,11 +248,20 @@ HELD = QuantConfig(q0="bfp8", q1="bfp4", q2="bfp8", q3="fixed16", stash_scope="a
                           "checkpoint": "bfp8"})  # fmt: skip
 
 
-def test_checkpointed_layers_hold_their_inputs_in_the_rule_s_format(monkeypatch):
+# the same, with the default rules for what the layers save (norm inputs and the rest packed)
+HELD_RULES = QuantConfig(q0="bfp8", q1="bfp4", q2="bfp8", q3="fixed16", stash_scope="all",
+                         saved={"checkpoint": "bfp8"})  # fmt: skip
+
+
+@pytest.mark.parametrize("cfg", [HELD, HELD_RULES], ids=["kinds-kept", "default-rules"])
+def test_checkpointed_layers_hold_their_inputs_in_the_rule_s_format(monkeypatch, cfg):
     """Under ``gradient_checkpointing_enable`` with ``quant.saved.checkpoint=bfp8``, each
     decoder layer keeps its input packed: the loss and gradients are those of the model run
     without checkpointing on each layer's input rounded to bfp8 (its gradient passed through),
-    and after the call the model's own checkpointing function is back in place."""
+    and after the call the model's own checkpointing function is back in place. The layer run
+    again in the backward pass holds what it saves by the model's stash_scope=all rules, as the
+    forward pass would: with the default rules (norm inputs in bfp8, ...) too, the gradients are
+    those of the run without checkpointing."""
     from dsq.engine import checkpointing
     from dsq.formats import parse_format
 
@@ -266,7 +275,7 @@ def test_checkpointed_layers_hold_their_inputs_in_the_rule_s_format(monkeypatch)
         return real(fmt, function, *args, **kwargs)
 
     monkeypatch.setattr("dsq.integrations.hf.held_input_checkpoint", spy)
-    model = quantize_model(build("llama", "sdpa"), HELD)
+    model = quantize_model(build("llama", "sdpa"), cfg)
     assert any("checkpointed layer inputs held in bfp8e8b16" in n for n in model.dsq_report.notes)
     model.train()
     model.gradient_checkpointing_enable({"use_reentrant": False})
@@ -277,7 +286,7 @@ def test_checkpointed_layers_hold_their_inputs_in_the_rule_s_format(monkeypatch)
     assert calls == ["bfp8e8b16", "bfp8e8b16"]  # one per layer
     assert [layer._gradient_checkpointing_func for layer in model.model.layers] == own
 
-    reference = quantize_model(build("llama", "sdpa"), HELD)
+    reference = quantize_model(build("llama", "sdpa"), cfg)
     reference.train()
     for layer in reference.model.layers:  # the input rounded, its gradient passed as it is
         layer.register_forward_pre_hook(
@@ -349,8 +358,8 @@ def test_under_bf16_autocast_a_patched_llama_computes_what_it_computes_without()
         torch.testing.assert_close(within, without, rtol=0, atol=0)
 
 
-def test_the_trainer_and_accelerate_in_bf16_train_a_patched_model(tmp_path):
-    accelerate = pytest.importorskip("accelerate")
+def test_the_trainer_and_accelerate_in_bf16_train_a_patched_model(tmp_path, fresh_accelerate):
+    accelerate = fresh_accelerate
     ids, mask = batch()
     model = quantize_model(build("llama", "sdpa"), DSQ)
     prepared = accelerate.Accelerator(cpu=True, mixed_precision="bf16").prepare(model)

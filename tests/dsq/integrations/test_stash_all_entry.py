@@ -87,8 +87,8 @@ def test_nothing_is_packed_under_stash_scope_gemm(monkeypatch):
     assert spy.entered == 0 and spy.packed == 0
 
 
-def test_a_wrapper_and_accelerate_reach_the_hooks(monkeypatch):
-    accelerate = pytest.importorskip("accelerate")
+def test_a_wrapper_and_accelerate_reach_the_hooks(monkeypatch, fresh_accelerate):
+    accelerate = fresh_accelerate
 
     class Wrapper(nn.Module):
         def __init__(self, inner):
@@ -107,7 +107,7 @@ def test_a_wrapper_and_accelerate_reach_the_hooks(monkeypatch):
     assert spy.entered == 1 and spy.packed > 0
 
 
-def test_the_trainers_step_packs(monkeypatch, tmp_path):
+def test_the_trainers_step_packs(monkeypatch, tmp_path, fresh_accelerate):
     spy = Spy(monkeypatch)
     model = llama()
     data = [{"input_ids": IDS[i], "labels": IDS[i]} for i in range(2)]
