@@ -480,3 +480,16 @@ def test_runs_shows_the_status_of_a_run_that_did_not_complete(paired_root):
     assert line == "| bfp8 | multi30k | 9 | bfp8 | diverged | - | - | - | - | - |"
     refused = invoke(paired_root, "--runs", "--format", "csv")
     assert refused.exit_code == 2 and "--runs adds a list to markdown" in refused.output
+
+
+def test_an_interval_crossing_only_the_lower_margin_is_not_shown_equivalent():
+    """Equivalence needs both ends inside: an interval inside the upper margin that crosses the
+    lower one reads `not shown`, and its TOST p (the lower test's) is above the level's."""
+    from dsq_cli.intervals import equivalence_p
+
+    crossing = mean_interval([-0.9, -0.2, -1.1, -0.3], level=0.90)  # about [-1.16, +0.06]
+    assert crossing.low < -1.0 < crossing.high < 1.0
+    assert table._inside(crossing, 1.0) is False
+    assert equivalence_p(crossing, 1.0) > 0.05
+    inside = mean_interval([-0.5, -0.4, -0.6, -0.5], level=0.90)
+    assert table._inside(inside, 1.0) is True and equivalence_p(inside, 1.0) < 0.05

@@ -32,3 +32,27 @@ def test_without_gradients_the_chunks_run_forward_only_with_the_same_sums(monkey
         (empty,) = chunked_output_loss(features[:0], head, lambda x, t: x.sum(), target[:0],
                                        list(head.parameters()), 16)  # fmt: skip
     assert empty.item() == 0.0
+
+
+def test_an_incoming_gradient_other_than_one_scales_every_gradient():
+    """The chunks' gradients are taken for a gradient of 1 on the summed loss and scaled by the
+    one that reaches it (a loss divided by the token count, a loss scaler): equal, to float32
+    rounding, to the whole layer's gradients of the same scaled loss."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 11)
+    features = torch.randn(37, 8, requires_grad=True)
+    target = torch.randint(0, 11, (37,))
+
+    def loss_fn(logits, t):
+        return torch.nn.functional.cross_entropy(logits, t, reduction="sum")
+
+    (loss,) = chunked_output_loss(features, head, loss_fn, target, list(head.parameters()), 16)
+    (loss * -2.5 / 37).backward()
+    got = [features.grad.clone()] + [p.grad.clone() for p in head.parameters()]
+    features.grad = None
+    head.zero_grad(set_to_none=True)
+    (loss_fn(head(features), target) * -2.5 / 37).backward()
+    want = [features.grad] + [p.grad for p in head.parameters()]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    assert got[1].abs().sum() > 0

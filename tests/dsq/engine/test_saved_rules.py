@@ -120,6 +120,27 @@ def test_the_norm_input_held_in_its_format_gives_the_gradient_of_that_input(monk
     assert torch.equal(leaf.grad, want)
 
 
+def test_a_leaf_input_needing_no_gradient_is_packed_by_its_rule_and_a_parameter_never(monkeypatch):
+    """The model's input (a leaf that needs no gradient, saved by a product for the other
+    operand's gradient) is a ``constant``, packed in that kind's format; a parameter saved the
+    same way (for the input's gradient) stays as it is, whatever the rules say."""
+    cfg = QuantConfig(q1="bfp2", stash_scope="all",
+                      saved={"constant": "bfp5", "elementwise": "bfp6"})  # fmt: skip
+    packs = spy_packs(monkeypatch)
+    weight = nn.Parameter(torch.randn(8, 64))
+    data = torch.randn(8, 64)  # a leaf, no gradient
+    leaf, x = activation(8, 64)
+    with patch_module.stash_all_hooks(cfg):
+        y = data * weight  # saves data, for the weight's gradient (data needs none)
+        z = weight * x  # saves x (for the weight's gradient) and the weight (for x's)
+    (y.sum() + z.sum()).backward()
+    assert sorted(packs) == [("bfp5e8b16", (8, 64)), ("bfp6e8b16", (8, 64))]
+    held_data = parse_format("bfp5").quantize(data, -1)
+    held_x = parse_format("bfp6").quantize(x.detach(), -1)
+    assert torch.equal(weight.grad, held_data + held_x)
+    assert torch.equal(leaf.grad, weight.detach())  # read from the parameter itself
+
+
 def test_keep_holds_a_kind_as_autograd_saved_it_and_q1_follows_the_stash(monkeypatch):
     saved = {"norm": "keep", "activation": "q1", "elementwise": "keep"}
     cfg = QuantConfig(q0="bfp8", q1="bfp2", q2="bfp8", q3="fixed16", stash_scope="all",

@@ -13,6 +13,7 @@ from torch import nn
 
 from dsq.engine import QuantConfig
 from dsq.engine import patch as patch_module
+from dsq.engine.patch import open_stash_all
 from dsq.integrations import quantize_model
 
 transformers = pytest.importorskip("transformers")
@@ -221,3 +222,25 @@ def test_after_ctrl_c_a_call_of_an_inner_module_closes_the_open_context(monkeypa
     model.model(IDS).last_hidden_state.sum().backward()
     assert spy.packed == alone and spy.entered == 1
     assert not hooks_pushed()
+
+
+def test_a_forward_that_raises_leaves_no_hooks_and_a_later_backward_is_exact(monkeypatch):
+    """An exception inside a layer's forward (not Ctrl-C: the forward hooks run) closes the
+    stash context at once: nothing stays pushed, and an unrelated computation afterwards saves
+    its tensors as autograd does, its gradient exact."""
+
+    def fail(module, args, output):
+        raise RuntimeError("a layer failed")
+
+    model = llama()
+    spy = Spy(monkeypatch)
+    handle = model.model.layers[1].mlp.register_forward_hook(fail)
+    with pytest.raises(RuntimeError, match="a layer failed"):
+        model(IDS, labels=IDS)
+    handle.remove()
+    assert not hooks_pushed() and open_stash_all() is None
+    spy.packed = 0
+    x = torch.randn(8, 64, requires_grad=True)
+    (torch.sin(x) * x).sum().backward()  # saves x and sin(x), rows of 64: packed were hooks on
+    assert spy.packed == 0
+    assert torch.equal(x.grad, torch.cos(x.detach()) * x.detach() + torch.sin(x.detach()))

@@ -198,3 +198,16 @@ def test_a_bench_scope_sets_the_stash_scope_and_all_q1_holds_every_kind_in_q1():
     assert saved("all") == dict(SAVED_DEFAULT)
     assert saved("all-q1") == dict.fromkeys(SAVED_KINDS, "q1") | {"checkpoint": "keep"}
     assert saved("all-held") == dict(SAVED_DEFAULT) | {"checkpoint": "bfp8e8b16"}
+
+
+def test_the_bench_runs_a_ladder_preset_at_its_first_level_written_out():
+    """dsq's ladder starts its stash at bfp2: the bench trains the formats written here, read off
+    the patched model, not recomputed through the helper that chose them."""
+    from dsq_cli.bench.step import Setup, Variant
+
+    setup = Setup.build("dsq", Variant(), layers=1, width=32, vocab=40, dev=torch.device("cpu"))
+    configs = {id(m.dsq_cfg): m.dsq_cfg for m in setup.model.modules() if hasattr(m, "dsq_cfg")}
+    assert len(configs) == 1
+    (cfg,) = configs.values()
+    assert cfg.current() == {"q0": "bfp8e8b16", "q1": "bfp2e8b16", "q2": "bfp8e8b16",
+                             "q3": "fixed16"}  # fmt: skip

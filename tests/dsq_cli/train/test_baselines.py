@@ -103,12 +103,13 @@ def test_the_chunked_criterion_gives_fairseqs_loss_and_gradients():
     assert all((a - b).abs().max() <= 1e-5 * scale for a, b in zip(chunked_grads, grads))
 
 
-def test_checkpointing_refuses_stochastic_rounding():
+@pytest.mark.parametrize("point", ["q0", "q1", "q2", "q3"])
+def test_checkpointing_refuses_stochastic_rounding(point):
     from dsq.engine.checkpointing import checkpoint_layers
 
     layer = torch.nn.Linear(4, 4)
-    with pytest.raises(ValueError, match="stochastic rounding at \\['q1'\\]"):
-        checkpoint_layers([layer], QuantConfig(q1="bfp4", rounding={"q1": "stochastic"}))
+    with pytest.raises(ValueError, match=f"stochastic rounding at \\['{point}'\\]"):
+        checkpoint_layers([layer], QuantConfig(q1="bfp4", rounding={point: "stochastic"}))
     assert checkpoint_layers([layer], QuantConfig(q1="bfp4")) == 1
     x = torch.randn(3, 4, requires_grad=True)
     layer(x).sum().backward()  # runs through torch.utils.checkpoint

@@ -328,13 +328,16 @@ def test_a_checkpoint_save_that_fails_midway_leaves_the_last_good_one(
 # -- NaN: in validation, in GLUE training ----------------------------------------------------------
 
 
-def test_a_nan_validation_loss_ends_the_run_diverged_at_its_update(tmp_path, monkeypatch):
-    use_scripted_family(monkeypatch, [5.0, 4.0, float("nan")] + FALLING)
+@pytest.mark.parametrize("bad", ["nan", "inf"])
+def test_a_nan_or_infinite_validation_loss_ends_the_run_diverged_at_its_update(
+    tmp_path, monkeypatch, bad
+):
+    use_scripted_family(monkeypatch, [5.0, 4.0, float(bad)] + FALLING)
     run_dir = tmp_path / "run"
     outcome = train(scripted_config(run_dir))
     assert (outcome.status, outcome.exit_code) == ("diverged", 3)
     result = RunResult.read(run_dir)
-    assert result.status == "diverged" and result.error == "validation loss is nan at update 6"
+    assert result.status == "diverged" and result.error == f"validation loss is {bad} at update 6"
     assert result.updates == 6 and result.value is None
     assert load_checkpoint(run_dir / "checkpoints" / "checkpoint_last.pt")["num_updates"] == 4
     valid = [r["update"] for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "valid"]
@@ -369,19 +372,23 @@ def sst2_examples(n):
             for i in range(n)]  # fmt: skip
 
 
+@pytest.mark.parametrize("bad", ["nan", "inf"])
 @pytest.mark.parametrize(
     "poisoned, error, updates, checkpoint",
     [
-        ("train_step", "training loss is nan at update 3", 2, 2),
-        ("dev_scores", "validation loss is nan at update 4", 4, 2),
+        ("train_step", "training loss is {} at update 3", 2, 2),
+        ("dev_scores", "validation loss is {} at update 4", 4, 2),
     ],
 )
-def test_nan_in_glue_ends_the_run_diverged_at_its_update(
-    tmp_path, monkeypatch, poisoned, error, updates, checkpoint
+def test_nan_or_inf_in_glue_ends_the_run_diverged_at_its_update(
+    tmp_path, monkeypatch, poisoned, error, updates, checkpoint, bad
 ):
     """A GLUE run (its own trainer, a stand-in encoder) whose weights turn NaN before its third
-    update, or before its second validation (update 4): diverged (exit 3), the error naming the
-    loss and the update, the checkpoint of update 2 and the records before the NaN kept."""
+    update, or before its second validation (update 4), or whose head then forbids class 0 (a
+    logit of -inf: an infinite loss on every example of that class): diverged (exit 3), the
+    error naming the loss and the update, the checkpoint of update 2 and the records before
+    kept."""
+    error = error.format(bad)
     monkeypatch.setattr(glue, "build_encoder", lambda model_cfg, num_classes: Encoder(
         TinyClassifier(num_classes), WordLengths(), "a stand-in"))  # fmt: skip
     original = getattr(GlueTrainer, poisoned)
@@ -391,7 +398,11 @@ def test_nan_in_glue_ends_the_run_diverged_at_its_update(
         calls["n"] += 1
         if calls["n"] == (3 if poisoned == "train_step" else 2):
             with torch.no_grad():
-                self.model.head.weight.fill_(float("nan"))
+                if bad == "nan":
+                    self.model.head.weight.fill_(float("nan"))
+                else:
+                    self.model.head.weight.zero_()
+                    self.model.head.bias.copy_(torch.tensor([-float("inf"), 0.0]))
         return original(self, *args)
 
     monkeypatch.setattr(GlueTrainer, poisoned, poisoning)
