@@ -285,23 +285,35 @@ class _Call:
         pd = p if noise is None else p * noise
         return p, pd, noise, keep, nothing
 
-    def scaled(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` times the scaling where it is folded into an operand (``folded``)."""
-        return x * self.scaling if self.folded else x
+    def scaled(self, x: torch.Tensor, keep=()) -> torch.Tensor:
+        """``x`` times the scaling where it is folded into an operand (``folded``): in place
+        where ``x`` shares no memory with the tensors of ``keep`` (those whose values must stay:
+        a caller's input, a stash ``x`` was unpacked from), which spares a copy of a whole
+        per-head tensor."""
+        if not self.folded:
+            return x
+        if any(_shares_memory(x, t) for t in keep):
+            return x * self.scaling
+        return x.mul_(self.scaling)
 
     def merged(self, x):
         """A tile [bc, Hkv, rep, rows, c] in the GEMM layout [bc, Hkv, rep * rows, c]."""
         return x.reshape(x.shape[0], self.kv_heads, -1, x.shape[-1])
 
 
+def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
 def _whole_scale(point: _Point) -> bool:
     return point.fmt.whole_tensor_scale
 
 
-def _forward(call: _Call, q0, k0, v0):
-    """O [B, H, N, e] from the q0-quantized operands (``v0`` [B, Hkv, M, e])."""
+def _forward(call: _Call, q0, k0, v0, keep=()):
+    """O [B, H, N, e] from the q0-quantized operands (``v0`` [B, Hkv, M, e]); ``q0`` is scaled
+    in place unless it shares memory with a tensor of ``keep``."""
     f0, f1 = call.points[0], call.points[1]
-    k0_t, q0 = k0.transpose(-1, -2), call.scaled(q0)
+    k0_t, q0 = k0.transpose(-1, -2), call.scaled(q0, keep)
     if _whole_scale(f0) or _whole_scale(f1):  # q0(Pd) or its stash needs Pd's largest value
         call.amax_pd = torch.stack([_amax(call.probs(q0, k0_t, *tile)[1])
                                     for tile in call.tiles]).amax()  # fmt: skip
@@ -326,7 +338,7 @@ class DSQAttentionFunction(torch.autograd.Function):
         q_packed, k_packed = f0.pack(q, -1), f0.pack(k, -1)
         q0, k0 = q_packed.unpack(), k_packed.unpack()
         v0 = f0.quantize(v, -2)
-        out = _forward(call, q0, k0, v0)
+        out = _forward(call, q0, k0, v0, keep=(q, *q_packed.payload.values()))
         stashes = (q_packed, k_packed, f1.pack(q, -2), f1.pack(k, -2), f1.pack(v, -1))
         ctx.call = call
         ctx.headers, tensors = [], []
@@ -349,6 +361,7 @@ class DSQAttentionFunction(torch.autograd.Function):
     def backward(ctx, d_out):
         call = ctx.call
         saved = list(ctx.saved_tensors)
+        saved_all = tuple(saved)
         unpacked = []
         for header in ctx.headers:
             count = len(header[-1])  # the payload's names
@@ -358,7 +371,8 @@ class DSQAttentionFunction(torch.autograd.Function):
         f0, f1, f2, f3 = call.points
         # g_O = q3(dO) along the queries and q2(g_O) along e: whole, as the explicit path
         g_out, g2_out = f3.quantize_chain(d_out.contiguous(), -2, f2, -1)
-        d_scores_of = _tile_gradients(call, q0, k0, v1, g2_out)
+        keep = (d_out, g_out, *saved_all)
+        d_scores_of = _tile_gradients(call, q0, k0, v1, g2_out, keep)
         amax_dz = amax_g = None
         if _whole_scale(f3):
             amax_dz = torch.stack([_amax(d_scores_of(*tile)[0]) for tile in call.tiles]).amax()
@@ -390,12 +404,14 @@ class DSQAttentionFunction(torch.autograd.Function):
         return dq, dk_t.transpose(-1, -2), dv, None, None, None, None, None, None, None
 
 
-def _tile_gradients(call: _Call, q0, k0, v1, g2_out):
+def _tile_gradients(call: _Call, q0, k0, v1, g2_out, keep=()):
     """A function of a tile: (dZ, Pd), dZ = dS * scaling the gradient of the scores' GEMM and
-    Pd the dropped-out probabilities, [bc, Hkv, rep, rows, M]."""
+    Pd the dropped-out probabilities, [bc, Hkv, rep, rows, M]. ``q0`` and ``g2_out`` are scaled
+    in place unless they share memory with a tensor of ``keep``."""
 
     k0_t, v1_t = k0.transpose(-1, -2), v1.transpose(-1, -2)
-    q0, g2_out = call.scaled(q0), call.scaled(g2_out)  # dPd scaled: dS scaled by linearity
+    # dPd scaled: dS scaled by linearity
+    q0, g2_out = call.scaled(q0, keep), call.scaled(g2_out, keep)
 
     def of(bs, rows, keys):
         p, pd, noise, keep, nothing = call.probs(q0, k0_t, bs, rows, keys)
@@ -433,4 +449,5 @@ def dsq_attention(q, k, v, cfg: QuantConfig, *, scaling: float | None = None, ma
                                           dropout, tile_rows)  # fmt: skip
     call = _Call(q, k, v, cfg, scaling, mask, causal, key_padding, dropout, tile_rows)
     f0 = call.points[0]
-    return _forward(call, f0.quantize(q, -1), f0.quantize(k, -1), f0.quantize(v, -2))
+    q0, k0, v0 = f0.quantize(q, -1), f0.quantize(k, -1), f0.quantize(v, -2)
+    return _forward(call, q0, k0, v0, keep=(q,))

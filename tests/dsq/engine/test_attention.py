@@ -123,6 +123,26 @@ def test_without_grad_it_computes_the_same_output_and_keeps_nothing():
     assert torch.equal(with_grad.detach(), without)
 
 
+@pytest.mark.parametrize("preset", ["fp32", "dsq"])
+def test_the_folded_scaling_leaves_the_inputs_and_the_stash_as_they_were(preset):
+    """A power-of-two scaling is folded into the query operand in place where that operand is a
+    tensor of the kernel's own; fp32's operands are the inputs and the stash themselves (a cast
+    to the same dtype), which keep their values: the input after the call, the stash through a
+    second backward pass."""
+    cfg = cfg_of(preset)
+    q, k, v, d_out = inputs()
+    before = q.detach().clone()
+    with torch.no_grad():
+        once = dsq_attention(q, k, v, cfg, causal=True, scaling=0.25, tile_rows=32)
+    out = dsq_attention(q, k, v, cfg, causal=True, scaling=0.25, tile_rows=32)
+    assert torch.equal(q.detach(), before) and torch.equal(out.detach(), once)
+    first = torch.autograd.grad(out, (q, k, v), d_out, retain_graph=True)
+    second = torch.autograd.grad(out, (q, k, v), d_out)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+    assert torch.equal(q.detach(), before)
+
+
 def saved_bytes(n: int) -> int:
     """Bytes autograd holds for one call at sequence length ``n``."""
     held = []
