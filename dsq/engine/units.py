@@ -215,9 +215,13 @@ def gemm_by_rows(a_rows, rows: int, cols: int, b: torch.Tensor, how: GemmPlan, k
     step = max(SLICE_ROWS, SLICE_ELEMENTS // max(1, cols) // SLICE_ROWS * SLICE_ROWS)
     if step >= rows:
         return gemm(a_rows(slice(0, rows)), b, how, kind)
+    # the shared operand converted for the bf16 unit once, not once a slice
+    b_ready = None
+    if b.device.type == "cpu" and how.unit in ("bf16", "bf16x2") and b.dtype == torch.float32:
+        b_ready = compute.prepared_b(b, how.split if how.unit == "bf16x2" else None)
     out, ran = None, set()
     for r0 in range(0, rows, step):
-        part, unit = _gemm(a_rows(slice(r0, min(r0 + step, rows))), b, how, None)
+        part, unit = _gemm(a_rows(slice(r0, min(r0 + step, rows))), b, how, None, b_ready)
         if out is None:
             out = part.new_empty(rows, part.shape[-1])
         out[r0 : r0 + part.shape[0]] = part
@@ -226,14 +230,17 @@ def gemm_by_rows(a_rows, rows: int, cols: int, b: torch.Tensor, how: GemmPlan, k
     return out
 
 
-def _gemm(a, b, how: GemmPlan, bias):
-    """(``a @ b`` + ``bias``, the unit it ran on): `gemm` without the count."""
+def _gemm(a, b, how: GemmPlan, bias, b_ready=None):
+    """(``a @ b`` + ``bias``, the unit it ran on): `gemm` without the count. ``b_ready``: ``b``
+    converted for the CPU's bf16 unit beforehand (`compute.prepared_b`)."""
     out = None
     # the units are exact for float32 operands (a float64 model keeps its float64 GEMMs)
     float32 = a.dtype == b.dtype == torch.float32 and (bias is None or bias.dtype == a.dtype)
     if how.unit != "fp32" and float32:
-        run = _run_cpu if a.device.type == "cpu" else _run_cuda
-        out = run(a, b, how, bias)
+        if a.device.type == "cpu":
+            out = _run_cpu(a, b, how, bias, b_ready)
+        else:
+            out = _run_cuda(a, b, how, bias)
     unit = how.unit
     if out is None:
         unit = "fp32"
@@ -249,15 +256,15 @@ def _fallback(how: GemmPlan) -> None:
     )
 
 
-def _run_cpu(a, b, how: GemmPlan, bias):
+def _run_cpu(a, b, how: GemmPlan, bias, b_ready=None):
     if how.unit not in ("bf16", "bf16x2"):
         raise ValueError(f"the CPU has no {how.unit} unit")
     if a.shape[:-2] != b.shape[:-2]:  # broadcast batch dimensions: torch's matmul handles them
         return None
     if how.unit == "bf16":
-        out = compute.bf16_gemm(a, b, bias)
+        out = compute.bf16_gemm(a, b, bias, b_ready)
     else:
-        out = compute.bf16x2_gemm(a, b, how.split, bias)
+        out = compute.bf16x2_gemm(a, b, how.split, bias, b_ready)
     if out is None:
         _fallback(how)
     return out

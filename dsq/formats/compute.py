@@ -44,14 +44,17 @@ def cpu_split_pays() -> bool:
     return onednn.split_pays()
 
 
-def bf16_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None):
+def bf16_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, b_ready=None):
     """``a @ b (+ bias)`` in float32 on the CPU's bf16 unit, for float32 ``a`` [..., m, k] and
     ``b`` [..., k, n] with the same leading dimensions (``bias`` [n] with 2-D operands); a new
-    contiguous tensor (never a view), or None when it cannot run exactly there."""
-    return _padded_gemm(a, b, bias, split=None)
+    contiguous tensor (never a view), or None when it cannot run exactly there. ``b_ready``:
+    `prepared_b` of this ``b``, for GEMMs that share it (a slice of ``a`` at a time)."""
+    return _padded_gemm(a, b, bias, split=None, b_ready=b_ready)
 
 
-def bf16x2_gemm(a: torch.Tensor, b: torch.Tensor, split: str, bias: torch.Tensor | None = None):
+def bf16x2_gemm(
+    a: torch.Tensor, b: torch.Tensor, split: str, bias: torch.Tensor | None = None, b_ready=None
+):
     """`bf16_gemm` with the operand ``split`` (``"a"`` or ``"b"``), whose values have up to 16
     significant bits, held as an exact pair hi + lo of bf16 numbers: ``hi @ b + lo @ b`` (or
     ``a @ hi + a @ lo``), two GEMMs on the bf16 unit whose float32 results are added. Exact as
@@ -59,10 +62,22 @@ def bf16x2_gemm(a: torch.Tensor, b: torch.Tensor, split: str, bias: torch.Tensor
     float32 sums; None when it cannot run so."""
     if split not in ("a", "b"):
         raise ValueError(f"split must be 'a' or 'b', got {split!r}")
-    return _padded_gemm(a, b, bias, split=split)
+    return _padded_gemm(a, b, bias, split=split, b_ready=b_ready)
 
 
-def _padded_gemm(a, b, bias, split):
+def prepared_b(b: torch.Tensor, split: str | None = None):
+    """The second operand ``b`` [..., k, n] converted as `bf16_gemm` (``split`` None or "a") or
+    `bf16x2_gemm` with ``split="b"`` converts it, once for every GEMM that shares it; None where
+    it is not exactly representable (each GEMM then finds so itself)."""
+    from dsq.kernels import onednn
+
+    k, n = b.shape[-2:]
+    b3 = b.reshape(-1, k, n)
+    shape = tuple(onednn.padded_size(d) for d in (b3.shape[0], k, n))
+    return (onednn.split_bf16 if split == "b" else onednn.to_bf16)(b3, shape)
+
+
+def _padded_gemm(a, b, bias, split, b_ready=None):
     from dsq.kernels import onednn
 
     lead, (m, k), n = a.shape[:-2], a.shape[-2:], b.shape[-1]
@@ -71,7 +86,9 @@ def _padded_gemm(a, b, bias, split):
     batch, pm, pk, pn = (onednn.padded_size(d) for d in (rows, m, k, n))
     convert = {name: onednn.split_bf16 if split == name else onednn.to_bf16 for name in ("a", "b")}
     ab = convert["a"](a3, (batch, pm, pk))
-    bb = convert["b"](b3, (batch, pk, pn)) if ab is not None else None
+    bb = None
+    if ab is not None:
+        bb = b_ready if b_ready is not None else convert["b"](b3, (batch, pk, pn))
     if bb is None:
         return None
     if bias is not None and pn > n:

@@ -185,11 +185,15 @@ def test_the_gradient_gemms_run_by_slices_of_rows_with_the_whole_tensors_values(
     from dsq.engine import units
 
     monkeypatch.setattr(units, "SLICE_ELEMENTS", 1)  # one SLICE_ROWS slice at a time
-    shapes = []
+    shapes, shared = [], []
     real = units._gemm
-    monkeypatch.setattr(
-        units, "_gemm", lambda a, b, *rest: shapes.append(a.shape) or real(a, b, *rest)
-    )
+
+    def spy(a, b, how, bias, b_ready=None):
+        shapes.append(a.shape)
+        shared.append((how.unit, b_ready is not None))
+        return real(a, b, how, bias, b_ready)
+
+    monkeypatch.setattr(units, "_gemm", spy)
     x, w, b, dy = data((200, 48), m=150)
     before = units.tally()
     got = run_linear(x, w, b, dy, QuantConfig(*points))
@@ -202,8 +206,38 @@ def test_the_gradient_gemms_run_by_slices_of_rows_with_the_whole_tensors_values(
         assert [s[0] for s in backward] == [64, 64, 64, 8] + [64, 64, 22]
     else:
         assert [s[0] for s in backward] == [200, 64, 64, 22]
+    # a slice's GEMM on the bf16 units takes the shared operand converted once for all slices
+    slices = shared[1:] if sliced else shared[2:]
+    assert all(ready == (unit in ("bf16", "bf16x2")) for unit, ready in slices), slices
     assert {kind: sum(n.values()) for kind, n in ran.items()} == {
         "linear.forward": 1,
         "linear.dx": 1,
         "linear.dw": 1,
     }  # a GEMM counted once, whatever its slices
+
+
+def test_a_sliced_gemm_on_the_bf16_unit_converts_the_shared_operand_once(monkeypatch):
+    """gemm_by_rows on the CPU's bf16 units: the second operand is converted once for all
+    slices (`compute.prepared_b`), and the result is the whole GEMM's, bit for bit."""
+    from dsq.engine import units
+    from dsq.kernels import onednn
+
+    if "bf16" not in units.offered_units(torch.device("cpu")):
+        pytest.skip("this CPU has no bf16 unit (AVX512-BF16 or AMX)")
+    bfp8 = parse_format("bfp8")
+    g = torch.Generator().manual_seed(0)
+    a = bfp8.quantize(torch.randn(300, 96, generator=g), -1)
+    b = bfp8.quantize(torch.randn(96, 80, generator=g), 0)
+    how = units.plan(bfp8, bfp8, torch.device("cpu"), "auto", 10**9)
+    assert how.unit == "bf16"
+    whole = units.gemm(a, b, how, "test")
+    converted = []
+    real = onednn.to_bf16
+    monkeypatch.setattr(
+        onednn, "to_bf16", lambda x, shape: converted.append(x.shape) or real(x, shape)
+    )
+    monkeypatch.setattr(units, "SLICE_ELEMENTS", 1)  # slices of SLICE_ROWS rows
+    sliced = units.gemm_by_rows(lambda rows: a[rows], 300, 96, b, how, "test")
+    assert torch.equal(sliced, whole)
+    assert [tuple(s) for s in converted].count((1, 96, 80)) == 1  # b, once
+    assert len(converted) == 1 + 5  # and each of the five slices of a
