@@ -256,11 +256,7 @@ class Table:
     def p_values(self, column: Column, measure: str) -> dict[str, tuple[float | None, ...]]:
         """Each row's (p, adjusted p) of its paired difference from ``against`` in ``measure``:
         the block is one column's comparisons in one measure, adjusted as ``adjust`` says."""
-        rows = [row for row in self.rows if row != self.against]
-        diffs = [self.difference(row, self.against, column, measure) for row in rows]
-        raw = [p_value(d) if d else None for d in diffs]
-        adjusted = holm(raw) if self.adjust == "holm" else raw
-        return {row: (p, q) for row, p, q in zip(rows, raw, adjusted)}
+        return self._block(column, measure, p_value)
 
     def equivalence_p_values(
         self, column: Column, measure: str
@@ -269,9 +265,15 @@ class Table:
         inside ± the margin, in the same block as ``p_values`` (empty without a margin)."""
         if self.against is None or not self.margins:
             return {}
+        margin = self.margins[measure]
+        return self._block(column, measure, lambda d: equivalence_p(d, margin))
+
+    def _block(self, column: Column, measure: str, test) -> dict[str, tuple[float | None, ...]]:
+        """``test`` of each row's paired difference from ``against``, raw and adjusted within
+        the block."""
         rows = [row for row in self.rows if row != self.against]
         diffs = [self.difference(row, self.against, column, measure) for row in rows]
-        raw = [equivalence_p(d, self.margins[measure]) if d else None for d in diffs]
+        raw = [test(d) if d else None for d in diffs]
         adjusted = holm(raw) if self.adjust == "holm" else raw
         return {row: (p, q) for row, p, q in zip(rows, raw, adjusted)}
 

@@ -84,11 +84,10 @@ def _padded_gemm(a, b, bias, split, b_ready=None):
     a3, b3 = a.reshape(-1, m, k), b.reshape(-1, k, n)  # views where the layout allows
     rows = a3.shape[0]
     batch, pm, pk, pn = (onednn.padded_size(d) for d in (rows, m, k, n))
-    convert = {name: onednn.split_bf16 if split == name else onednn.to_bf16 for name in ("a", "b")}
-    ab = convert["a"](a3, (batch, pm, pk))
+    ab = (onednn.split_bf16 if split == "a" else onednn.to_bf16)(a3, (batch, pm, pk))
     bb = None
     if ab is not None:
-        bb = b_ready if b_ready is not None else convert["b"](b3, (batch, pk, pn))
+        bb = b_ready if b_ready is not None else prepared_b(b3, split)
     if bb is None:
         return None
     if bias is not None and pn > n:
