@@ -94,8 +94,8 @@ def test_every_bf16_gemm_of_an_mx_step_is_within_float32s_summation_bound(monkey
     checked = []
     run = units._run_cpu
 
-    def checked_run(a, b, how, bias):
-        out = run(a, b, how, bias)
+    def checked_run(a, b, how, bias, b_ready=None):
+        out = run(a, b, how, bias, b_ready)
         if out is not None:
             exact = a.double() @ b.double() + (bias.double() if bias is not None else 0)
             k = a.shape[-1]
