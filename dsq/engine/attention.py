@@ -36,20 +36,28 @@ quantized value equals the explicit path's. What differs is the order of float32
 over a tile's rows instead of all rows, ``dK`` and ``dV`` summed tile by tile and over a group's
 query heads. tests/dsq/engine/test_attention.py states the tolerance.
 
+The two passes are torch custom ops, ``dsq::attention_forward`` and ``dsq::attention_backward``
+(`attention_forward`, `attention_backward`), on tensors already in their formats; the autograd
+function around them packs and unpacks the stashes.
+
 Dropout draws its keep mask from a counter-based hash of (seed, sequence, head, query, key), so
 the mask, and the result, do not depend on the tiling; its stream is not ``F.dropout``'s. A
-stochastic rounding draws its noise tile by tile, and ``q1(Pd)`` in the backward pass: equal in
-distribution to the explicit path's, not value for value.
+stochastic rounding draws its noise tile by tile, and ``q1(Pd)`` in the backward pass, from a
+generator each pass seeds with a draw from the config's: equal in distribution to the explicit
+path's, not value for value.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
+from dsq.formats import Format, parse_format
+
 from . import accounting, units
-from .config import QuantConfig
+from .config import POINTS, QuantConfig
 from .functions import (
     _Point,
     _points,
@@ -209,7 +217,8 @@ class _Call:
     """What a forward pass fixed for its backward pass: shapes, masks, points, plans, the
     dropout seed and the largest magnitudes of the tensors a whole-tensor scale spans."""
 
-    def __init__(self, q, k, v, cfg, scaling, mask, causal, key_padding, dropout, tile_rows):
+    def __init__(self, q, k, v, points, gemm_unit, scaling, mask, causal, key_padding, dropout,
+                 dropout_seed, tile_rows):  # fmt: skip
         self.batch, self.heads, self.n, self.d = q.shape
         self.kv_heads, self.m, self.e = k.shape[1], k.shape[2], v.shape[-1]
         self.rep = self.heads // self.kv_heads
@@ -217,15 +226,13 @@ class _Call:
         # a power of two scales a product exactly, so it can scale an operand once instead of
         # every tile's scores and score gradients (1/8 for heads of 64; fairseq's 1, its q scaled)
         self.folded = scaling > 0 and math.frexp(scaling)[0] == 0.5
-        self.points = _points(cfg, q.device)
+        self.points = points
         f0, f1, f2, f3 = (p.fmt for p in self.points)
         self.tiles = _Tiles(self.batch, self.heads, self.n, self.m, (f0, f1, f2, f3),
                             causal and mask is None, tile_rows)  # fmt: skip
-        # each of the three GEMMs of a product is planned as the explicit path plans it
-        plan = lambda a, b, macs: units.plan(a, b, q.device, cfg.gemm_unit, macs)  # noqa: E731
         qk, pv = self.n * self.d * self.m, self.n * self.m * self.e
-        self.plans_qk = (plan(f0, f0, qk), plan(f2, f1, qk), plan(f1, f3, qk))
-        self.plans_pv = (plan(f0, f0, pv), plan(f2, f1, pv), plan(f1, f3, pv))
+        self.plans_qk = _plans(f0, f1, f2, f3, q.device, gemm_unit, qk)
+        self.plans_pv = _plans(f0, f1, f2, f3, q.device, gemm_unit, pv)
         # a boolean or an additive mask as [B, Hkv, rep, N, M] views; the causal rule is formed
         # tile by tile, never N x M
         boolean = mask is not None and mask.dtype == torch.bool
@@ -233,9 +240,7 @@ class _Call:
         self.keep = self._five(mask) if boolean else None
         self.causal = causal and mask is None
         self.real_keys = None if key_padding is None else ~key_padding.bool()[:, None, None, None]
-        self.seed = None
-        if dropout > 0:
-            self.seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
+        self.seed = dropout_seed if dropout > 0 else None
         self.amax_pd = None
 
     def _five(self, mask):
@@ -309,11 +314,11 @@ def _whole_scale(point: _Point) -> bool:
     return point.fmt.whole_tensor_scale
 
 
-def _forward(call: _Call, q0, k0, v0, keep=()):
+def _forward(call: _Call, q0, k0, v0):
     """O [B, H, N, e] from the q0-quantized operands (``v0`` [B, Hkv, M, e]); ``q0`` is scaled
-    in place unless it shares memory with a tensor of ``keep``."""
+    in place unless it shares memory with ``k0`` or ``v0``."""
     f0, f1 = call.points[0], call.points[1]
-    k0_t, q0 = k0.transpose(-1, -2), call.scaled(q0, keep)
+    k0_t, q0 = k0.transpose(-1, -2), call.scaled(q0, (k0, v0))
     if _whole_scale(f0) or _whole_scale(f1):  # q0(Pd) or its stash needs Pd's largest value
         call.amax_pd = torch.stack([_amax(call.probs(q0, k0_t, *tile)[1])
                                     for tile in call.tiles]).amax()  # fmt: skip
@@ -328,80 +333,43 @@ def _forward(call: _Call, q0, k0, v0, keep=()):
     return out
 
 
-class DSQAttentionFunction(torch.autograd.Function):
-    """`dsq_attention` with a backward pass (module docstring)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, cfg, scaling, mask, causal, key_padding, dropout, tile_rows):
-        call = _Call(q, k, v, cfg, scaling, mask, causal, key_padding, dropout, tile_rows)
-        f0, f1 = call.points[0], call.points[1]
-        q_packed, k_packed = f0.pack(q, -1), f0.pack(k, -1)
-        q0, k0 = q_packed.unpack(), k_packed.unpack()
-        v0 = f0.quantize(v, -2)
-        out = _forward(call, q0, k0, v0, keep=(q, *q_packed.payload.values()))
-        stashes = (q_packed, k_packed, f1.pack(q, -2), f1.pack(k, -2), f1.pack(v, -1))
-        ctx.call = call
-        ctx.headers, tensors = [], []
-        for packed in stashes:  # as the other DSQ functions save their stashes
-            header, payload = _stash_header(packed)
-            ctx.headers.append(header)
-            tensors += payload
-        for t in tensors:  # already in their formats: a stash_scope=all hook leaves them be
-            t.dsq_packed = True
-        ctx.save_for_backward(*tensors)  # the masks stay with ctx.call, shared by every layer
-        stash_bytes = sum(t.numel() * t.element_size() for t in tensors)
-        b, h, n, d = q.shape
-        # the two products the explicit path notes, priced alike by the cost model
-        accounting.note("matmul", b * h, n, d, call.m, cfg, stash_bytes, call.plans_qk)
-        accounting.note("matmul", b * h, n, call.m, call.e, cfg, 0, call.plans_pv)
-        return out
-
-    @staticmethod
-    @backward_outside_autocast
-    def backward(ctx, d_out):
-        call = ctx.call
-        saved = list(ctx.saved_tensors)
-        saved_all = tuple(saved)
-        unpacked = []
-        for header in ctx.headers:
-            count = len(header[-1])  # the payload's names
-            unpacked.append(_stash_restore(header, saved[:count]).unpack())
-            del saved[:count]
-        q0, k0, q1, k1, v1 = unpacked
-        f0, f1, f2, f3 = call.points
-        # g_O = q3(dO) along the queries and q2(g_O) along e: whole, as the explicit path
-        g_out, g2_out = f3.quantize_chain(d_out.contiguous(), -2, f2, -1)
-        keep = (d_out, g_out, *saved_all)
-        d_scores_of = _tile_gradients(call, q0, k0, v1, g2_out, keep)
-        amax_dz = amax_g = None
-        if _whole_scale(f3):
-            amax_dz = torch.stack([_amax(d_scores_of(*tile)[0]) for tile in call.tiles]).amax()
-        if _whole_scale(f2):
-            amax_g = torch.stack([
-                _amax(quantize_part(f3, d_scores_of(*tile)[0], -2, amax_dz))
-                for tile in call.tiles
-            ]).amax()  # fmt: skip
-        dq = torch.empty_like(q0)
-        dq5 = dq.view(call.batch, call.kv_heads, call.rep, call.n, call.d)
-        dk_t = q0.new_zeros(call.batch, call.kv_heads, call.d, call.m)
-        dv = q0.new_zeros(call.batch, call.kv_heads, call.m, call.e)
-        amax_pd = call.amax_pd if _whole_scale(f1) else None
-        for bs, rows, keys in call.tiles:
-            dz, pd = d_scores_of(bs, rows, keys)
-            # dV += q1(Pd)^T g_O: Pd's stash, blocks along the queries
-            pd1 = call.merged(quantize_part(f1, pd, -2, amax_pd))
-            dv[bs, :, keys] += units.gemm(pd1.transpose(-1, -2), call.rows_of(g_out, bs, rows),
-                                          call.plans_pv[2], "matmul.db")  # fmt: skip
-            # g = q3(dZ) along the queries, then q2(g) along the keys
-            g = quantize_part(f3, dz, -2, amax_dz)
-            g2 = quantize_part(f2, g, -1, amax_g)
-            dq_tile = units.gemm(call.merged(g2), k1[bs, :, keys], call.plans_qk[1], "matmul.da")
-            dq5[bs, :, :, rows] = dq_tile.view(dq_tile.shape[0], call.kv_heads, call.rep, -1,
-                                               call.d)  # fmt: skip
-            q1_rows = call.rows_of(q1, bs, rows).transpose(-1, -2)
-            dk_t[bs, :, :, keys] += units.gemm(q1_rows, call.merged(g), call.plans_qk[2],
-                                               "matmul.db")  # fmt: skip
-        return dq, dk_t.transpose(-1, -2), dv, None, None, None, None, None, None, None
+def _backward(call: _Call, d_out, q0, k0, q1, k1, v1):
+    """(dQ, dK, dV) from the incoming gradient and the saved operands; ``q0`` is scaled in place
+    unless it shares memory with another input."""
+    f0, f1, f2, f3 = call.points
+    # g_O = q3(dO) along the queries and q2(g_O) along e: whole, as the explicit path
+    g_out, g2_out = f3.quantize_chain(d_out, -2, f2, -1)
+    keep = (d_out, g_out, k0, q1, k1, v1)
+    d_scores_of = _tile_gradients(call, q0, k0, v1, g2_out, keep)
+    amax_dz = amax_g = None
+    if _whole_scale(f3):
+        amax_dz = torch.stack([_amax(d_scores_of(*tile)[0]) for tile in call.tiles]).amax()
+    if _whole_scale(f2):
+        amax_g = torch.stack([
+            _amax(quantize_part(f3, d_scores_of(*tile)[0], -2, amax_dz))
+            for tile in call.tiles
+        ]).amax()  # fmt: skip
+    dq = torch.empty_like(q0)
+    dq5 = dq.view(call.batch, call.kv_heads, call.rep, call.n, call.d)
+    dk_t = q0.new_zeros(call.batch, call.kv_heads, call.d, call.m)
+    dv = q0.new_zeros(call.batch, call.kv_heads, call.m, call.e)
+    amax_pd = call.amax_pd if _whole_scale(f1) else None
+    for bs, rows, keys in call.tiles:
+        dz, pd = d_scores_of(bs, rows, keys)
+        # dV += q1(Pd)^T g_O: Pd's stash, blocks along the queries
+        pd1 = call.merged(quantize_part(f1, pd, -2, amax_pd))
+        dv[bs, :, keys] += units.gemm(pd1.transpose(-1, -2), call.rows_of(g_out, bs, rows),
+                                      call.plans_pv[2], "matmul.db")  # fmt: skip
+        # g = q3(dZ) along the queries, then q2(g) along the keys
+        g = quantize_part(f3, dz, -2, amax_dz)
+        g2 = quantize_part(f2, g, -1, amax_g)
+        dq_tile = units.gemm(call.merged(g2), k1[bs, :, keys], call.plans_qk[1], "matmul.da")
+        dq5[bs, :, :, rows] = dq_tile.view(dq_tile.shape[0], call.kv_heads, call.rep, -1,
+                                           call.d)  # fmt: skip
+        q1_rows = call.rows_of(q1, bs, rows).transpose(-1, -2)
+        dk_t[bs, :, :, keys] += units.gemm(q1_rows, call.merged(g), call.plans_qk[2],
+                                           "matmul.db")  # fmt: skip
+    return dq, dk_t.transpose(-1, -2), dv
 
 
 def _tile_gradients(call: _Call, q0, k0, v1, g2_out, keep=()):
@@ -429,6 +397,163 @@ def _tile_gradients(call: _Call, q0, k0, v1, g2_out, keep=()):
     return of
 
 
+# -- the kernels as torch custom ops --------------------------------------------------------------
+# dsq::attention_forward and dsq::attention_backward are the tiled kernel's two passes on tensors
+# already in their formats: torch.compile traces each as one op (its fake gives the outputs'
+# shapes), the profiler names them, and another backend registers its kernel under the same op.
+# Packing the stashes and unpacking them stays outside, in the formats' own ops. A config is not a
+# tensor, so the ops take the points in force as text (`points_text`) and the seeds of the
+# randomness they draw: dropout's and, where a point rounds stochastically, the noise's.
+
+
+def points_text(cfg: QuantConfig) -> str:
+    """The points in force as the ops' argument: ``"<format> <rounding>"`` for q0..q3, by ``;``."""
+    return ";".join(f"{cfg.format(p).spec} {cfg.rounding[p]}" for p in POINTS)
+
+
+@functools.lru_cache(maxsize=64)
+def _parsed_points(text: str) -> tuple[tuple[Format, str], ...]:
+    return tuple((parse_format(fmt), rounding) for fmt, rounding in
+                 (point.split() for point in text.split(";")))  # fmt: skip
+
+
+def _points_of(text: str, noise_seed: int, device) -> tuple[_Point, ...]:
+    """q0..q3 of ``points_text``; the stochastic ones draw from one generator seeded with
+    ``noise_seed``, as a config's stochastic points share its generator."""
+    parsed = _parsed_points(text)
+    generator = None
+    if any(rounding == "stochastic" for _, rounding in parsed):
+        generator = torch.Generator(device=device).manual_seed(noise_seed)
+    return tuple(_Point(fmt, rounding, generator if rounding == "stochastic" else None)
+                 for fmt, rounding in parsed)  # fmt: skip
+
+
+def _noise_seed(cfg: QuantConfig, device) -> int:
+    """A seed for a kernel's stochastic rounding, drawn from the config's generator (so a resumed
+    run draws the same), or 0 where every point rounds to nearest."""
+    if all(rounding == "nearest" for rounding in cfg.rounding.values()):
+        return 0
+    generator = cfg.generator(device)
+    return int(torch.randint(0, 2**62, (), generator=generator, device=generator.device))
+
+
+@torch.library.custom_op("dsq::attention_forward", mutates_args=("q0",))
+def attention_forward(
+    q0: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, mask: torch.Tensor | None,
+    key_padding: torch.Tensor | None, points: str, gemm_unit: str, scaling: float, causal: bool,
+    dropout: float, dropout_seed: int, noise_seed: int, tile_rows: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The tiled forward pass (module docstring) from ``q0(Q)``, ``q0(K)`` and ``q0(V)``:
+    ``(O [B, H, N, e], amax)``, ``amax`` Pd's largest magnitude in float32 where a whole-tensor
+    scale needs it for the backward pass, else 0. ``q0`` is the kernel's to use: a folded
+    scaling multiplies it in place. ``tile_rows`` 0 lets the kernel choose."""
+    call = _Call(q0, k0, v0, _points_of(points, noise_seed, q0.device), gemm_unit, scaling, mask,
+                 causal, key_padding, dropout, dropout_seed, tile_rows or None)  # fmt: skip
+    out = _forward(call, q0, k0, v0)
+    amax = call.amax_pd if call.amax_pd is not None else torch.zeros((), device=q0.device)
+    return out, amax.to(torch.float32)
+
+
+@attention_forward.register_fake
+def _attention_forward_fake(q0, k0, v0, *_):
+    b, heads, n, _ = q0.shape
+    return q0.new_empty(b, heads, n, v0.shape[-1]), q0.new_empty((), dtype=torch.float32)
+
+
+@torch.library.custom_op("dsq::attention_backward", mutates_args=("q0",))
+def attention_backward(
+    d_out: torch.Tensor, q0: torch.Tensor, k0: torch.Tensor, q1: torch.Tensor, k1: torch.Tensor,
+    v1: torch.Tensor, amax_pd: torch.Tensor, mask: torch.Tensor | None,
+    key_padding: torch.Tensor | None, points: str, gemm_unit: str, scaling: float, causal: bool,
+    dropout: float, dropout_seed: int, noise_seed: int, tile_rows: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The tiled backward pass (module docstring): ``(dQ, dK, dV)`` from the incoming gradient
+    ``d_out`` and the saved operands, ``q0`` and ``k0`` as the forward pass had them (``q0``
+    unscaled; the kernel's to use, as there), ``q1(Q)``, ``q1(K)``, ``q1(V)`` unpacked, and the
+    forward's ``amax``; the other arguments are the forward's, but for the noise's seed."""
+    call = _Call(q0, k0, v1, _points_of(points, noise_seed, q0.device), gemm_unit, scaling, mask,
+                 causal, key_padding, dropout, dropout_seed, tile_rows or None)  # fmt: skip
+    call.amax_pd = amax_pd.to(q0.dtype)
+    return _backward(call, d_out.contiguous(), q0, k0, q1, k1, v1)
+
+
+@attention_backward.register_fake
+def _attention_backward_fake(d_out, q0, k0, q1, k1, v1, *_):
+    b, kv_heads, m, d = k0.shape
+    dk = q0.new_empty(b, kv_heads, d, m).transpose(-1, -2)
+    return torch.empty_like(q0), dk, q0.new_empty(b, kv_heads, m, v1.shape[-1])
+
+
+def _owned(x: torch.Tensor, others) -> torch.Tensor:
+    """``x``, or a copy where it shares memory with one of ``others`` (a caller's input, a
+    stash): the kernels scale their ``q0`` in place."""
+    return x.clone() if any(_shares_memory(x, t) for t in others) else x
+
+
+class DSQAttentionFunction(torch.autograd.Function):
+    """`dsq_attention` with a backward pass (module docstring): packs and unpacks the stashes
+    around `attention_forward` and `attention_backward`."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cfg, scaling, mask, causal, key_padding, dropout, tile_rows):
+        points = _points(cfg, q.device)
+        f0, f1 = points[0], points[1]
+        q_packed, k_packed = f0.pack(q, -1), f0.pack(k, -1)
+        q0 = _owned(q_packed.unpack(), (q, *q_packed.payload.values()))
+        k0, v0 = k_packed.unpack(), f0.quantize(v, -2)
+        dropout_seed = int(torch.randint(0, 2**62, (), dtype=torch.int64)) if dropout > 0 else 0
+        # every argument of the two kernels but the tensors and the noise's seed
+        ctx.arguments = (mask, key_padding, points_text(cfg), cfg.gemm_unit, scaling, causal,
+                         dropout, dropout_seed, tile_rows or 0)  # fmt: skip
+        out, ctx.amax_pd = torch.ops.dsq.attention_forward(
+            q0, k0, v0, *ctx.arguments[:-1], _noise_seed(cfg, q.device), ctx.arguments[-1]
+        )
+        stashes = (q_packed, k_packed, f1.pack(q, -2), f1.pack(k, -2), f1.pack(v, -1))
+        ctx.cfg = cfg
+        ctx.headers, tensors = [], []
+        for packed in stashes:  # as the other DSQ functions save their stashes
+            header, payload = _stash_header(packed)
+            ctx.headers.append(header)
+            tensors += payload
+        for t in tensors:  # already in their formats: a stash_scope=all hook leaves them be
+            t.dsq_packed = True
+        ctx.save_for_backward(*tensors)  # the masks stay with ctx.arguments, shared by every layer
+        stash_bytes = sum(t.numel() * t.element_size() for t in tensors)
+        b, h, n, d = q.shape
+        m, e = k.shape[2], v.shape[-1]
+        formats = [p.fmt for p in points]
+        plans_qk = _plans(*formats, q.device, cfg.gemm_unit, n * d * m)
+        plans_pv = _plans(*formats, q.device, cfg.gemm_unit, n * m * e)
+        # the two products the explicit path notes, priced alike by the cost model
+        accounting.note("matmul", b * h, n, d, m, cfg, stash_bytes, plans_qk)
+        accounting.note("matmul", b * h, n, m, e, cfg, 0, plans_pv)
+        return out
+
+    @staticmethod
+    @backward_outside_autocast
+    def backward(ctx, d_out):
+        saved = list(ctx.saved_tensors)
+        saved_all = tuple(saved)
+        unpacked = []
+        for header in ctx.headers:
+            count = len(header[-1])  # the payload's names
+            unpacked.append(_stash_restore(header, saved[:count]).unpack())
+            del saved[:count]
+        q0, k0, q1, k1, v1 = unpacked
+        q0 = _owned(q0, saved_all)
+        noise_seed = _noise_seed(ctx.cfg, d_out.device)
+        dq, dk, dv = torch.ops.dsq.attention_backward(
+            d_out, q0, k0, q1, k1, v1, ctx.amax_pd, *ctx.arguments[:-1], noise_seed,
+            ctx.arguments[-1],
+        )  # fmt: skip
+        return dq, dk, dv, None, None, None, None, None, None, None
+
+
+def _plans(f0, f1, f2, f3, device, unit, macs):
+    """The units of a product's three GEMMs, as the explicit path plans them."""
+    return tuple(units.plan(a, b, device, unit, macs) for a, b in ((f0, f0), (f2, f1), (f1, f3)))
+
+
 @outside_autocast
 def dsq_attention(q, k, v, cfg: QuantConfig, *, scaling: float | None = None, mask=None,
                   causal: bool = False, key_padding=None, dropout: float = 0.0,
@@ -447,7 +572,12 @@ def dsq_attention(q, k, v, cfg: QuantConfig, *, scaling: float | None = None, ma
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         return DSQAttentionFunction.apply(q, k, v, cfg, scaling, mask, causal, key_padding,
                                           dropout, tile_rows)  # fmt: skip
-    call = _Call(q, k, v, cfg, scaling, mask, causal, key_padding, dropout, tile_rows)
-    f0 = call.points[0]
-    q0, k0, v0 = f0.quantize(q, -1), f0.quantize(k, -1), f0.quantize(v, -2)
-    return _forward(call, q0, k0, v0, keep=(q,))
+    f0 = _points(cfg, q.device)[0]
+    q0 = _owned(f0.quantize(q, -1), (q,))
+    k0, v0 = f0.quantize(k, -1), f0.quantize(v, -2)
+    dropout_seed = int(torch.randint(0, 2**62, (), dtype=torch.int64)) if dropout > 0 else 0
+    out, _ = torch.ops.dsq.attention_forward(
+        q0, k0, v0, mask, key_padding, points_text(cfg), cfg.gemm_unit, scaling, causal, dropout,
+        dropout_seed, _noise_seed(cfg, q.device), tile_rows or 0,
+    )  # fmt: skip
+    return out

@@ -21,6 +21,7 @@ from dsq.engine.attention import (
     dropout_noise,
     dsq_attention,
     explicit_attention,
+    points_text,
 )
 from dsq.engine.patch import stash_all_hooks
 from dsq.presets import get_preset
@@ -204,12 +205,41 @@ def test_dropout_does_not_depend_on_the_tiling_and_is_the_definitions_with_its_m
     assert abs(kept - 0.75) < 0.01
 
 
-def test_stochastic_rounding_runs_tiled_with_its_own_noise():
-    cfg = cfg_of("dsq", rounding={"q1": "stochastic"})
-    q, k, v, d_out = inputs()
-    out = dsq_attention(q, k, v, cfg, causal=True, tile_rows=32)
-    grads = torch.autograd.grad(out, (q, k, v), d_out)
-    assert all(torch.isfinite(g).all() for g in grads)
+def test_stochastic_rounding_runs_tiled_with_noise_the_configs_generator_seeds():
+    # the kernels' noise is seeded by draws from the config's generator: a config of the same
+    # seed (a resumed run's, its noise state restored) draws the same, another seed other noise
+    def run(seed):
+        cfg = QuantConfig.from_dict(get_preset("dsq").to_dict()
+                                    | {"rounding": {"q1": "stochastic", "q2": "stochastic"}},
+                                    seed=seed)  # fmt: skip
+        q, k, v, d_out = inputs()
+        out = dsq_attention(q, k, v, cfg, causal=True, tile_rows=32)
+        return (out, *torch.autograd.grad(out, (q, k, v), d_out))
+
+    first, again, other = run(1), run(1), run(2)
+    assert all(torch.isfinite(t).all() for t in first)
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    assert not torch.equal(first[1], other[1])  # dQ: through q2's noise
+
+
+@pytest.mark.parametrize(("preset", "kind"), [
+    ("dsq", "causal"), ("mx_dsq", "boolean"), ("nvfp4_dsq", "padding"), ("fp32", "additive"),
+])  # fmt: skip
+def test_the_two_passes_are_custom_ops_whose_fakes_agree(preset, kind):
+    """torch.library.opcheck on dsq::attention_forward and dsq::attention_backward: schema
+    (``q0`` the one input they may write), fake kernels, and a run traced by torch.compile's
+    ahead-of-time dispatch with dynamic shapes against the eager one. dsq's q2 rounds
+    stochastically: the passes are functions of their seeds."""
+    cfg = cfg_of(preset, rounding={"q2": "stochastic"}) if preset == "dsq" else cfg_of(preset)
+    q, k, v, d_out = (t.detach() for t in inputs(n=37, m=37))
+    keywords = mask_keywords(kind, q.shape[0], 37, 37)
+    rest = (keywords.get("mask"), keywords.get("key_padding"), points_text(cfg), cfg.gemm_unit,
+            0.25, keywords.get("causal", False), 0.1, 7, 11, 16)  # fmt: skip
+    torch.library.opcheck(torch.ops.dsq.attention_forward.default, (q.clone(), k, v, *rest))
+    out, amax = torch.ops.dsq.attention_forward(q.clone(), k, v, *rest)
+    assert out.shape == d_out.shape and amax.dtype == torch.float32
+    backward = (d_out, q.clone(), k, q, k, v, amax, *rest)
+    torch.library.opcheck(torch.ops.dsq.attention_backward.default, backward)
 
 
 def test_the_kernel_is_a_quant_setting_that_says_what_it_accepts():
