@@ -463,17 +463,18 @@ def _attention_forward_fake(q0, k0, v0, *_):
 @torch.library.custom_op("dsq::attention_backward", mutates_args=("q0",))
 def attention_backward(
     d_out: torch.Tensor, q0: torch.Tensor, k0: torch.Tensor, q1: torch.Tensor, k1: torch.Tensor,
-    v1: torch.Tensor, amax_pd: torch.Tensor, mask: torch.Tensor | None,
+    v1: torch.Tensor, amax_pd: torch.Tensor | None, mask: torch.Tensor | None,
     key_padding: torch.Tensor | None, points: str, gemm_unit: str, scaling: float, causal: bool,
     dropout: float, dropout_seed: int, noise_seed: int, tile_rows: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """The tiled backward pass (module docstring): ``(dQ, dK, dV)`` from the incoming gradient
     ``d_out`` and the saved operands, ``q0`` and ``k0`` as the forward pass had them (``q0``
     unscaled; the kernel's to use, as there), ``q1(Q)``, ``q1(K)``, ``q1(V)`` unpacked, and the
-    forward's ``amax``; the other arguments are the forward's, but for the noise's seed."""
+    forward's ``amax`` (None where q1 does not scale the whole tensor); the other arguments are
+    the forward's, but for the noise's seed."""
     call = _Call(q0, k0, v1, _points_of(points, noise_seed, q0.device), gemm_unit, scaling, mask,
                  causal, key_padding, dropout, dropout_seed, tile_rows or None)  # fmt: skip
-    call.amax_pd = amax_pd.to(q0.dtype)
+    call.amax_pd = None if amax_pd is None else amax_pd.to(q0.dtype)
     return _backward(call, d_out.contiguous(), q0, k0, q1, k1, v1)
 
 
@@ -505,9 +506,10 @@ class DSQAttentionFunction(torch.autograd.Function):
         # every argument of the two kernels but the tensors and the noise's seed
         ctx.arguments = (mask, key_padding, points_text(cfg), cfg.gemm_unit, scaling, causal,
                          dropout, dropout_seed, tile_rows or 0)  # fmt: skip
-        out, ctx.amax_pd = torch.ops.dsq.attention_forward(
+        out, amax_pd = torch.ops.dsq.attention_forward(
             q0, k0, v0, *ctx.arguments[:-1], _noise_seed(cfg, q.device), ctx.arguments[-1]
         )
+        ctx.amax_pd = amax_pd if _whole_scale(f1) else None  # the only use the backward has
         stashes = (q_packed, k_packed, f1.pack(q, -2), f1.pack(k, -2), f1.pack(v, -1))
         ctx.cfg = cfg
         ctx.headers, tensors = [], []
