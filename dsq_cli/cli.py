@@ -668,7 +668,7 @@ def table_cmd(
         show_default=False,
     ),
 ):
-    """Table 1 (docs/spec.md §6) from runs' result.json: presets as rows, tasks as columns
+    """The paper's Table 1 from runs' result.json: presets as rows, tasks as columns
     (docs/table.md).
 
     Runs that diverged, were interrupted or are running show as such; an unreadable result.json
@@ -793,8 +793,8 @@ def cost_cmd(
         None, "--vocab", help="Output vocabulary (the task's data.vocab_size by default)."
     ),
 ):
-    """Arithmetic and DRAM cost of one training step (docs/spec.md §4) as ratios to a baseline,
-    derived from the model config and batch shape: no data, no training.
+    """Arithmetic and DRAM cost of one training step as ratios to a baseline, derived from the
+    model config and batch shape: no data, no training (docs/cost-model.md).
 
     Scheduled points are priced at their first level; the ratios at the last levels follow.
     The coefficients and rules are derived in docs/cost-model.md.

@@ -238,3 +238,35 @@ def test_bench_step_prints_its_table():
     assert "(output projection quantized as each preset says, as dsq train runs it;" in (
         result.output
     )
+
+
+def _commands(group, path=()):
+    """(path, click command) of every command under ``group``, the group itself first."""
+    yield path, group
+    for name, command in getattr(group, "commands", {}).items():
+        yield from _commands(command, (*path, name))
+
+
+def test_every_commands_help_prints_whole_sentences_and_cites_headings():
+    """Each command's summary, as its parent lists it and as its own help prints it, is the
+    whole first paragraph of its docstring, ending a sentence; no help cites a section number
+    (docs are cited by their headings)."""
+    import re
+
+    import typer
+
+    def words(text):
+        return " ".join(re.sub(r"[│╭╮╰╯─]", " ", text).split())
+
+    root = typer.main.get_command(app)
+    for path, command in _commands(root):
+        result = runner.invoke(app, [*path, "--help"], terminal_width=400)
+        assert result.exit_code == 0, path
+        shown = words(result.output)
+        assert "§" not in shown, f"dsq {' '.join(path)} --help cites a section number"
+        summary = words((command.help or "").split("\n\n")[0])
+        assert summary.endswith("."), f"dsq {' '.join(path)}: summary {summary!r}"
+        assert summary in shown, f"dsq {' '.join(path)} --help cuts its summary"
+        for name, sub in getattr(command, "commands", {}).items():
+            listed = words((sub.help or "").split("\n\n")[0])
+            assert f"{name} {listed}" in shown, f"dsq {' '.join(path)} lists {name} cut short"
