@@ -1,4 +1,6 @@
-"""Block floating point and dynamic fixed point (docs/spec.md §1, 1.1, 1.2)."""
+"""Block floating point (docs/formats.md; docs/spec.md, "BFP quantization", "Packed storage").
+
+``fixed<w>``, one block spanning the tensor, is a BFP format kept with fixed point (fixed.py)."""
 
 from __future__ import annotations
 
@@ -141,24 +143,3 @@ class BFP(Format):
                 packed.axis,
                 packed.dtype,
             )
-
-
-@register
-class FixedDynamic(BFP):
-    """``fixed<w>``: dynamic fixed point, exactly ``bfp<w>`` with one block spanning the tensor.
-
-    One 8-bit exponent for the whole tensor (``axis`` is irrelevant); w-bit sign-magnitude
-    mantissas. ``bits_per_value = w`` (the single exponent is not counted per value).
-    """
-
-    pattern = re.compile(r"fixed(\d+)")
-    grammar = "fixed<w> (2<=w<=32)"
-
-    def __init__(self, width: int) -> None:
-        super().__init__(width, 8, None)
-        self.spec = f"fixed{width}"
-        self.bits_per_value = float(width)
-
-    @classmethod
-    def from_match(cls, spec, match):
-        return cls(check_int_range(spec, "w", int(match[1]), 2, 32))

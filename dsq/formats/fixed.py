@@ -1,4 +1,5 @@
-"""Static fixed point (docs/spec.md §1): ``fixed<w>f<f>``."""
+"""Fixed point (docs/formats.md): dynamic, ``fixed<w>`` (BFP with one block spanning the tensor,
+so BFP's kernels run it), and static, ``fixed<w>f<f>`` (its own kernels)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 from . import reference
 from .backends import declare_family, kernel_for, register_kernel
 from .base import Format, PackedTensor, check_input, check_int_range, register
+from .bfp import BFP
 
 for _op, _fn in {
     "quantize": reference.fixed_static_quantize,
@@ -17,6 +19,27 @@ for _op, _fn in {
 }.items():
     register_kernel("reference", "fixed_static", _op, _fn)
 declare_family("fixed_static")
+
+
+@register
+class FixedDynamic(BFP):
+    """``fixed<w>``: dynamic fixed point, exactly ``bfp<w>`` with one block spanning the tensor.
+
+    One 8-bit exponent for the whole tensor (``axis`` is irrelevant); w-bit sign-magnitude
+    mantissas. ``bits_per_value = w`` (the single exponent is not counted per value).
+    """
+
+    pattern = re.compile(r"fixed(\d+)")
+    grammar = "fixed<w> (2<=w<=32)"
+
+    def __init__(self, width: int) -> None:
+        super().__init__(width, 8, None)
+        self.spec = f"fixed{width}"
+        self.bits_per_value = float(width)
+
+    @classmethod
+    def from_match(cls, spec, match):
+        return cls(check_int_range(spec, "w", int(match[1]), 2, 32))
 
 
 @register

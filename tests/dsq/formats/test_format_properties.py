@@ -35,8 +35,8 @@ from hypothesis import strategies as st
 from dsq.formats import parse_format, reference
 from dsq.formats.backends import BACKENDS, select_backend, unavailable_reason
 from dsq.formats.base import registered_formats
-from dsq.formats.bfp import BFP, FixedDynamic
-from dsq.formats.fixed import FixedStatic
+from dsq.formats.bfp import BFP
+from dsq.formats.fixed import FixedDynamic, FixedStatic
 from dsq.formats.floats import FP32, FloatCast
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -357,7 +357,7 @@ def test_cpu_backend_equals_reference(backend, spec, data):
     case=cases(PATH_SPECS, max_numel=240, device=TRITON_DEVICE, empty=False),
     small_tiles=st.booleans(),
 )
-def test_triton_path_equals_reference(case, small_tiles):
+def test_triton_backend_equals_reference(case, small_tiles):
     import dsq.kernels.bfp as kernels
 
     # tiny launch tiles: many programs even for small tensors, blocks straddling programs
