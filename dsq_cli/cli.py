@@ -155,12 +155,15 @@ def _check_device(device: str) -> None:
 def bench_quant(
     numel: int = typer.Option(2**24, help="Number of fp32 values."),
     formats: str = typer.Option(DEFAULT_BENCH_FORMATS, help="Comma-separated format specs."),
-    paths: str = typer.Option(
+    backends: str = typer.Option(
         "c,compile,triton,eager,reference",
         help="Comma-separated backends: c (the C kernels where they hold the format, "
         "torch.compile kernels elsewhere), compile (the torch.compile kernels alone), triton, "
         "reference; and eager (plain PyTorch float32, quantize only). Those that cannot run "
         "here are listed as skipped.",
+    ),
+    paths: str | None = typer.Option(
+        None, hidden=True, help="The former name of --backends (deprecated; to be removed)."
     ),
     repeats: int = typer.Option(7, min=1, help="Timed repetitions (median reported)."),
     device: str = typer.Option("cpu", help="cpu or cuda."),
@@ -172,16 +175,19 @@ def bench_quant(
 
     if numel < 1:
         raise ValueError(f"--numel must be positive, got {numel}")
-    path_list = [p.strip() for p in paths.split(",") if p.strip()]
+    if paths is not None:
+        typer.echo("dsq: warning: --paths is deprecated; use --backends", err=True)
+        backends = paths
+    backend_list = [b.strip() for b in backends.split(",") if b.strip()]
     known = (*quant.BACKENDS, "eager")
-    bad = [p for p in path_list if p not in known]
+    bad = [b for b in backend_list if b not in known]
     if bad:
-        raise ValueError(f"unknown path(s) {bad}; choose from {', '.join(known)}")
+        raise ValueError(f"--backends: unknown backend(s) {bad}; choose from {', '.join(known)}")
     _check_device(device)
     result = quant.run(
         numel,
         [f.strip() for f in formats.split(",") if f.strip()],
-        path_list,
+        backend_list,
         repeats,
         device,
         peers,
@@ -578,7 +584,8 @@ def _roberta_base_data(overrides: list[str]) -> None:
         return
     raise ValueError(
         "fairseq publishes no SHA-256 for roberta.base and dsq downloads only verified files "
-        f"(docs/spec.md §7); fetch it yourself: {roberta_base_download_hint(folder)}; then run "
+        '(docs/spec.md, "Files, downloads and secrets"); fetch it yourself: '
+        f"{roberta_base_download_hint(folder)}; then run "
         f"with model.checkpoint={folder}"
     )
 

@@ -25,7 +25,7 @@ from dsq.formats.backends import BACKENDS, missing_kernels, unavailable_reason
 @dataclasses.dataclass
 class Row:
     format: str
-    path: str
+    backend: str
     op: str
     ms: float
     gbps: float
@@ -77,7 +77,7 @@ def _peer_qtorch(fmt, x):
 def run(
     numel: int,
     specs: list[str],
-    paths: list[str],
+    backends: list[str],
     repeats: int,
     device: str = "cpu",
     peers: bool = False,
@@ -115,15 +115,15 @@ def run(
     ]
     skipped, fallbacks = [], []
     for fmt in formats:
-        for path in paths:
-            reason = unavailable_reason(path, dev.type) if path in BACKENDS else None
+        for backend in backends:
+            reason = unavailable_reason(backend, dev.type) if backend in BACKENDS else None
             if reason is not None:
-                skipped.append(f"{path}: {reason}")
+                skipped.append(f"{backend}: {reason}")
                 continue
-            if path in BACKENDS and path != "reference" and fmt.family is not None:
-                fallbacks += [f"{path}: {op}" for op in missing_kernels(path, fmt.family)]
-            reps = min(repeats, 2) if path == "reference" else repeats
-            if path == "eager":
+            if backend in BACKENDS and backend != "reference" and fmt.family is not None:
+                fallbacks += [f"{backend}: {op}" for op in missing_kernels(backend, fmt.family)]
+            reps = min(repeats, 2) if backend == "reference" else repeats
+            if backend == "eager":
                 fn = _eager(fmt, x)
                 if fn is not None:
                     op_s, c_s, r = measure(fn, x, dev, reps)
@@ -140,23 +140,23 @@ def run(
                         )
                     )
                 continue
-            packed = fmt.pack(x, backend=path)
+            packed = fmt.pack(x, backend=backend)
             for op in ops:
                 if op == "quantize":
-                    fn, moved = (lambda f=fmt, p=path: f.quantize(x, backend=p)), 2 * value_bytes
+                    fn, moved = (lambda f=fmt, p=backend: f.quantize(x, backend=p)), 2 * value_bytes
                 elif op == "pack":
                     fn, moved = (
-                        (lambda f=fmt, p=path: f.pack(x, backend=p)),
+                        (lambda f=fmt, p=backend: f.pack(x, backend=p)),
                         value_bytes + packed.nbytes,
                     )
                 else:
                     fn, moved = (
-                        (lambda p=path, pk=packed: pk.unpack(backend=p)),
+                        (lambda p=backend, pk=packed: pk.unpack(backend=p)),
                         value_bytes + packed.nbytes,
                     )
                 op_s, c_s, r = measure(fn, x, dev, reps)
                 rows.append(
-                    Row(fmt.spec, path, op, op_s * 1e3, moved / op_s / 1e9, c_s * 1e3, r, moved)
+                    Row(fmt.spec, backend, op, op_s * 1e3, moved / op_s / 1e9, c_s * 1e3, r, moved)
                 )
     if peers:
         if importlib.util.find_spec("qtorch") is None:
@@ -217,12 +217,12 @@ def format_table(result: dict) -> str:
         f"({result['numel'] * 4 / 2**20:.1f} MiB) on {result['device']} ({result['machine']}), "
         f"torch {result['torch']}, median of {result['repeats']}",
         "",
-        f"{'format':<12} {'path':<13} {'op':<22} {'ms':>9} {'GB/s':>7} {'x clone':>8}",
+        f"{'format':<12} {'backend':<13} {'op':<22} {'ms':>9} {'GB/s':>7} {'x clone':>8}",
         "-" * 75,
     ]
     for r in result["rows"]:
         lines.append(
-            f"{r['format']:<12} {r['path']:<13} {r['op']:<22} {r['ms']:>9.2f} "
+            f"{r['format']:<12} {r['backend']:<13} {r['op']:<22} {r['ms']:>9.2f} "
             f"{r['gbps']:>7.2f} {r['x_clone']:>8.2f}"
         )
     for s in result["skipped"]:

@@ -38,7 +38,7 @@ def test_format_quantizes_the_spec_example():
         (["format", "bfp99"], "invalid format spec 'bfp99'"),
         (["format", "bfp4", "--values", "1,x"], "--values must be numbers"),
         (["bench", "quant", "--formats", "bfp1", "--numel", "64"], "invalid format spec 'bfp1'"),
-        (["bench", "quant", "--paths", "gpu", "--numel", "64"], "unknown path"),
+        (["bench", "quant", "--backends", "gpu", "--numel", "64"], "unknown backend"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_code_2(args, needle):
@@ -89,14 +89,14 @@ def test_bench_quant_json_on_a_small_tensor():
             "1",
             "--formats",
             "bfp4,fixed16",
-            "--paths",
+            "--backends",
             "reference,eager",
             "--json",
         ],
     )
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
-    ops = {(r["format"], r["path"], r["op"]) for r in data["rows"]}
+    ops = {(r["format"], r["backend"], r["op"]) for r in data["rows"]}
     assert ("-", "torch", "x.clone()") in ops
     for op in ("quantize", "pack", "unpack"):
         assert ("bfp4e8b16", "reference", op) in ops
@@ -238,6 +238,15 @@ def test_bench_step_prints_its_table():
     assert "(output projection quantized as each preset says, as dsq train runs it;" in (
         result.output
     )
+
+
+def test_paths_is_the_deprecated_name_of_backends():
+    result = runner.invoke(app, ["bench", "quant", "--formats", "bfp4", "--numel", "256",
+                                 "--repeats", "1", "--paths", "reference", "--json"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "--paths is deprecated; use --backends" in result.stderr
+    rows = json.loads(result.stdout)["rows"]
+    assert {r["backend"] for r in rows if r["format"] != "-"} == {"reference"}
 
 
 def _commands(group, path=()):

@@ -36,7 +36,7 @@ def failures(gpu_check, check) -> list[str]:
 
 
 @pytest.mark.slow  # compiles a Triton kernel per format and rounding
-def test_triton_path_equals_the_reference_bit_for_bit_on_cuda(gpu_check):
+def test_triton_backend_equals_the_reference_bit_for_bit_on_cuda(gpu_check):
     assert failures(gpu_check, gpu_check.exactness) == []
 
 

@@ -290,8 +290,9 @@ def fake_compiler(tmp_path, calls) -> str:
     return str(script)
 
 
-def test_a_missing_compiler_is_named_and_the_path_falls_back(monkeypatch, tmp_path, caplog,
-                                                            fresh_loader):  # fmt: skip
+def test_a_missing_compiler_is_named_and_the_compile_backend_runs_instead(
+    monkeypatch, tmp_path, caplog, fresh_loader
+):
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++"))
     reason = c_kernels.unavailable_reason()
     assert reason is not None and "no-such-c++" in reason and "set CXX" in reason
