@@ -176,7 +176,7 @@ def quantize_part(point: _Point, x: torch.Tensor, axis: int, amax) -> torch.Tens
 
 def _amax(x: torch.Tensor) -> torch.Tensor:
     """The largest finite magnitude of ``x`` (the whole-tensor scales leave out the rest)."""
-    amax = x.abs().amax()
+    amax = torch.maximum(x.amax(), x.amin().neg())  # no |x| tensor
     if torch.isfinite(amax):
         return amax
     return torch.where(torch.isfinite(x), x.abs(), 0.0).amax()
@@ -265,7 +265,14 @@ class _Call:
         nothing = keep = None
         if self.additive is not None:
             s = s + self.additive[bs, :, :, rows, keys]
-        if self.causal:
+        if self.causal and self.real_keys is None:
+            # only a key from the tile's first row on can come after a row: that part alone is
+            # masked, in place (``s`` is this tile's own)
+            i0 = rows.start
+            i = torch.arange(i0, i0 + s.shape[-2], device=s.device)
+            later = torch.arange(i0, max(i0, keys.stop), device=s.device) > i[:, None]
+            s[..., i0:].masked_fill_(later, -torch.inf)
+        elif self.causal:
             i = torch.arange(rows.start, rows.start + s.shape[-2], device=s.device)
             keep = torch.arange(keys.stop, device=s.device) <= i[:, None]
         elif self.keep is not None:
