@@ -231,6 +231,16 @@ KV_HEADS_OPTION = typer.Option(
 THREADS_OPTION = typer.Option(0, min=0, help="transformers models: threads a row (0: torch's).")
 
 
+def _seq_lens(text: str) -> tuple[int, ...]:
+    try:
+        lengths = tuple(int(n) for n in text.split(",") if n.strip())
+    except ValueError:
+        lengths = ()
+    if not lengths or min(lengths) < 2:
+        raise ValueError(f"--seq-lens: expected lengths like 256,1024, got {text!r}")
+    return lengths
+
+
 def _transformers_bench(model, presets, layers, width, heads, kv_heads, vocab, seq_lens,
                         scopes, checkpointing, repeats, budget, threads, refused,
                         loss_chunk=None):  # fmt: skip
@@ -252,12 +262,7 @@ def _transformers_bench(model, presets, layers, width, heads, kv_heads, vocab, s
             f"--heads {heads} / --kv-heads {kv_heads} do not fit width {width}: the heads must "
             "divide the width, the key/value heads the heads (and equal them but for llama)"
         )
-    try:
-        lengths = tuple(int(n) for n in seq_lens.split(",") if n.strip())
-    except ValueError:
-        lengths = ()
-    if not lengths or min(lengths) < 2:
-        raise ValueError(f"--seq-lens: expected lengths like 256,1024, got {seq_lens!r}")
+    lengths = _seq_lens(seq_lens)
     shape = transformers_models.ModelShape(model, layers, width, heads, kv_heads, vocab)
     rows = transformers_models.rows_of(
         _preset_names(presets), _choices("--scopes", scopes, tuple(SCOPES)),
@@ -380,6 +385,41 @@ def bench_gemm(
 
     _check_device(device)
     _print_bench(gemm.run(repeats, device), as_json, gemm.format_table)
+
+
+@bench_app.command("attention")
+@usage_errors
+def bench_attention(
+    seq_lens: str = typer.Option("1024,2048", help="Comma-separated tokens a sequence."),
+    batch: int = typer.Option(1, min=1, help="Sequences."),
+    heads: int = typer.Option(8, min=1, help="Query heads."),
+    kv_heads: int = typer.Option(4, min=1, help="Key/value heads (grouped-query attention)."),
+    head_dim: int = typer.Option(64, min=1, help="Values a head."),
+    preset: str = typer.Option("dsq", help="The quant preset whose formats DSQ's attention runs."),
+    repeats: int = typer.Option(5, min=1, help="Timed passes a row (median reported)."),
+    explicit_up_to: int = typer.Option(
+        2048, min=0, help="Time the explicit path (N x N probabilities) up to this length."
+    ),
+    threads: int = typer.Option(0, min=0, help="Threads (0: torch's)."),
+    device: str = typer.Option("cpu", help="cpu or cuda."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+):
+    """Time DSQ's attention, forward and backward, tiled and explicit, beside SDPA under bf16
+    autocast, side by side in one run."""
+    import torch
+
+    from dsq_cli.bench import attention
+
+    lengths = _seq_lens(seq_lens)
+    names = _preset_names(preset)
+    if len(names) != 1:
+        raise ValueError(f"--preset: name one quant preset, got {preset!r}")
+    _check_device(device)
+    if threads:
+        torch.set_num_threads(threads)
+    result = attention.run(lengths, batch, heads, kv_heads, head_dim, names[0], repeats, device,
+                           explicit_up_to)  # fmt: skip
+    _print_bench(result, as_json, attention.format_table)
 
 
 @bench_app.command("memory")

@@ -363,40 +363,11 @@ def attention(repeats: int) -> None:
         worst = max(float((a - b).abs().max() / b.abs().max()) for a, b in pairs)
         report(f"attention tiled = explicit, {preset} (worst {worst:.1e} of the largest)",
                None if worst <= 1e-5 else "beyond float32 summation order")  # fmt: skip
-    cfg = QuantConfig.from_preset("dsq")
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    print(f"\nattention forward + backward, 4 sequences, 8 heads (4 key/value) of 64, "
-          f"median of {repeats}: ms, peak MiB above the inputs")  # fmt: skip
-    for n in (1024, 2048, 4096):
-        print(_attention_times(inputs(n), cfg, sdpa, n, repeats))
+    from dsq_cli.bench import attention as attention_bench
 
-
-def _attention_times(tensors, cfg, sdpa, n: int, repeats: int) -> str:
-    from dsq.engine.attention import dsq_attention, explicit_attention
-
-    q, k, v, d_out = tensors
-    runs = {
-        "sdpa, bf16 autocast": lambda: _autocast_sdpa(sdpa, q, k, v),
-        "dsq tiled": lambda: dsq_attention(q, k, v, cfg, causal=True),
-    }
-    if n <= 2048:  # the explicit path's probabilities: 4 x 8 x n x n floats, and more
-        runs["dsq explicit"] = lambda: explicit_attention(q, k, v, cfg, scaling=0.125, causal=True)[
-            0
-        ]
-    line = [f"seq {n}:"]
-    for name, fn in runs.items():
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        ms = cuda_ms(lambda fn=fn: torch.autograd.grad(fn(), (q, k, v), d_out), repeats)
-        peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-        line.append(f"{name} {ms:.2f} ms {peak:.0f} MiB;")
-    return " ".join(line)
-
-
-def _autocast_sdpa(sdpa, q, k, v):
-    with torch.autocast("cuda", torch.bfloat16):
-        return sdpa(q, k, v, is_causal=True, enable_gqa=True)
+    print()
+    result = attention_bench.run((1024, 2048, 4096), batch=4, repeats=repeats, device=DEVICE)
+    print(attention_bench.format_table(result))
 
 
 def main() -> int:

@@ -39,6 +39,9 @@ def test_format_quantizes_the_spec_example():
         (["format", "bfp4", "--values", "1,x"], "--values must be numbers"),
         (["bench", "quant", "--formats", "bfp1", "--numel", "64"], "invalid format spec 'bfp1'"),
         (["bench", "quant", "--backends", "gpu", "--numel", "64"], "unknown backend"),
+        (["bench", "attention", "--preset", "amp_bf16"], "runs no DSQ attention"),
+        (["bench", "attention", "--heads", "6", "--kv-heads", "4"], "cannot share --kv-heads"),
+        (["bench", "attention", "--seq-lens", "1k"], "--seq-lens: expected lengths"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_code_2(args, needle):
@@ -238,6 +241,20 @@ def test_bench_step_prints_its_table():
     assert "(output projection quantized as each preset says, as dsq train runs it;" in (
         result.output
     )
+
+
+def test_bench_attention_times_each_row_beside_sdpa():
+    result = runner.invoke(app, ["bench", "attention", "--seq-lens", "32,48", "--heads", "4",
+                                 "--kv-heads", "2", "--head-dim", "16", "--repeats", "1",
+                                 "--explicit-up-to", "32", "--json"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["shape"] == {"batch": 1, "heads": 4, "kv_heads": 2, "head_dim": 16}
+    rows = {(r["seq_len"], r["row"]): r for r in data["rows"]}
+    assert set(rows) == {(32, "sdpa, bf16 autocast"), (32, "dsq tiled"), (32, "dsq explicit"),
+                         (48, "sdpa, bf16 autocast"), (48, "dsq tiled")}  # fmt: skip
+    assert all(r["ms"] > 0 and r["x_sdpa"] > 0 for r in rows.values())
+    assert rows[(32, "sdpa, bf16 autocast")]["x_sdpa"] == 1.0
 
 
 def test_paths_is_the_deprecated_name_of_backends():
