@@ -7,7 +7,8 @@ formats. Rows, run one after the other within each repetition: SDPA under
 ``torch.autocast(bf16)`` (what a user runs instead: the fused kernel), the tiled kernel, and the
 explicit path up to ``explicit_up_to`` tokens (its probabilities are ``batch x heads x N x N``).
 A row's time is the median over repetitions of one forward and backward pass; its ratio to
-SDPA is the median of the ratios within each repetition. On CUDA each row also reports the
+SDPA is the median of the ratios within each repetition. On the CPU the process keeps freed
+memory, as ``dsq train`` runs (``dsq_cli/cpu_allocator.py``); on CUDA each row also reports the
 allocator's peak above the inputs.
 """
 
@@ -21,6 +22,7 @@ import torch
 from dsq.engine import QuantConfig
 from dsq.engine.attention import dsq_attention, explicit_attention
 from dsq.presets import get_preset
+from dsq_cli.cpu_allocator import keep_freed_memory
 
 from .quant import machine_description
 
@@ -81,6 +83,8 @@ def run(seq_lens=(1024, 2048), batch: int = 1, heads: int = 8, kv_heads: int = 4
     cfg = QuantConfig.from_dict(get_preset(preset).to_dict())
     if cfg.engine != "dsq":
         raise ValueError(f"--preset {preset} runs no DSQ attention; choose a DSQ preset (dsq)")
+    if dev.type == "cpu":
+        keep_freed_memory()  # as `dsq train` runs on CPU: passes reuse their pages
     rows = []
     for n in seq_lens:
         q, k, v, d_out = _inputs(batch, heads, kv_heads, n, head_dim, dev)
