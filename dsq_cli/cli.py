@@ -724,26 +724,8 @@ def table_cmd(
     from dsq.atomic_files import write_atomic
     from dsq_cli import table
 
-    if fmt not in table.FORMATS:
-        raise ValueError(f"--format must be one of {', '.join(table.FORMATS)}, got {fmt!r}")
-    if every_run and fmt != "markdown":
-        raise ValueError(
-            f"--runs adds a list to markdown; json carries each run under cells, and {fmt} "
-            "has no place for it: drop --runs or use --format markdown"
-        )
     if plot is not None and not plot.lower().endswith(".png"):
         raise ValueError(f"--plot writes a PNG; {plot!r} does not end in .png")
-    for flag, given in (("--moves", moves), ("--frontier", frontier)):
-        if given and fmt not in ("markdown", "json"):
-            raise ValueError(
-                f"{flag} adds a list to markdown or json; drop it or use --format markdown or "
-                f"json, not {fmt}"
-            )
-    chosen_rows = None
-    if rows is not None:
-        chosen_rows = table.split_rows(rows)
-        if not chosen_rows:
-            raise ValueError("--rows names no row; give them comma-separated, e.g. --rows fp32,dsq")
     margins = None
     if margin is not None:
         try:
@@ -753,39 +735,15 @@ def table_cmd(
                 "--margin is two finite positive numbers, the metric's and the best validation "
                 f"loss's, e.g. --margin 0.5,0.02; got {margin!r}"
             ) from None
-    result_table = table.collect(
-        paths or ["runs"],
-        checkpoint,
-        level=level,
-        against=against,
-        rows=chosen_rows,
-        margins=margins,
-        endpoint=endpoint,
-        adjust=adjust,
-    )
+    request = table.TableRequest(
+        paths=paths or ["runs"], checkpoint=checkpoint, fmt=fmt, level=level, against=against,
+        rows=None if rows is None else table.split_rows(rows), margins=margins,
+        endpoint=endpoint, adjust=adjust, moves=moves, frontier=frontier, every_run=every_run,
+    )  # fmt: skip
+    made = table.make_table(request)
+    result_table, text = made.table, made.text
     for warning in result_table.warnings:
         typer.echo(f"dsq: warning: {warning}", err=True)
-    if fmt == "json":
-        record = table.as_json(result_table)
-        if moves:
-            record["moves"] = table.stash_moves(result_table)
-        if frontier:
-            record["frontier"] = table.frontier_records(result_table)
-        text = json.dumps(record, indent=2) + "\n"
-    else:
-        text = table.render(result_table, fmt)
-    if moves and fmt == "markdown":
-        lines = table.stash_moves(result_table) or ["(no run of a scheduled row)"]
-        text += "\nStash moves (scheduled points, per run):\n\n" + "".join(
-            f"- {m}\n" for m in lines
-        )
-    if frontier and fmt == "markdown":
-        lines = table.frontier_lines(result_table)
-        text += f"\n{table.FRONTIER_HEADING}\n\n" + "".join(f"- {m}\n" for m in lines)
-    if every_run:
-        header, rows = table.run_grid(result_table)
-        grid = table.markdown_grid(header, rows)
-        text += f"\n{table.RUNS_HEADING}\n\n" + "".join(f"{line}\n" for line in grid)
     if out is None:
         typer.echo(text, nl=False)
     else:

@@ -227,3 +227,22 @@ def test_the_library_loads_no_module_of_the_suite_or_its_frameworks():
     assert loaded_after(priced, (*SUITE_PACKAGES, "yaml")) == []
     pytest.importorskip("transformers")
     assert loaded_after("import dsq, dsq.engine, dsq.integrations.hf") == ["transformers"]
+
+
+# Inside table/: each module imports only those before it here (dsq_cli/table/__init__.py).
+TABLE_ORDER = ("intervals", "cells", "collect", "text", "comparisons", "post_move", "records",
+               "moves", "frontier", "render", "wandb_log")  # fmt: skip
+
+
+def test_the_table_packages_modules_import_only_those_before_them():
+    folder = REPO / "dsq_cli" / "table"
+    assert {p.stem for p in folder.glob("*.py")} - {"__init__"} == set(TABLE_ORDER)
+    for position, name in enumerate(TABLE_ORDER):
+        tree = ast.parse((folder / f"{name}.py").read_text())
+        imported = {node.module.split(".")[-1] for node in ast.walk(tree)
+                    if isinstance(node, ast.ImportFrom) and node.level == 1}  # fmt: skip
+        imported |= {node.module.split(".")[2] for node in ast.walk(tree)
+                     if isinstance(node, ast.ImportFrom) and node.module
+                     and node.module.startswith("dsq_cli.table.")}  # fmt: skip
+        later = imported - set(TABLE_ORDER[:position])
+        assert not later, f"table/{name}.py imports {sorted(later)}, which come after it"

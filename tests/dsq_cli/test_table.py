@@ -672,9 +672,31 @@ def test_saved_rules_compare_as_one_rule_however_spelled_and_with_defaults_fille
     """A record of quant.saved with short spellings, or written before a kind existed, matches
     one with the full specs and every kind."""
     from dsq.engine.spec import SAVED_DEFAULT
-    from dsq_cli.table import _saved_rules
+    from dsq_cli.table.post_move import _saved_rules
 
     rules = {"norm": "bfp8", "activation": "bfp8", "elementwise": "bfp8", "constant": "keep"}
     short = {"stash_scope": "all", "saved": rules}
     assert _saved_rules(short) == _saved_rules({"stash_scope": "all"}) == dict(SAVED_DEFAULT)
     assert _saved_rules({"stash_scope": "gemm"}) == {}
+
+
+def test_one_request_makes_the_table_the_command_prints(root):
+    """`make_table` is the command's one call: a request in, the text the command prints out,
+    the lists after the table included; a request no format can show is refused before any run
+    is read."""
+    request = table.TableRequest(paths=(str(root),), against="fp32", moves=True, frontier=True)
+    made = table.make_table(request)
+    printed = CliRunner().invoke(app, ["table", str(root), "--against", "fp32", "--moves",
+                                       "--frontier"])  # fmt: skip
+    assert printed.exit_code == 0, printed.output
+    assert made.text == printed.stdout and "Pareto frontier" in made.text
+    assert made.table.against == "fp32" and "dsq" in made.table.rows
+    as_json = json.loads(table.make_table(table.TableRequest(paths=(str(root),), fmt="json",
+                                                             frontier=True)).text)  # fmt: skip
+    assert "frontier" in as_json and "cells" in as_json
+    for wrong, says in (({"fmt": "csv", "moves": True}, "--moves adds a list"),
+                        ({"fmt": "latex", "every_run": True}, "--runs adds a list"),
+                        ({"fmt": "html"}, "--format must be one of"),
+                        ({"rows": ()}, "--rows names no row")):  # fmt: skip
+        with pytest.raises(ValueError, match=says):
+            table.TableRequest(paths=("no-such-folder",), **wrong)

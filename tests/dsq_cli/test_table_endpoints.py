@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from dsq_cli import table
 from dsq_cli.cli import app
-from dsq_cli.intervals import holm
+from dsq_cli.table.intervals import holm
 
 stats = pytest.importorskip("scipy.stats")
 REPO = Path(__file__).resolve().parents[2]

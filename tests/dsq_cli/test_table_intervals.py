@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from dsq_cli import table
 from dsq_cli.cli import app
-from dsq_cli.intervals import mean_interval, paired_interval, t_cdf, t_quantile
+from dsq_cli.table.intervals import mean_interval, paired_interval, t_cdf, t_quantile
 
 runner = CliRunner()
 REPO = Path(__file__).resolve().parents[2]
@@ -416,7 +416,9 @@ def test_periodic_span_finds_the_cycle_between_aperiodic_stretches():
     segments = [
         {"points": {"q1": fmt}, "updates": last - first + 1} for fmt, first, last in stretches
     ]
-    text = table._point_stretches(segments, "q1")
+    from dsq_cli.table.moves import _point_stretches
+
+    text = _point_stretches(segments, "q1")
     assert text == (
         "q1 b8 1-3, cycles b2 .. b8 (5 levels) every 35 updates, 4 periods (updates 4-143), "
         "b2 144-243"
@@ -485,11 +487,11 @@ def test_runs_shows_the_status_of_a_run_that_did_not_complete(paired_root):
 def test_an_interval_crossing_only_the_lower_margin_is_not_shown_equivalent():
     """Equivalence needs both ends inside: an interval inside the upper margin that crosses the
     lower one reads `not shown`, and its TOST p (the lower test's) is above the level's."""
-    from dsq_cli.intervals import equivalence_p
+    from dsq_cli.table.intervals import equivalence_p, inside
 
     crossing = mean_interval([-0.9, -0.2, -1.1, -0.3], level=0.90)  # about [-1.16, +0.06]
     assert crossing.low < -1.0 < crossing.high < 1.0
-    assert table._inside(crossing, 1.0) is False
+    assert inside(crossing, 1.0) is False
     assert equivalence_p(crossing, 1.0) > 0.05
-    inside = mean_interval([-0.5, -0.4, -0.6, -0.5], level=0.90)
-    assert table._inside(inside, 1.0) is True and equivalence_p(inside, 1.0) < 0.05
+    within = mean_interval([-0.5, -0.4, -0.6, -0.5], level=0.90)
+    assert inside(within, 1.0) is True and equivalence_p(within, 1.0) < 0.05

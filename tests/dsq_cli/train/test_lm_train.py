@@ -231,6 +231,7 @@ def test_the_table_reads_a_lower_perplexity_as_better(tmp_path):
     """Perplexity is lower-is-better: a row with lower perplexity and lower cost dominates, the
     dominance holds where the paired interval lies below 0, and the heading says so."""
     from dsq_cli import table
+    from dsq_cli.table.comparisons import against_heading
 
     runs = {"fp32": (5.0, 1.0), "dsq": (5.5, 0.05), "stash_bfp": (6.0, 0.06)}
     for preset, (perplexity, cost) in runs.items():
@@ -255,7 +256,7 @@ def test_the_table_reads_a_lower_perplexity_as_better(tmp_path):
     assert dominated["row"] == "stash_bfp"
     (by,) = dominated["by"]
     assert by["row"] == "dsq" and by["holds"] and by["difference"]["mean"] == pytest.approx(-0.5)
-    assert "a lower perplexity is better" in table.against_heading(found)
+    assert "a lower perplexity is better" in against_heading(found)
 
 
 def test_stash_scope_all_leaves_the_chunked_heads_gradients_exact(monkeypatch):

@@ -185,3 +185,10 @@ def holm(p_values: Sequence[float | None]) -> list[float | None]:
         running = max(running, min(1.0, (len(order) - rank) * p))
         adjusted[i] = running
     return adjusted
+
+
+def inside(interval: Interval | None, margin: float | None) -> bool | None:
+    """Whether ``interval`` lies inside ± ``margin`` (None without either or below two pairs)."""
+    if interval is None or interval.low is None or margin is None:
+        return None
+    return -margin < interval.low and interval.high < margin
