@@ -14,8 +14,8 @@ import typer
 
 from dsq.formats import GRAMMAR
 from dsq.formats.backends import requested_backend, requested_backend_refusal
+from dsq.presets import COST_BASELINE
 from dsq_cli import __version__, cpu_allocator
-from dsq_cli.presets import BASELINE_PRESET
 
 app = typer.Typer(
     help="dsq: Dynamic Stashing Quantization experiments (Yang et al., EMNLP Findings 2023).",
@@ -783,7 +783,7 @@ def cost_cmd(
         show_default=False,
     ),
     baseline: str = typer.Option(
-        BASELINE_PRESET, "--baseline", help="The quant preset (conf/quant/) the ratios are against."
+        COST_BASELINE, "--baseline", help="The quant preset (conf/quant/) the ratios are against."
     ),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
     cost_model: str = typer.Option(

@@ -16,8 +16,8 @@ from dsq import cost
 from dsq.atomic_files import atomic_path
 from dsq.engine.accounting import GemmRecord
 from dsq.engine.config import POINTS
+from dsq.presets import COST_BASELINE
 from dsq_cli.cost import baseline_points
-from dsq_cli.presets import BASELINE_PRESET
 from dsq_cli.run_result import RunResult, metric_decimals, metric_sign
 from dsq_cli.table import METRIC_LABELS, PAPER_REFERENCE, Table, row_preset
 
@@ -265,7 +265,7 @@ def row_styles(rows: list[str]) -> dict[str, tuple]:
     }
 
 
-def paper_dsq_ratios(baseline: str = BASELINE_PRESET, model: cost.CostModel | None = None) -> dict:
+def paper_dsq_ratios(baseline: str = COST_BASELINE, model: cost.CostModel | None = None) -> dict:
     """Where the paper's DSQ sits as a fraction of ``baseline``'s cost: the paper gives its
     reductions against fixed16 (``PAPER_REFERENCE``), so fixed16's ratios to ``baseline`` under
     the cost model (``model``: the one the table's runs were priced with, by default the
@@ -293,11 +293,11 @@ def plot_frontier(
     if not columns:
         raise ValueError("no completed runs to plot")
     styles = row_styles(table.rows)
-    baseline = "/".join(table.baselines) or BASELINE_PRESET
+    baseline = "/".join(table.baselines) or COST_BASELINE
     fig, axes = _figure(11, 4.2 * len(columns), rows=len(columns), cols=2)
     paper = PAPER_REFERENCE
     labelled: dict = {}  # axes -> (label, x, y) of its points, placed once the layout is known
-    one_baseline = table.baselines[0] if len(table.baselines) == 1 else BASELINE_PRESET
+    one_baseline = table.baselines[0] if len(table.baselines) == 1 else COST_BASELINE
     paper_x = paper_dsq_ratios(one_baseline, cost_model)
     for row_index, column in enumerate(columns):
         mine = [p for p in points if p["column"] == column]

@@ -7,45 +7,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from dsq.presets import COST_BASELINE, get_preset
+from dsq.presets import PRESETS, TABLE1_PRESETS, get_preset
 
 # the suite's Hydra configs ship inside the package (pyproject's package data), so an installed
 # dsq_cli finds them beside itself
 CONF_DIR = Path(__file__).resolve().parent / "conf"
-TABLE1_ORDER = (
-    "fp32",
-    "fixed32",
-    "fixed16",
-    "bfp16",
-    "bfp8",
-    "bfp6",
-    "stash_fixed",
-    "stash_bfp",
-    "dsq",
-)
-# Presets of conf/quant/ that are not rows of the paper's Table 1, shown after them: a variant the
-# ablations of docs/results.md found worth naming, bf16 and amp_bf16 (torch.autocast), the
-# baselines readers now compare with, bfp6 (the CPU-scale frontier) with DSQ's rising stash, the
-# convergence study's design, the static-stash controls that study compares each rising stash
-# with, and DSQ on the formats hardware runs (docs/formats.md, "MX formats", "NVFP4"): on MX,
-# its MXFP8 control, and with NVFP4 forward and its static-stash control.
-BEYOND_TABLE1 = (
-    "dsq_bfp3",
-    "bf16",
-    "amp_bf16",
-    "bfp6_rising_stash",
-    "bfp6_stash_bfp3",
-    "bfp6_stash_bfp4",
-    "dsq_stash_bfp3",
-    "dsq_stash_bfp2",
-    "mx_dsq",
-    "mxfp8",
-    "nvfp4_dsq",
-    "nvfp4_dsq_stash_nvfp4",
-)
-# the preset every cost ratio is against, as the paper's Table 1 (docs/spec.md §4)
-BASELINE_PRESET = COST_BASELINE
-PRESET_ORDER = TABLE1_ORDER + BEYOND_TABLE1
+# Table 1's rows, then every other preset, in the order dsq.presets registers them (each comment
+# there says why a preset beyond Table 1 is named)
+TABLE1_ORDER = TABLE1_PRESETS
+PRESET_ORDER = tuple(PRESETS)
+BEYOND_TABLE1 = PRESET_ORDER[len(TABLE1_ORDER) :]
 
 
 def load_quant_preset(name: str) -> dict:

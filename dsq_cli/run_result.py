@@ -24,9 +24,9 @@ from typing import Any
 
 from dsq import cost
 from dsq.engine.config import POINTS
+from dsq.presets import COST_BASELINE
 from dsq.records import FRACTION_METRICS, LOWER_IS_BETTER, METRICS  # noqa: F401 (read here)
 from dsq_cli import runs
-from dsq_cli.presets import BASELINE_PRESET
 
 FILENAME = "result.json"
 STATUSES = ("completed", "interrupted", "diverged", "failed", "running")
@@ -57,7 +57,7 @@ def metric_sign(metric: str) -> int:
     return -1 if metric in LOWER_IS_BETTER else 1
 
 
-def unpriced(baseline: str = BASELINE_PRESET) -> dict:
+def unpriced(baseline: str = COST_BASELINE) -> dict:
     """The cost of a run that has not recorded a training step yet (``dsq.cost.unpriced``)."""
     return cost.unpriced(baseline)
 

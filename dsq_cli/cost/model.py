@@ -29,15 +29,15 @@ from dsq.cost import (
 from dsq.engine.accounting import GemmRecord
 from dsq.engine.config import POINTS
 from dsq.formats import parse_format
-from dsq_cli.presets import BASELINE_PRESET, CONF_DIR, at_first_level, load_quant_preset
+from dsq.presets import COST_BASELINE
+from dsq_cli.presets import CONF_DIR, at_first_level, load_quant_preset
 
 COST_DIR = CONF_DIR / "cost"
-DEFAULT_BASELINE = BASELINE_PRESET
 
 __all__ = [
     "ARITHMETIC_MODELS",
     "COST_DIR",
-    "DEFAULT_BASELINE",
+    "COST_BASELINE",
     "DRAM_SWITCHES",
     "POINTS",
     "CostModel",
@@ -68,7 +68,7 @@ def load_cost_model(name: str = "default") -> cost.CostModel:
 CostModel = cost.CostModel  # the library's type; the suite adds only the loader above
 
 
-def baseline_points(preset: str = DEFAULT_BASELINE) -> dict[str, str]:
+def baseline_points(preset: str = COST_BASELINE) -> dict[str, str]:
     """q0..q3 of a preset (dsq.presets); a scheduled point counts at its first level."""
     config = at_first_level(load_quant_preset(preset))  # ValueError naming the presets if unknown
     points = {point: config[point] for point in POINTS}
@@ -84,7 +84,7 @@ def _points(baseline: str | Points) -> Points:
 def ratios(
     records: Sequence[GemmRecord],
     points: Points | None = None,
-    baseline: str | Points = DEFAULT_BASELINE,
+    baseline: str | Points = COST_BASELINE,
     *,
     model: cost.CostModel | None = None,
 ) -> tuple[float, float]:
@@ -95,7 +95,7 @@ def ratios(
 def scheduled_cost(
     records: Sequence[GemmRecord],
     segments: Sequence[tuple[Points, int]],
-    baseline: str | Points = DEFAULT_BASELINE,
+    baseline: str | Points = COST_BASELINE,
     *,
     model: cost.CostModel | None = None,
 ) -> dict:

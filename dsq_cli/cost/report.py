@@ -19,7 +19,7 @@ from dsq.engine.accounting import GemmRecord
 from dsq.engine.config import POINTS, QuantConfig
 
 from .derive import DEFAULT_VOCAB, MODEL_KEYS, as_quant_config, derive_records, step_shape
-from .model import DEFAULT_BASELINE, baseline_points, load_cost_model
+from .model import COST_BASELINE, baseline_points, load_cost_model
 
 # the rows of the table, in the order the three GEMMs of each record kind run
 GEMM_ROWS = (
@@ -95,7 +95,7 @@ def cost_report(
     quant: QuantConfig | Mapping,
     *,
     quant_name: str | None = None,
-    baseline: str = DEFAULT_BASELINE,
+    baseline: str = COST_BASELINE,
     cost_model: str = "default",
     tokens: int = DEFAULT_TOKENS,
     src_len: int = DEFAULT_SRC_LEN,
@@ -139,7 +139,7 @@ def cost_report(
             }
         )
     against = {}
-    if baseline == DEFAULT_BASELINE:
+    if baseline == COST_BASELINE:
         abstract_points = baseline_points(ABSTRACT_BASELINE)
         against[ABSTRACT_BASELINE] = _ratios(records, first, abstract_points, model)
     last_level = None

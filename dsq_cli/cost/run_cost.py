@@ -4,12 +4,11 @@
 from __future__ import annotations
 
 from dsq import cost
-from dsq_cli.presets import BASELINE_PRESET
+from dsq.presets import COST_BASELINE
 
 from .model import baseline_points
 
 # Runs are priced against this baseline (docs/cost-model.md).
-COST_BASELINE = BASELINE_PRESET
 
 
 def run_cost(gemm_shapes: list[dict] | None, segments: list) -> dict:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dsq_cli.presets import BASELINE_PRESET
+from dsq.presets import COST_BASELINE
 from dsq_cli.run_result import metric_decimals
 
 from .cells import METRIC, METRIC_LABELS, PAPER_REFERENCE, Cell, Table
@@ -69,7 +69,7 @@ def metric_label(metric: str) -> str:
 
 
 def _baseline_text(table: Table) -> str:
-    return "/".join(table.baselines) or BASELINE_PRESET
+    return "/".join(table.baselines) or COST_BASELINE
 
 
 def level_text(level: float) -> str:

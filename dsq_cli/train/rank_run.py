@@ -20,10 +20,10 @@ import torch
 
 from dsq.cost import stash_bits_mean
 from dsq.engine import QuantConfig
-from dsq.presets import preset_differences
+from dsq.presets import COST_BASELINE, preset_differences
 from dsq_cli import runs
 from dsq_cli.config import to_plain
-from dsq_cli.cost.run_cost import COST_BASELINE, run_cost
+from dsq_cli.cost.run_cost import run_cost
 from dsq_cli.cpu_allocator import keep_freed_memory
 from dsq_cli.loggers import make_logger
 from dsq_cli.run_config import RunConfig

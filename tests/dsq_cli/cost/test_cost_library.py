@@ -14,9 +14,9 @@ import dsq.cost
 import dsq_cli.cost
 from dsq.engine.accounting import GemmRecord
 from dsq.engine.config import POINTS
+from dsq.presets import COST_BASELINE
 from dsq_cli.cost import load_cost_model
 from dsq_cli.cost.model import COST_DIR
-from dsq_cli.presets import BASELINE_PRESET
 
 STASH_BFP = {"q0": "bfp8", "q1": "bfp4", "q2": "bfp8", "q3": "fixed16"}
 STEP = [
@@ -38,7 +38,7 @@ def test_the_built_in_default_is_conf_cost_default_yaml():
 
 
 def test_the_default_baseline_is_the_baseline_preset():
-    assert dsq.cost.FIXED32 == dsq_cli.cost.baseline_points(BASELINE_PRESET)
+    assert dsq.cost.FIXED32 == dsq_cli.cost.baseline_points(COST_BASELINE)
 
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in COST_DIR.glob("*.yaml")))
