@@ -27,6 +27,10 @@
 #   lm            the language-model study's eight rows on seeds 1-5, each trained for that budget,
 #                 or for the cap where fp32 did not stall within it (docs/results.md, "Protocol":
 #                 the rising stash on a language model)
+#   lm-stash-all  the rows whose memory docs/benchmarks.md sets against autocast with
+#                 checkpointing, trained on the language model for 500 updates, seed 1:
+#                 amp_bf16 without and with checkpointing, dsq with stash_scope gemm and all, and
+#                 all with checkpointing holding the layer inputs in bfp8 (results/lm-stash-all)
 #   all           every stage above, in that order
 #
 # STUDY_LANES (default 2) runs the stages in that many processes at once, one thread each
@@ -117,10 +121,11 @@ stages=("$@")
 for stage in "${stages[@]}"; do
     case $stage in
     budget | seed1 | seed2 | controls | en-de-budget | more-seeds | clean-control | dsq-rerun | \
-        lm-budget | lm | all) ;;
+        lm-budget | lm | lm-stash-all | all) ;;
     *)
         echo "convergence.sh: unknown stage '$stage'; choose budget, seed1, seed2, controls," \
-            "en-de-budget, more-seeds, clean-control, dsq-rerun, lm-budget, lm or all" >&2
+            "en-de-budget, more-seeds, clean-control, dsq-rerun, lm-budget, lm, lm-stash-all or" \
+            "all" >&2
         exit 2
         ;;
     esac
@@ -168,6 +173,16 @@ lane() {  # every stage asked for, in order
     if wants lm-budget; then find_budget results/lm-budget 5000 "${lm_task[@]}"; fi
     if wants lm; then
         for seed in 1 2 3 4 5; do lm_rows_of "$seed"; done
+    fi
+    if wants lm-stash-all; then
+        local short=(seed=1 "${lm_task[@]}" train.max_updates=500 run.root=results/lm-stash-all)
+        # choice(...): a key of one value still names the folders (quant-dsq_quant.stash_scope-all)
+        dsq sweep --resume-unfinished "${short[@]}" "quant=choice(amp_bf16)" \
+            train.activation_checkpointing=false,true
+        dsq sweep --resume-unfinished "${short[@]}" "quant=choice(dsq)" quant.stash_scope=gemm,all
+        dsq sweep --resume-unfinished "${short[@]}" "quant=choice(dsq)" \
+            "quant.stash_scope=choice(all)" "quant.saved.checkpoint=choice(bfp8)" \
+            "train.activation_checkpointing=choice(true)"
     fi
     return $failed
 }
