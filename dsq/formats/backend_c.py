@@ -5,8 +5,9 @@ and m <= 23, and codes of up to 8 bits (docs/formats.md, "The C kernels"). Every
 decides, call by call, whether they hold the call; any other call (stochastic rounding, E > 8,
 wider codes, static fixed point's quantize and unpack) runs the compile backend's
 torch.compile kernels, handed this backend's bit packer for the codes' second stage, so the
-backend holds every operation of its families, each bit for bit the reference's. The host-side
-layout helpers (``_rows``, ``_restore``, ``_streams``) are the compile backend's.
+backend holds every operation of its families, each bit for bit the reference's. The layout is
+``layout.py``'s, shared by every backend; the codes' streams are laid out as the compile
+backend's (``code_streams``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from dsq.kernels import cpu
 
 from . import backend_compile as compiled
+from . import layout
 from . import reference as ref
 from .backends import register_kernel
 
@@ -36,11 +38,11 @@ def _c_format(man_bits: int, exp_bits: int, most: int = 23) -> bool:
 
 
 def _pack_codes(codes: torch.Tensor, width: int) -> torch.Tensor:
-    """The compile backend's stage 2 of pack (`backend_compile._pack_codes`), with one-byte codes
+    """The compile backend's stage 2 of pack (`backend_compile.code_stream`), with one-byte codes
     of other widths than 8 packed by the C kernels."""
     if codes.dtype == torch.uint8 and width < 8:
         return cpu.pack_codes(codes.contiguous(), width)
-    return compiled._pack_codes(codes, width)
+    return compiled.code_stream(codes, width)
 
 
 def bfp_quantize(x, man_bits, exp_bits, block, axis, rounding="nearest", generator=None):
@@ -57,17 +59,18 @@ def bfp_quantize(x, man_bits, exp_bits, block, axis, rounding="nearest", generat
         columns = x32.reshape(outer, x.shape[axis], inner)
         values = cpu.bfp_quantize_columns(columns, block, man_bits, exp_bits)
         return values.reshape(x.shape).to(x.dtype)
-    blocks, n, moved_shape = compiled._rows(x, block, axis)
+    blocks, n, moved_shape = layout.as_blocks(x, block, axis)
     values = cpu.bfp_quantize(blocks.reshape(-1, block), man_bits, exp_bits)
-    return compiled._restore(values.reshape(blocks.shape), n, moved_shape, x.shape, axis, x.dtype)
+    return layout.from_blocks(values.reshape(blocks.shape), n, moved_shape, x.shape, axis, x.dtype)
 
 
 def bfp_pack(x, man_bits, exp_bits, block, axis, rounding="nearest", generator=None):
     if block is not None and rounding == "nearest" and _c_format(man_bits, exp_bits, most=8):
         # the C kernels' codes (one byte each)
-        blocks, n, _ = compiled._rows(x, block, axis)
+        blocks, n, _ = layout.as_blocks(x, block, axis)
         codes, exps = cpu.bfp_codes(blocks.reshape(-1, block), man_bits, exp_bits)
-        return compiled._streams(codes, exps, blocks.shape[0], n, man_bits, exp_bits, _pack_codes)
+        rows = blocks.shape[0]
+        return compiled.code_streams(codes, exps, rows, n, man_bits, exp_bits, _pack_codes)
     return compiled.bfp_pack(
         x, man_bits, exp_bits, block, axis, rounding, generator, pack_codes=_pack_codes
     )
@@ -124,7 +127,8 @@ def bfp_quantize_and_pack(x, q_args, axis, p_args, pack_axis):
     else:
         stash, exps = stash[:, :k], exps[:, :k]  # [L, k, ...]: without the padded columns
         rows = matrices.shape[0] * k
-        mantissas, exponents = compiled._streams(stash, exps, rows, n, p_man, p_exp, _pack_codes)
+        streams = compiled.code_streams(stash, exps, rows, n, p_man, p_exp, _pack_codes)
+        mantissas, exponents = streams
     return values.to(x.dtype), mantissas, exponents
 
 
@@ -169,14 +173,14 @@ def bfp_unpack(mantissas, exponents, man_bits, exp_bits, block, shape, axis, dty
             mantissas, exponents, man_bits, exp_bits, block, shape, axis, dtype
         )
     numel = math.prod(shape)
-    moved_shape = ref._moved_shape(shape, axis)
+    moved_shape = layout.moved_shape(shape, axis)
     n = moved_shape[-1]
     rows = numel // n
     joined = _decode_rows_joined(rows, n, block)
     values = cpu.bfp_decode(
         mantissas, exponents, rows // joined, n * joined, block, man_bits, exp_bits
     )
-    return compiled._restore(values.reshape(rows, n), n, moved_shape, shape, axis, dtype)
+    return layout.from_blocks(values.reshape(rows, n), n, moved_shape, shape, axis, dtype)
 
 
 def fixed_static_pack(x, width, frac_bits, rounding="nearest", generator=None):

@@ -35,6 +35,7 @@ import sys
 
 import torch
 
+from . import layout
 from . import reference as ref
 from .backends import register_kernel
 
@@ -247,7 +248,7 @@ def _join_planes(codes) -> torch.Tensor:
     return codes
 
 
-def _pack_codes(codes: torch.Tensor, width: int) -> torch.Tensor:
+def code_stream(codes: torch.Tensor, width: int) -> torch.Tensor:
     """Stage 2 of pack, on the host: the byte stream of flat integer ``codes`` (``_code_dtype``).
 
     Widths 8, 16 and 32 are already the stream (a view, little-endian); other one-byte codes are
@@ -443,42 +444,8 @@ def _run(fn, *args, dynamic_dims=()):
         config.recompile_limit = prior
 
 
-# ----------------------------------------------------------------------------- layout
-def _rows(x: torch.Tensor, block: int | None, axis: int):
-    """float32 view of x as [R, n_blocks, B] (padding the last block of each row if partial).
-
-    Returns (blocks, n, moved_shape): n is the row length and moved_shape x's shape with
-    ``axis`` last. For block=None: one row, one block holding the whole tensor.
-    """
-    # Detached and contiguous: a compiled kernel is specialised on requires_grad and on strides,
-    # so activations (which require grad) and views (a slice of a fused projection, a transpose)
-    # would otherwise compile once more each.
-    x32 = x.detach().to(torch.float32)
-    if block is None:
-        return x32.reshape(1, 1, -1), x32.numel(), (x32.numel(),)
-    moved = x32.movedim(axis, -1) if x32.dim() else x32.reshape(1)
-    n = moved.shape[-1]
-    n_blocks = -(-n // block)
-    rows = moved.reshape(-1, n).contiguous()
-    if n_blocks * block != n:
-        rows = torch.nn.functional.pad(rows, (0, n_blocks * block - n))
-    return rows.reshape(rows.shape[0], n_blocks, block), n, tuple(moved.shape)
-
-
-def _restore(blocks: torch.Tensor, n: int, moved_shape, x_shape, axis: int | None, dtype):
-    flat = blocks.reshape(blocks.shape[0], -1)
-    if flat.shape[1] != n:
-        flat = flat[:, :n]
-    out = flat.reshape(moved_shape)
-    if axis is None or len(x_shape) == 0:
-        out = out.reshape(x_shape)
-    else:
-        out = out.movedim(-1, axis)
-    return out.to(dtype)
-
-
 def _noise_rows(x, generator, block, axis):
-    return _rows(ref.uniform_noise(x, generator), block, axis)[0]
+    return layout.as_blocks(ref.uniform_noise(x, generator), block, axis)[0]
 
 
 def _run_blocks(fn, blocks, u, *args):
@@ -531,7 +498,7 @@ def eager_bfp_quantizer(x: torch.Tensor, man_bits: int, exp_bits: int, block: in
     """A function of no arguments that runs this path's BFP quantization of ``x`` (blocks along
     the last axis) eagerly, without torch.compile: what the same float32 code costs in plain
     PyTorch (``dsq bench quant``'s eager column). The blocks are laid out once, outside it."""
-    blocks, _, _ = _rows(x, block, -1)
+    blocks, _, _ = layout.as_blocks(x, block, -1)
     return lambda: _bfp_quantize_fn(blocks, None, man_bits, exp_bits)
 
 
@@ -542,36 +509,36 @@ def bfp_quantize(x, man_bits, exp_bits, block, axis, rounding="nearest", generat
         p, finite = _run(_power_fn, flat, exp_bits, dynamic_dims=((flat, 0),))
         out = _run(_quantize_by_power_fn, flat, p, finite, man_bits, dynamic_dims=((flat, 0),))
         return out.reshape(x.shape).to(x.dtype)
-    blocks, n, moved_shape = _rows(x, block, axis)
+    blocks, n, moved_shape = layout.as_blocks(x, block, axis)
     u = _noise_rows(x, generator, block, axis) if rounding == "stochastic" else None
     if block is None:
         values = _run_whole_tensor(_bfp_quantize_fn, blocks, u, man_bits, exp_bits)
         return values.reshape(x.shape).to(x.dtype)
     values = _run_blocks(_bfp_quantize_fn, blocks, u, man_bits, exp_bits)
-    return _restore(values, n, moved_shape, x.shape, axis, x.dtype)
+    return layout.from_blocks(values, n, moved_shape, x.shape, axis, x.dtype)
 
 
 def bfp_pack(
     x, man_bits, exp_bits, block, axis, rounding="nearest", generator=None, *, pack_codes=None
 ):
     """(mantissa stream, exponent stream); ``pack_codes`` bit-packs the codes (default
-    `_pack_codes`: a caller with a faster packer hands it in)."""
-    pack_codes = pack_codes or _pack_codes
-    blocks, n, _ = _rows(x, block, axis)
+    `code_stream`: a caller with a faster packer hands it in)."""
+    pack_codes = pack_codes or code_stream
+    blocks, n, _ = layout.as_blocks(x, block, axis)
     u = _noise_rows(x, generator, block, axis) if rounding == "stochastic" else None
     if block is None:
         codes, exps = _run_whole_tensor(_bfp_codes_fn, blocks, u, man_bits, exp_bits)
         codes = _join_planes(codes)
         return pack_codes(codes, man_bits), pack_codes(exps.reshape(-1), exp_bits)
     codes, exps = _run_blocks(_bfp_codes_fn, blocks, u, man_bits, exp_bits)
-    return _streams(codes, exps, blocks.shape[0], n, man_bits, exp_bits, pack_codes)
+    return code_streams(codes, exps, blocks.shape[0], n, man_bits, exp_bits, pack_codes)
 
 
-def _streams(codes, exps, rows: int, n: int, man_bits: int, exp_bits: int, pack_codes=None):
+def code_streams(codes, exps, rows: int, n: int, man_bits: int, exp_bits: int, pack_codes=None):
     """Stage 2 of a per-block pack: the mantissa and exponent streams of codes laid out as
     ``rows`` padded rows of ``n`` (the padding of each row's partial last block is not
-    stored), bit-packed by ``pack_codes`` (default `_pack_codes`)."""
-    pack_codes = pack_codes or _pack_codes
+    stored), bit-packed by ``pack_codes`` (default `code_stream`)."""
+    pack_codes = pack_codes or code_stream
     codes = _join_planes(codes).reshape(rows, -1)
     if codes.shape[1] != n:
         codes = codes[:, :n]
@@ -614,7 +581,7 @@ def bfp_quantize_and_pack(x, q_args, axis, p_args, pack_axis, *, pack_codes=None
     fn = _quantize_and_codes_fn
     values, codes, exps = _run(fn, rows, *q_args, p_man, p_exp, dynamic_dims=dyn)
     values = values.reshape(rows.shape[0], n_blocks * p_block, k)[:, :n].reshape(x.shape)
-    mantissas, exponents = _streams(codes, exps, rows.shape[0] * k, n, p_man, p_exp, pack_codes)
+    mantissas, exponents = code_streams(codes, exps, rows.shape[0] * k, n, p_man, p_exp, pack_codes)
     return values.to(x.dtype), mantissas, exponents
 
 
@@ -656,7 +623,7 @@ def bfp_unpack(mantissas, exponents, man_bits, exp_bits, block, shape, axis, dty
         dyn = ((codes, 2),)
         values = _run(_bfp_decode_fn, codes, exps, man_bits, exp_bits, dynamic_dims=dyn)
         return values.reshape(shape).to(dtype)
-    moved_shape = ref._moved_shape(shape, axis)
+    moved_shape = layout.moved_shape(shape, axis)
     n = moved_shape[-1]
     n_blocks = -(-n // block)
     rows = numel // n
@@ -667,7 +634,9 @@ def bfp_unpack(mantissas, exponents, man_bits, exp_bits, block, shape, axis, dty
     exps = _unpack_codes(exponents, exp_bits, rows * n_blocks).reshape(rows * n_blocks, 1)
     dyn = ((codes, 0), (exps, 0))  # one dynamic dimension of blocks, as in _run_blocks
     values = _run(_bfp_decode_fn, codes, exps, man_bits, exp_bits, dynamic_dims=dyn)
-    return _restore(values.reshape(rows, n_blocks, block), n, moved_shape, shape, axis, dtype)
+    return layout.from_blocks(
+        values.reshape(rows, n_blocks, block), n, moved_shape, shape, axis, dtype
+    )
 
 
 def fixed_static_quantize(x, width, frac_bits, rounding="nearest", generator=None):
@@ -685,7 +654,7 @@ def fixed_static_pack(x, width, frac_bits, rounding="nearest", generator=None, *
     codes, all_finite, nonfinite = _run(
         _fixed_static_codes_fn, x32, u, width, frac_bits, dynamic_dims=dyn
     )
-    pack_codes = pack_codes or _pack_codes
+    pack_codes = pack_codes or code_stream
     nan_mask = None if bool(all_finite) else pack_codes(nonfinite, 1)
     return pack_codes(codes, width), nan_mask
 

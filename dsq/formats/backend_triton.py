@@ -31,7 +31,7 @@ except Exception as err:  # triton is optional, and a broken install can raise a
 else:
     _import_error = None
 
-from . import reference
+from . import layout, reference
 from .backends import register_kernel
 
 
@@ -61,24 +61,8 @@ def _noise(x: torch.Tensor, rounding: str, generator) -> torch.Tensor | None:
     return reference.uniform_noise(x, generator) if _stochastic(rounding) else None
 
 
-def _moved(t: torch.Tensor | None, axis: int) -> torch.Tensor | None:
-    """``t`` with ``axis`` last, contiguous (a 0-dim tensor becomes one element)."""
-    if t is None:
-        return None
-    if t.dim() == 0:
-        return t.reshape(1)
-    return t.movedim(axis, -1).contiguous()
-
-
 def _flat(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.contiguous().reshape(-1)
-
-
-def _restore(values: torch.Tensor, shape, axis: int) -> torch.Tensor:
-    """Inverse of ``_moved`` for a tensor shaped like the moved input."""
-    if len(shape) == 0:
-        return values.reshape(())
-    return values.movedim(-1, axis)
 
 
 # ----------------------------------------------------------------------------- BFP
@@ -89,11 +73,11 @@ def bfp_quantize(x, man_bits, exp_bits, block, axis, rounding="nearest", generat
     if block is None:
         out = kernels.bfp_quantize_global(_flat(x32), _flat(u), man_bits, exp_bits)
         return out.reshape(x.shape).to(x.dtype)
-    moved = _moved(x32, axis)
+    moved = layout.axis_last(x32, axis)
     out = kernels.bfp_quantize_blocks(
-        moved, _moved(u, axis), moved.shape[-1], man_bits, exp_bits, block
+        moved, layout.axis_last(u, axis), moved.shape[-1], man_bits, exp_bits, block
     )
-    return _restore(out, x.shape, axis).to(x.dtype)
+    return layout.axis_back(out, x.shape, axis).to(x.dtype)
 
 
 def bfp_pack(x, man_bits, exp_bits, block, axis, rounding="nearest", generator=None):
@@ -102,8 +86,10 @@ def bfp_pack(x, man_bits, exp_bits, block, axis, rounding="nearest", generator=N
     x32 = x.to(torch.float32)
     if block is None:
         return kernels.bfp_pack(_flat(x32), _flat(u), x32.numel(), man_bits, exp_bits, None)
-    moved = _moved(x32, axis)
-    return kernels.bfp_pack(moved, _moved(u, axis), moved.shape[-1], man_bits, exp_bits, block)
+    moved = layout.axis_last(x32, axis)
+    return kernels.bfp_pack(
+        moved, layout.axis_last(u, axis), moved.shape[-1], man_bits, exp_bits, block
+    )
 
 
 def bfp_unpack(mantissas, exponents, man_bits, exp_bits, block, shape, axis, dtype):
@@ -115,7 +101,7 @@ def bfp_unpack(mantissas, exponents, man_bits, exp_bits, block, shape, axis, dty
             mantissas, exponents, numel, numel, man_bits, exp_bits, None, mantissas.device
         )
         return out.reshape(shape).to(dtype)
-    moved_shape = reference._moved_shape(shape, axis)
+    moved_shape = layout.moved_shape(shape, axis)
     out = kernels.bfp_unpack(
         mantissas,
         exponents,
@@ -126,7 +112,7 @@ def bfp_unpack(mantissas, exponents, man_bits, exp_bits, block, shape, axis, dty
         block,
         mantissas.device,
     )
-    return _restore(out.reshape(moved_shape), shape, axis).to(dtype)
+    return layout.axis_back(out.reshape(moved_shape), shape, axis).to(dtype)
 
 
 # ----------------------------------------------------------------------------- fused pairs

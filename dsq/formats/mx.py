@@ -33,6 +33,7 @@ import re
 
 import torch
 
+from . import layout
 from . import reference as ref
 from .backends import declare_family, kernel_for, register_kernel
 from .base import Format, PackedTensor, check_input, check_int_range, register
@@ -187,7 +188,7 @@ def pack(x: torch.Tensor, element: str, block: int, axis: int):
 def block_index(shape: tuple[int, ...], axis: int, block: int, device) -> torch.Tensor:
     """For each element of a tensor of ``shape`` in row-major order with ``axis`` moved last,
     the index of its block in the same order (int64, flat)."""
-    moved = ref._moved_shape(shape, axis)
+    moved = layout.moved_shape(shape, axis)
     n = moved[-1]
     rows = math.prod(moved) // max(n, 1)
     n_blocks = max(1, -(-n // block))
@@ -197,9 +198,8 @@ def block_index(shape: tuple[int, ...], axis: int, block: int, device) -> torch.
 
 def restore(values: torch.Tensor, shape: tuple[int, ...], axis: int, dtype) -> torch.Tensor:
     """Flat values in the moved order (axis last) back to ``shape`` and ``dtype``."""
-    out = values.reshape(ref._moved_shape(shape, axis))
-    out = out.reshape(()) if len(shape) == 0 else out.movedim(-1, axis)
-    return out.to(torch.float32).to(dtype)
+    return layout.from_rows(values.to(torch.float32), layout.moved_shape(shape, axis), shape, axis,
+                            dtype)  # fmt: skip
 
 
 def unpack(elements, scales, element: str, block: int, shape, axis: int, dtype):

@@ -17,22 +17,8 @@ import torch
 
 from dsq.kernels import mx_cpu
 
-from . import mx, nvfp4
-from . import reference as ref
+from . import layout, mx, nvfp4
 from .backends import register_kernel
-
-
-def _rows(x: torch.Tensor, axis: int):
-    """(x as float32 rows [R, n] with ``axis`` last, the moved shape)."""
-    x32 = x.detach().to(torch.float32)
-    moved = x32.movedim(axis, -1) if x32.dim() else x32.reshape(1)
-    return moved.reshape(-1, moved.shape[-1]), tuple(moved.shape)
-
-
-def _restore(values: torch.Tensor, moved_shape, shape, axis: int, dtype) -> torch.Tensor:
-    out = values.reshape(moved_shape)
-    out = out.reshape(shape) if len(shape) == 0 else out.movedim(-1, axis)
-    return out.to(dtype)
 
 
 @functools.cache
@@ -49,33 +35,33 @@ def _table(name: str) -> torch.Tensor:
 
 
 def mx_quantize(x, element, block, axis):
-    rows, moved = _rows(x, axis)
+    rows, moved = layout.as_rows(x, axis)
     values = mx_cpu.mx_quantize(rows, block, _element(element))
-    return _restore(values, moved, x.shape, axis, x.dtype)
+    return layout.from_rows(values, moved, x.shape, axis, x.dtype)
 
 
 def mx_pack(x, element, block, axis):
-    rows, _ = _rows(x, axis)
+    rows, _ = layout.as_rows(x, axis)
     return mx_cpu.mx_pack(rows, block, _element(element))
 
 
 def mx_unpack(elements, scales, element, block, shape, axis, dtype):
-    moved = ref._moved_shape(tuple(shape), axis)
+    moved = layout.moved_shape(tuple(shape), axis)
     n = moved[-1]
     rows = math.prod(moved) // n
     bits = mx.ELEMENTS[element].bits
     values = mx_cpu.mx_decode(elements, scales, _table(element), rows, n, block, bits)
-    return _restore(values, moved, tuple(shape), axis, dtype)
+    return layout.from_rows(values, moved, tuple(shape), axis, dtype)
 
 
 def nvfp4_quantize(x, axis):
-    rows, moved = _rows(x, axis)
+    rows, moved = layout.as_rows(x, axis)
     values = mx_cpu.nvfp4_quantize(rows, mx_cpu.nvfp4_scale(rows))
-    return _restore(values, moved, x.shape, axis, x.dtype)
+    return layout.from_rows(values, moved, x.shape, axis, x.dtype)
 
 
 def nvfp4_pack(x, axis):
-    rows, _ = _rows(x, axis)
+    rows, _ = layout.as_rows(x, axis)
     s = mx_cpu.nvfp4_scale(rows)
     stream, scales = mx_cpu.nvfp4_pack(rows, s)
     return stream, scales, s
@@ -89,11 +75,11 @@ def _nvfp4_tables() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def nvfp4_unpack(elements, scales, tensor_scale, shape, axis, dtype):
-    moved = ref._moved_shape(tuple(shape), axis)
+    moved = layout.moved_shape(tuple(shape), axis)
     n = moved[-1]
     rows = math.prod(moved) // n
     values = mx_cpu.nvfp4_decode(elements, scales, tensor_scale, *_nvfp4_tables(), rows, n)
-    return _restore(values, moved, tuple(shape), axis, dtype)
+    return layout.from_rows(values, moved, tuple(shape), axis, dtype)
 
 
 def _side(fmt) -> tuple[tuple, float]:

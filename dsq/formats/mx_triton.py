@@ -15,8 +15,7 @@ import math
 
 import torch
 
-from . import mx, nvfp4
-from . import reference as ref
+from . import layout, mx, nvfp4
 from .backends import register_kernel
 
 try:
@@ -25,20 +24,8 @@ except Exception:  # triton is optional (backend_triton.py says why it cannot ru
     kernels = None
 
 
-def _rows(x: torch.Tensor, axis: int):
-    x32 = x.to(torch.float32)
-    moved = x32.movedim(axis, -1) if x32.dim() else x32.reshape(1)
-    return moved.reshape(-1, moved.shape[-1]).contiguous(), tuple(moved.shape)
-
-
-def _restore(values, moved_shape, shape, axis: int, dtype) -> torch.Tensor:
-    out = values.reshape(moved_shape)
-    out = out.reshape(shape) if len(shape) == 0 else out.movedim(-1, axis)
-    return out.to(dtype)
-
-
 def _shape(shape, axis: int) -> tuple[tuple[int, ...], int, int]:
-    moved = ref._moved_shape(tuple(shape), axis)
+    moved = layout.moved_shape(tuple(shape), axis)
     return moved, math.prod(moved) // moved[-1], moved[-1]
 
 
@@ -85,13 +72,13 @@ def _table(name: str, device: torch.device) -> torch.Tensor:
 
 
 def mx_quantize(x, element, block, axis):
-    rows, moved = _rows(x, axis)
+    rows, moved = layout.as_rows(x, axis)
     values = kernels.mx_blocks(rows, block, _element(element), codes=False)
-    return _restore(values, moved, x.shape, axis, x.dtype)
+    return layout.from_rows(values, moved, x.shape, axis, x.dtype)
 
 
 def mx_pack(x, element, block, axis):
-    rows, _ = _rows(x, axis)
+    rows, _ = layout.as_rows(x, axis)
     codes, scales = kernels.mx_blocks(rows, block, _element(element), codes=True)
     return pack_stream(codes, mx.ELEMENTS[element].bits), scales
 
@@ -104,18 +91,18 @@ def mx_unpack(elements, scales, element, block, shape, axis, dtype):
     factor = torch.where(exponent > 0, exponent << 23, 1 << 22).view(torch.float32)
     factor = torch.where(exponent == mx.SCALE_NAN, math.nan, factor)
     values = kernels.decode(codes, _table(element, codes.device), factor, rows, n, block)
-    return _restore(values, moved, tuple(shape), axis, dtype)
+    return layout.from_rows(values, moved, tuple(shape), axis, dtype)
 
 
 # ----------------------------------------------------------------------------- nvfp4
 def nvfp4_quantize(x, axis):
-    rows, moved = _rows(x, axis)
+    rows, moved = layout.as_rows(x, axis)
     values = kernels.nvfp4_blocks(rows, nvfp4.tensor_scale(rows).reshape(1), codes=False)
-    return _restore(values, moved, x.shape, axis, x.dtype)
+    return layout.from_rows(values, moved, x.shape, axis, x.dtype)
 
 
 def nvfp4_pack(x, axis):
-    rows, _ = _rows(x, axis)
+    rows, _ = layout.as_rows(x, axis)
     s = nvfp4.tensor_scale(rows).reshape(1)
     codes, scales = kernels.nvfp4_blocks(rows, s, codes=True)
     return pack_stream(codes, 4), scales, s
@@ -127,7 +114,7 @@ def nvfp4_unpack(elements, scales, tensor_scale, shape, axis, dtype):
     c = scales.view(torch.float8_e4m3fn).to(torch.float32)
     factor = torch.where(scales == nvfp4.SCALE_NAN, math.nan, tensor_scale * c)
     values = kernels.decode(codes, _table("fp4_e2m1", codes.device), factor, rows, n, 16)
-    return _restore(values, moved, tuple(shape), axis, dtype)
+    return layout.from_rows(values, moved, tuple(shape), axis, dtype)
 
 
 if kernels is not None:

@@ -23,6 +23,8 @@ import math
 
 import torch
 
+from . import layout
+
 NOISE_BITS = 24
 
 
@@ -216,7 +218,7 @@ def bfp_decode(
     if block is None:
         e_elem = exps.expand(numel)
     else:
-        moved_shape = _moved_shape(shape, axis)
+        moved_shape = layout.moved_shape(shape, axis)
         n = moved_shape[-1]
         n_blocks = max(1, math.ceil(n / block))
         block_index = torch.arange(n, device=codes.device) // block
@@ -227,17 +229,8 @@ def bfp_decode(
     if block is None:
         out = values.reshape(shape)
     else:
-        out = values.reshape(_moved_shape(shape, axis))
-        out = out.reshape(()) if len(shape) == 0 else out.movedim(-1, axis)
+        out = layout.from_rows(values, layout.moved_shape(shape, axis), shape, axis, values.dtype)
     return out.to(torch.float32).to(dtype)
-
-
-def _moved_shape(shape: tuple[int, ...], axis: int) -> tuple[int, ...]:
-    if len(shape) == 0:
-        return (1,)
-    dims = list(shape)
-    n = dims.pop(axis)
-    return (*dims, n)
 
 
 # ----------------------------------------------------------------------------- static fixed
@@ -365,7 +358,7 @@ def bfp_unpack(mantissas, exponents, man_bits, exp_bits, block, shape, axis, dty
     numel = math.prod(shape)
     if numel == 0:
         return torch.empty(shape, dtype=dtype, device=mantissas.device)
-    moved = _moved_shape(shape, axis) if block is not None else (1, numel)
+    moved = layout.moved_shape(shape, axis) if block is not None else (1, numel)
     n_exps = 1 if block is None else (numel // max(moved[-1], 1)) * max(1, -(-moved[-1] // block))
     codes = unpack_bits(mantissas, man_bits, numel)
     exps = unpack_bits(exponents, exp_bits, n_exps)

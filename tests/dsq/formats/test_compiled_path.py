@@ -138,7 +138,7 @@ def test_stream_stage_equals_reference_pack_bits(width, kernels):
 
         pack_codes = backend_c._pack_codes
     else:
-        pack_codes = compiled._pack_codes
+        pack_codes = compiled.code_stream
 
     g = torch.Generator().manual_seed(width)
     dtype = torch.uint8 if width <= 8 else torch.int16
