@@ -1,4 +1,4 @@
-"""docs/spec.md §1 grammar: what parses, what it means, and what is rejected (and how)."""
+"""The format grammar (docs/formats.md): what parses, what it means, and what is rejected (and how)."""
 
 import pytest
 import torch
@@ -142,3 +142,26 @@ def test_a_family_without_its_reference_operations_is_refused():
             backends.declare_family("half_family")
     finally:
         del backends._KERNELS[("reference", "half_family", "quantize")]
+
+
+def test_the_docs_grammar_is_the_registrys():
+    """The grammar docs/formats.md and docs/spec.md print is the registered classes' lines without
+    their ranges, in parse order, and the README's example names every spelling: a new format
+    registered and not documented fails here."""
+    import re
+    from pathlib import Path
+
+    from dsq.formats import registered_formats
+
+    repo = Path(__file__).resolve().parents[3]
+    lines = [re.sub(r" \([^)]*\)", "", cls.grammar) for cls in registered_formats()]
+    expected = " | ".join(lines).split()
+    for doc in ("docs/formats.md", "docs/spec.md"):
+        text = (repo / doc).read_text()
+        block = re.search(r"```\n(fp32 \|.*?)\n```", text, re.S)
+        assert block, f"{doc} holds no grammar block"
+        assert block[1].split() == expected, doc
+    readme = (repo / "README.md").read_text()
+    example = re.search(r'parse_format\("bfp4"\)  # (.*?)\ny = ', readme, re.S)[1]
+    spellings = [w.rstrip(",") for w in expected if w not in ("|", "each", "[b<B>]")]
+    assert example.replace("#", " ").split() == spellings
