@@ -1,4 +1,4 @@
-"""The format grammar (docs/formats.md): what parses, what it means, and what is rejected (and how)."""
+"""The format grammar (docs/formats.md): what parses, what it means, what is rejected and how."""
 
 import pytest
 import torch
