@@ -35,7 +35,7 @@ import sys
 
 import torch
 
-from . import layout
+from . import exact, layout
 from . import reference as ref
 from .backends import register_kernel
 
@@ -346,7 +346,7 @@ def _group(width: int) -> tuple[int, int]:
 
 
 def _pack_bytes_fn(words: torch.Tensor, width: int) -> torch.Tensor:
-    """reference.pack_bits for codes of ``width`` < 8 bits held one per byte, read as int64
+    """exact.pack_bits for codes of ``width`` < 8 bits held one per byte, read as int64
     ``words`` [G] of 8 codes each (little-endian): each word's 8 * width bits, as int32 [G]
     for width 4, uint8 [G] for width 1, else [G, width] bytes. Whole words keep every load
     contiguous and vectorised: 1.4x (width 6) to 4x (width 4) faster than `_pack_groups`'
@@ -365,7 +365,7 @@ def _pack_bytes_fn(words: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def _pack_groups(codes: torch.Tensor, width: int) -> torch.Tensor:
-    """reference.pack_bits for codes [G, per_group]: each output byte ORs the codes overlapping
+    """exact.pack_bits for codes [G, per_group]: each output byte ORs the codes overlapping
     it (shifts fixed at trace time). Returns [G, bytes per group] uint8."""
     per_group, group_bytes = _group(width)
     work = torch.int32 if width <= 24 else torch.int64  # shifted codes stay below 2^(width+8)
@@ -445,7 +445,7 @@ def _run(fn, *args, dynamic_dims=()):
 
 
 def _noise_rows(x, generator, block, axis):
-    return layout.as_blocks(ref.uniform_noise(x, generator), block, axis)[0]
+    return layout.as_blocks(exact.uniform_noise(x, generator), block, axis)[0]
 
 
 def _run_blocks(fn, blocks, u, *args):
@@ -641,7 +641,7 @@ def bfp_unpack(mantissas, exponents, man_bits, exp_bits, block, shape, axis, dty
 
 def fixed_static_quantize(x, width, frac_bits, rounding="nearest", generator=None):
     x32 = x.detach().to(torch.float32).reshape(-1)  # detached: see _rows
-    u = ref.uniform_noise(x, generator).reshape(-1) if rounding == "stochastic" else None
+    u = exact.uniform_noise(x, generator).reshape(-1) if rounding == "stochastic" else None
     dyn = ((x32, 0),) + (((u, 0),) if u is not None else ())
     out = _run(_fixed_static_quantize_fn, x32, u, width, frac_bits, dynamic_dims=dyn)
     return out.reshape(x.shape).to(x.dtype)
@@ -649,7 +649,7 @@ def fixed_static_quantize(x, width, frac_bits, rounding="nearest", generator=Non
 
 def fixed_static_pack(x, width, frac_bits, rounding="nearest", generator=None, *, pack_codes=None):
     x32 = x.detach().to(torch.float32).reshape(-1)  # detached: see _rows
-    u = ref.uniform_noise(x, generator).reshape(-1) if rounding == "stochastic" else None
+    u = exact.uniform_noise(x, generator).reshape(-1) if rounding == "stochastic" else None
     dyn = ((x32, 0),) + (((u, 0),) if u is not None else ())
     codes, all_finite, nonfinite = _run(
         _fixed_static_codes_fn, x32, u, width, frac_bits, dynamic_dims=dyn

@@ -7,7 +7,7 @@ prepares their inputs on the host:
 * the input becomes float32 (``x.to(torch.float32)``, as the reference does), the block axis is
   moved last and the result made contiguous (``block=None``: the tensor in its own row-major
   order, one block);
-* stochastic rounding draws its noise with ``reference.uniform_noise`` (the same draws as every
+* stochastic rounding draws its noise with ``exact.uniform_noise`` (the same draws as every
   path: one per element of ``x``, row-major in ``x``'s shape) and moves it exactly like ``x``;
 * results go back to ``x``'s shape (a view with the axis moved back) and dtype.
 
@@ -31,7 +31,7 @@ except Exception as err:  # triton is optional, and a broken install can raise a
 else:
     _import_error = None
 
-from . import layout, reference
+from . import exact, layout, reference
 from .backends import register_kernel
 
 
@@ -58,7 +58,7 @@ def _stochastic(rounding: str) -> bool:
 
 
 def _noise(x: torch.Tensor, rounding: str, generator) -> torch.Tensor | None:
-    return reference.uniform_noise(x, generator) if _stochastic(rounding) else None
+    return exact.uniform_noise(x, generator) if _stochastic(rounding) else None
 
 
 def _flat(t: torch.Tensor | None) -> torch.Tensor | None:

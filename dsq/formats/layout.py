@@ -9,6 +9,8 @@ back, so that no backend keeps a copy of its own.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -78,3 +80,24 @@ def from_blocks(blocks: torch.Tensor, n: int, moved, shape, axis: int | None, dt
     out = flat.reshape(moved)
     out = out.reshape(shape) if axis is None or len(shape) == 0 else out.movedim(-1, axis)
     return out.to(dtype)
+
+
+# the reference definitions' form: the leading dimensions kept, the blocks split off last
+def blocks_along(x: torch.Tensor, axis: int, block: int) -> tuple[torch.Tensor, int]:
+    """Move ``axis`` last and split it into blocks: returns ([..., n_blocks, block], n).
+
+    A trailing partial block is zero-padded; zeros change neither a block's max nor its values.
+    """
+    moved = x.movedim(axis, -1) if x.dim() else x.reshape(1)
+    n = moved.shape[-1]
+    n_blocks = max(1, math.ceil(n / block))
+    padded = torch.nn.functional.pad(moved, (0, n_blocks * block - n))
+    return padded.reshape(*moved.shape[:-1], n_blocks, block), n
+
+
+def unblock(blocks: torch.Tensor, n: int, x_shape: torch.Size, axis: int) -> torch.Tensor:
+    """Inverse of ``blocks_along``."""
+    flat = blocks.reshape(*blocks.shape[:-2], blocks.shape[-2] * blocks.shape[-1])[..., :n]
+    if len(x_shape) == 0:
+        return flat.reshape(())
+    return flat.movedim(-1, axis)

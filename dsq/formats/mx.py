@@ -33,8 +33,7 @@ import re
 
 import torch
 
-from . import layout
-from . import reference as ref
+from . import exact, layout
 from .backends import declare_family, kernel_for, register_kernel
 from .base import Format, PackedTensor, check_input, check_int_range, register
 
@@ -93,7 +92,7 @@ def element_round(v: torch.Tensor, element: Element) -> torch.Tensor:
     magnitude = v.abs()
     _, p = torch.frexp(magnitude)  # magnitude = f * 2^p, f in [0.5, 1): floor(log2) = p - 1
     k = torch.clamp(p.to(torch.int64) - 1, min=element.emin) - element.man_bits
-    q = ref.round_nearest(v * ref.pow2(-k)) * ref.pow2(k)
+    q = exact.round_nearest(v * exact.pow2(-k)) * exact.pow2(k)
     q = q.clamp(-element.max_normal, element.max_normal)
     return q + 0.0 if element.integer else q
 
@@ -109,7 +108,7 @@ def element_codes(q: torch.Tensor, element: Element) -> torch.Tensor:
     _, p = torch.frexp(magnitude)
     e = torch.clamp(p.to(torch.int64) - 1, min=element.emin)  # subnormals: the emin grid
     field = torch.where(magnitude >= 2.0**element.emin, e + element.bias, 0)
-    scaled = (magnitude * ref.pow2(element.man_bits - e)).to(torch.int64)  # n, exact
+    scaled = (magnitude * exact.pow2(element.man_bits - e)).to(torch.int64)  # n, exact
     mantissa = scaled & ((1 << element.man_bits) - 1)
     return sign | (field << element.man_bits) | mantissa
 
@@ -125,7 +124,7 @@ def element_table(element: Element) -> torch.Tensor:
     normal = field > 0
     n = torch.where(normal, mantissa + 2**element.man_bits, mantissa)
     e = torch.where(normal, field - element.bias, element.emin)
-    values = n * ref.pow2(e - element.man_bits)
+    values = n * exact.pow2(e - element.man_bits)
     values = torch.where(sign == 1, -values, values)
     if element.name == "fp8_e4m3":
         values = torch.where(codes & 0x7F == 0x7F, math.nan, values)
@@ -139,16 +138,16 @@ def mx_scales(blocks: torch.Tensor, element: Element) -> tuple[torch.Tensor, tor
     finite = torch.isfinite(blocks).all(dim=-1, keepdim=True)
     a = blocks.abs().amax(dim=-1, keepdim=True)
     a = torch.where(finite, a, torch.ones_like(a))
-    s = torch.where(a > 0, ref.floor_log2(a) - element.emax, SCALE_MIN)
+    s = torch.where(a > 0, exact.floor_log2(a) - element.emax, SCALE_MIN)
     return s.clamp(SCALE_MIN, SCALE_MAX), finite
 
 
 def _encode(x: torch.Tensor, element: Element, block: int, axis: int):
     """(q, s, finite, n): the element values [..., n_blocks, B] (float64), scales and
     finiteness [..., n_blocks, 1] of x's blocks along ``axis``, and the axis length."""
-    work, n = ref.blocks_along(ref.exact_float64(x), axis, block)
+    work, n = layout.blocks_along(exact.exact_float64(x), axis, block)
     s, finite = mx_scales(work, element)
-    q = element_round(torch.where(finite, work, 0.0) * ref.pow2(-s), element)
+    q = element_round(torch.where(finite, work, 0.0) * exact.pow2(-s), element)
     return q, s, finite, n
 
 
@@ -157,8 +156,8 @@ def quantize(x: torch.Tensor, element: str, block: int, axis: int) -> torch.Tens
     if x.numel() == 0:
         return x.clone()
     q, s, finite, n = _encode(x, ELEMENTS[element], block, axis)
-    values = torch.where(finite, q * ref.pow2(s), math.nan)
-    return ref.unblock(values, n, x.shape, axis).to(torch.float32).to(x.dtype)
+    values = torch.where(finite, q * exact.pow2(s), math.nan)
+    return layout.unblock(values, n, x.shape, axis).to(torch.float32).to(x.dtype)
 
 
 def encode(x: torch.Tensor, element: str, block: int, axis: int):
@@ -176,13 +175,13 @@ def encode(x: torch.Tensor, element: str, block: int, axis: int):
 
 def pack(x: torch.Tensor, element: str, block: int, axis: int):
     """(elements, scales): the element codes bit-packed at the element's width
-    (``reference.pack_bits``: mxfp4 two per byte, the first in the low nibble; mxfp6 four in
+    (``exact.pack_bits``: mxfp4 two per byte, the first in the low nibble; mxfp6 four in
     three bytes) and the scale codes, one uint8 per block."""
     if x.numel() == 0:
         empty = torch.empty(0, dtype=torch.uint8, device=x.device)
         return empty, empty.clone()
     codes, scales = encode(x, element, block, axis)
-    return ref.pack_bits(codes, ELEMENTS[element].bits), scales.to(torch.uint8)
+    return exact.pack_bits(codes, ELEMENTS[element].bits), scales.to(torch.uint8)
 
 
 def block_index(shape: tuple[int, ...], axis: int, block: int, device) -> torch.Tensor:
@@ -208,10 +207,10 @@ def unpack(elements, scales, element: str, block: int, shape, axis: int, dtype):
     if numel == 0:
         return torch.empty(shape, dtype=dtype, device=elements.device)
     elem = ELEMENTS[element]
-    codes = ref.unpack_bits(elements, elem.bits, numel)
+    codes = exact.unpack_bits(elements, elem.bits, numel)
     per_element = scales.to(torch.int64)[block_index(tuple(shape), axis, block, codes.device)]
     table = element_table(elem).to(codes.device)
-    values = table[codes] * ref.pow2(per_element - SCALE_BIAS)
+    values = table[codes] * exact.pow2(per_element - SCALE_BIAS)
     values = torch.where(per_element == SCALE_NAN, math.nan, values)
     return restore(values, tuple(shape), axis, dtype)
 

@@ -31,7 +31,7 @@ def _shape(shape, axis: int) -> tuple[tuple[int, ...], int, int]:
 
 # ----------------------------------------------------------------------------- streams
 def pack_stream(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """``reference.pack_bits`` of one-byte codes at 4, 6 or 8 bits, with whole-byte groups."""
+    """``exact.pack_bits`` of one-byte codes at 4, 6 or 8 bits, with whole-byte groups."""
     codes = codes.reshape(-1)
     if bits == 8:
         return codes.clone()

@@ -30,8 +30,7 @@ import re
 
 import torch
 
-from . import mx
-from . import reference as ref
+from . import exact, layout, mx
 from .backends import declare_family, kernel_for, register_kernel
 from .base import Format, PackedTensor, check_input, register
 from .mx import ELEMENTS, block_index, element_codes, element_round, element_table, restore
@@ -75,7 +74,7 @@ def _encode(x: torch.Tensor, axis: int):
     [..., n_blocks, 1] (float32), the tensor scale, finiteness per block, the axis length."""
     x32 = x.detach().to(torch.float32)
     s = tensor_scale(x32)
-    blocks, n = ref.blocks_along(x32, axis, BLOCK)
+    blocks, n = layout.blocks_along(x32, axis, BLOCK)
     c, finite = block_scales(blocks, s)
     r = fdiv(fdiv(1.0, s), c)
     y = torch.clamp(torch.where(finite, blocks, 0.0) * r, -6.0, 6.0)
@@ -89,7 +88,7 @@ def quantize(x: torch.Tensor, axis: int) -> torch.Tensor:
         return x.clone()
     e, c, s, finite, n = _encode(x, axis)
     values = torch.where(finite, e.to(torch.float32) * (s * c), math.nan)
-    return ref.unblock(values, n, x.shape, axis).to(x.dtype)
+    return layout.unblock(values, n, x.shape, axis).to(x.dtype)
 
 
 def pack(x: torch.Tensor, axis: int):
@@ -105,7 +104,7 @@ def pack(x: torch.Tensor, axis: int):
     codes = codes.reshape(*codes.shape[:-2], -1)[..., :n].reshape(-1)
     scale_codes = c.to(torch.float8_e4m3fn).view(torch.uint8)
     scale_codes = torch.where(finite, scale_codes, SCALE_NAN).reshape(-1)
-    return ref.pack_bits(codes, E2M1.bits), scale_codes, s.reshape(1)
+    return exact.pack_bits(codes, E2M1.bits), scale_codes, s.reshape(1)
 
 
 def unpack(elements, scales, tensor_scale_, shape, axis: int, dtype):
@@ -113,7 +112,7 @@ def unpack(elements, scales, tensor_scale_, shape, axis: int, dtype):
     numel = math.prod(shape)
     if numel == 0:
         return torch.empty(shape, dtype=dtype, device=elements.device)
-    codes = ref.unpack_bits(elements, E2M1.bits, numel)
+    codes = exact.unpack_bits(elements, E2M1.bits, numel)
     e = element_table(E2M1).to(torch.float32).to(codes.device)[codes]
     index = block_index(tuple(shape), axis, BLOCK, codes.device)
     scale_codes = scales[index]
