@@ -28,7 +28,7 @@
 #                 or for the cap where fp32 did not stall within it (docs/results.md, "Protocol":
 #                 the rising stash on a language model)
 #   lm-stash-all  the rows whose memory docs/benchmarks.md sets against autocast with
-#                 checkpointing, trained on the language model for 500 updates, seed 1:
+#                 checkpointing, trained on the language model for 300 updates, seed 1:
 #                 amp_bf16 without and with checkpointing, dsq with stash_scope gemm and all, and
 #                 all with checkpointing holding the layer inputs in bfp8 (results/lm-stash-all)
 #   all           every stage above, in that order
@@ -175,7 +175,7 @@ lane() {  # every stage asked for, in order
         for seed in 1 2 3 4 5; do lm_rows_of "$seed"; done
     fi
     if wants lm-stash-all; then
-        local short=(seed=1 "${lm_task[@]}" train.max_updates=500 run.root=results/lm-stash-all)
+        local short=(seed=1 "${lm_task[@]}" train.max_updates=300 run.root=results/lm-stash-all)
         # choice(...): a key of one value still names the folders (quant-dsq_quant.stash_scope-all)
         dsq sweep --resume-unfinished "${short[@]}" "quant=choice(amp_bf16)" \
             train.activation_checkpointing=false,true
