@@ -23,16 +23,7 @@ import math
 
 import torch
 
-from . import layout
-from .exact import (
-    apply_rounding,
-    exact_float64,
-    floor_log2,
-    pack_bits,
-    pow2,
-    uniform_noise,
-    unpack_bits,
-)
+from . import exact, layout
 
 
 # ----------------------------------------------------------------------------- BFP
@@ -46,7 +37,7 @@ def bfp_exponents(blocks: torch.Tensor, exp_bits: int) -> tuple[torch.Tensor, to
     finite = torch.isfinite(blocks).all(dim=-1, keepdim=True)
     a = blocks.abs().amax(dim=-1, keepdim=True)
     a = torch.where(finite, a, torch.ones_like(a))
-    e = torch.where(a > 0, floor_log2(a), torch.full_like(a, -emax, dtype=torch.int64))
+    e = torch.where(a > 0, exact.floor_log2(a), torch.full_like(a, -emax, dtype=torch.int64))
     return e.clamp(-emax, emax), finite
 
 
@@ -55,8 +46,8 @@ def bfp_integers(
 ) -> torch.Tensor:
     """The signed integers q_i = clamp(R(x_i / scale), -L, L), scale = 2^(e - (m - 2))."""
     limit = 2 ** (man_bits - 1) - 1
-    v = blocks * pow2((man_bits - 2) - e)  # x / scale, exact in float64
-    q = apply_rounding(v, rounding, u)
+    v = blocks * exact.pow2((man_bits - 2) - e)  # x / scale, exact in float64
+    q = exact.apply_rounding(v, rounding, u)
     return q.clamp(-limit, limit)
 
 
@@ -75,15 +66,15 @@ def bfp_quantize(
     work, u_work, n, axis_used = _bfp_layout(x, block, axis, rounding, generator)
     e, finite = bfp_exponents(work, exp_bits)
     q = bfp_integers(work, e, man_bits, rounding, u_work)
-    values = q * pow2(e - (man_bits - 2))
+    values = q * exact.pow2(e - (man_bits - 2))
     values = torch.where(finite, values, torch.full_like(values, math.nan))
     return _bfp_restore(values, n, x, axis_used, block)
 
 
 def _bfp_layout(x, block, axis, rounding, generator):
     """float64 blocks of x (and of the noise) along axis; for block=None one whole-tensor block."""
-    xd = exact_float64(x)
-    u = uniform_noise(x, generator) if rounding == "stochastic" else None
+    xd = exact.exact_float64(x)
+    u = exact.uniform_noise(x, generator) if rounding == "stochastic" else None
     if block is None:
         flat = xd.reshape(1, -1)
         return flat, (u.reshape(1, -1) if u is not None else None), flat.shape[-1], None
@@ -157,7 +148,7 @@ def bfp_decode(
         block_index = torch.arange(n, device=codes.device) // block
         row = torch.arange(numel // max(n, 1), device=codes.device)
         e_elem = exps.reshape(-1, n_blocks)[row[:, None], block_index[None, :]].reshape(-1)
-    values = q * pow2(e_elem - emax - (man_bits - 2))
+    values = q * exact.pow2(e_elem - emax - (man_bits - 2))
     values = torch.where(e_elem == 2**exp_bits - 1, math.nan, values)
     if block is None:
         out = values.reshape(shape)
@@ -171,11 +162,11 @@ def fixed_static_integers(
     x: torch.Tensor, width: int, frac_bits: int, rounding: str, generator: torch.Generator | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(integers, finite) with integers = clamp(R(x * 2^f), -2^(w-1), 2^(w-1)-1), in float64."""
-    xd = exact_float64(x)
-    u = uniform_noise(x, generator) if rounding == "stochastic" else None
+    xd = exact.exact_float64(x)
+    u = exact.uniform_noise(x, generator) if rounding == "stochastic" else None
     finite = torch.isfinite(xd)
     v = torch.where(finite, xd, torch.zeros_like(xd)) * 2.0**frac_bits
-    q = apply_rounding(v, rounding, u)
+    q = exact.apply_rounding(v, rounding, u)
     q = q.clamp(-(2.0 ** (width - 1)), 2.0 ** (width - 1) - 1)
     return q + 0.0, finite  # + 0.0 turns -0.0 into +0.0: two's complement has one zero
 
@@ -255,12 +246,12 @@ def bfp_quantize_chain(x, first_args, axis, second_args, second_axis):
 
 
 def bfp_pack(x, man_bits, exp_bits, block, axis, rounding="nearest", generator=None):
-    """(mantissa stream, exponent stream): ``pack_bits`` of the codes of ``bfp_encode``."""
+    """(mantissa stream, exponent stream): ``exact.pack_bits`` of the codes of ``bfp_encode``."""
     if x.numel() == 0:
         empty = torch.empty(0, dtype=torch.uint8, device=x.device)
         return empty, empty.clone()
     codes, exps = bfp_encode(x, man_bits, exp_bits, block, axis, rounding, generator)
-    return pack_bits(codes, man_bits), pack_bits(exps, exp_bits)
+    return exact.pack_bits(codes, man_bits), exact.pack_bits(exps, exp_bits)
 
 
 def bfp_unpack(mantissas, exponents, man_bits, exp_bits, block, shape, axis, dtype):
@@ -269,8 +260,8 @@ def bfp_unpack(mantissas, exponents, man_bits, exp_bits, block, shape, axis, dty
         return torch.empty(shape, dtype=dtype, device=mantissas.device)
     moved = layout.moved_shape(shape, axis) if block is not None else (1, numel)
     n_exps = 1 if block is None else (numel // max(moved[-1], 1)) * max(1, -(-moved[-1] // block))
-    codes = unpack_bits(mantissas, man_bits, numel)
-    exps = unpack_bits(exponents, exp_bits, n_exps)
+    codes = exact.unpack_bits(mantissas, man_bits, numel)
+    exps = exact.unpack_bits(exponents, exp_bits, n_exps)
     return bfp_decode(codes, exps, man_bits, exp_bits, block, shape, axis, dtype)
 
 
@@ -280,15 +271,15 @@ def fixed_static_pack(x, width, frac_bits, rounding="nearest", generator=None):
     codes = q.to(torch.int64).reshape(-1) & ((1 << width) - 1)
     nan_mask = None
     if not bool(finite.all()):
-        nan_mask = pack_bits((~finite).reshape(-1).to(torch.int64), 1)
-    return pack_bits(codes, width), nan_mask
+        nan_mask = exact.pack_bits((~finite).reshape(-1).to(torch.int64), 1)
+    return exact.pack_bits(codes, width), nan_mask
 
 
 def fixed_static_unpack(integers, nan_mask, width, frac_bits, shape, dtype):
     numel = math.prod(shape)
-    codes = unpack_bits(integers, width, numel)
+    codes = exact.unpack_bits(integers, width, numel)
     signed = codes - ((codes >> (width - 1)) << width)  # sign-extend two's complement
     values = signed.to(torch.float64) * 2.0**-frac_bits
     if nan_mask is not None:
-        values = torch.where(unpack_bits(nan_mask, 1, numel).bool(), math.nan, values)
+        values = torch.where(exact.unpack_bits(nan_mask, 1, numel).bool(), math.nan, values)
     return values.reshape(shape).to(torch.float32).to(dtype)

@@ -21,6 +21,7 @@ pytest.importorskip("triton")
 
 import dsq.kernels.bfp as kernels  # noqa: E402
 from dsq.formats import backend_triton as tp  # noqa: E402
+from dsq.formats import exact  # noqa: E402
 from dsq.formats import reference as ref  # noqa: E402
 
 pytestmark = pytest.mark.slow  # trains, compiles or spawns processes (not in make test-fast)
@@ -237,7 +238,7 @@ def test_stochastic_extreme_noise(monkeypatch, u_value):
     def noise(x, generator):
         return torch.full(x.shape, u_value, dtype=torch.float32, device=x.device)
 
-    monkeypatch.setattr(ref, "uniform_noise", noise)
+    monkeypatch.setattr(exact, "uniform_noise", noise)  # every backend draws through it
     rows = edge_rows()
     tiny = torch.tensor(
         [[1e30, -1e-30, -1e-40, -1.4e-45, 1e-30, 1.4e-45, -0.0, 0.0, -1.0, -(2.0**-40)] * 2],
