@@ -152,6 +152,13 @@ def bfp_quantize_chain(x, first_args, axis, second_args, second_axis):
 DECODE_ROW = 4096
 
 
+@torch.compiler.assume_constant_result
+def _threads() -> int:
+    """torch's thread count. A compiled graph takes it as a constant (a torch function returning
+    a number would break the graph): it decides how rows are joined, never a decoded value."""
+    return torch.get_num_threads()
+
+
 def _decode_rows_joined(rows: int, n: int, block: int) -> int:
     """How many consecutive rows of ``n`` values the C decode takes as one row: rows of whole
     blocks follow each other in both streams as one sequence of blocks, so ``g`` of them decode
@@ -161,7 +168,7 @@ def _decode_rows_joined(rows: int, n: int, block: int) -> int:
     values). 1 when a row ends in a partial block."""
     if n % block or n >= DECODE_ROW:
         return 1
-    joined = max(1, min(rows // torch.get_num_threads(), DECODE_ROW // n))
+    joined = max(1, min(rows // _threads(), DECODE_ROW // n))
     while rows % joined:
         joined -= 1
     return joined

@@ -37,7 +37,6 @@ whatever is chosen (the fast kernels assume at least one element).
 
 from __future__ import annotations
 
-import functools
 import importlib
 import logging
 import os
@@ -45,6 +44,8 @@ from collections.abc import Callable, Mapping
 from types import ModuleType
 
 import torch
+
+from .memo import memo
 
 BACKENDS = ("reference", "compile", "c", "triton")
 CHOICES = ("auto", *BACKENDS)
@@ -105,7 +106,7 @@ def family_ops(family: str) -> tuple[str, ...]:
     return tuple(op for (b, f, op) in _KERNELS if b == "reference" and f == family)
 
 
-@functools.cache
+@memo
 def _load_family_kernels(backend: str, family: str) -> None:
     load_backend(backend)
     module = _FAMILY_MODULES.get(family, {}).get(backend)
@@ -149,7 +150,7 @@ def kernel_for(x: torch.Tensor, backend: str | None, family: str, op: str) -> Ca
     return kernel(family, op, backend_name(x, backend))
 
 
-@functools.cache
+@memo
 def load_backend(name: str) -> ModuleType:
     """The module of backend ``name`` (importing it registers its kernels), checked to say where
     it runs (``unavailable_reason``)."""
@@ -190,7 +191,7 @@ def requested_backend_refusal(device_type: str) -> str | None:
     )
 
 
-@functools.cache
+@memo
 def _log_once(message: str) -> None:
     log.warning(message)  # the run is slower, not different
 
@@ -214,7 +215,7 @@ def select_backend(x: torch.Tensor, backend: str | None = None) -> ModuleType:
     return load_backend(backend_name(x, backend))
 
 
-@functools.cache
+@memo
 def auto_backend(device_type: str) -> str:
     """The backend ``auto`` takes for tensors of ``device_type``, the fallback logged once."""
     order = AUTO_ORDER.get(device_type, ("reference",))

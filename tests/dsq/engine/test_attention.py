@@ -242,6 +242,24 @@ def test_the_two_passes_are_custom_ops_whose_fakes_agree(preset, kind):
     torch.library.opcheck(torch.ops.dsq.attention_backward.default, backward)
 
 
+def test_torch_compile_traces_quantized_attention_as_one_graph():
+    """Without a gradient, `dsq_attention` (its operands' quantizers, found through the format
+    backends' lookups, and the forward op) traces as one graph with eager's output bit for bit:
+    neither the backend lookups nor the in-place scaling's aliasing check breaks it."""
+    cfg = cfg_of("dsq")
+    q, k, v, _ = (t.detach() for t in inputs())
+
+    def attend(q, k, v):
+        return dsq_attention(q, k, v, cfg, causal=True, tile_rows=32)
+
+    eager = attend(q, k, v)  # the backends a first call imports are then looked up only
+    explained = torch._dynamo.explain(attend)(q, k, v)
+    assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
+    assert "torch.ops.dsq.attention_forward" in explained.graphs[0].code
+    compiled = torch.compile(attend, fullgraph=True, dynamic=False, backend="eager")
+    assert torch.equal(compiled(q, k, v), eager)
+
+
 def test_the_kernel_is_a_quant_setting_that_says_what_it_accepts():
     assert cfg_of("dsq").attention == "tiled"
     assert "attention" not in cfg_of("dsq").to_dict()  # a record keeps the preset's keys

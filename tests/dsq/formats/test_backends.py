@@ -120,3 +120,20 @@ def test_a_backend_that_cannot_run_here_is_refused_before_a_run_starts(monkeypat
     assert not any(tmp_path.iterdir())
     result = CliRunner().invoke(app, ["bench", "step", "--repeats", "1"])
     assert result.exit_code == 2 and "DSQ_BACKEND=triton cannot run on cpu" in result.output
+
+
+def test_torch_compile_traces_a_stash_round_trip_as_one_graph():
+    """A BFP stash packed and unpacked on the automatic backend (the C kernels here) traces as
+    one graph with eager's values bit for bit: the backend lookups and the C decode's row
+    joining (which reads torch's thread count) break no graph."""
+    fmt = parse_format("bfp4")
+    x = torch.randn(64, 48, generator=torch.Generator().manual_seed(0))
+
+    def round_trip(x):
+        return fmt.pack(x, axis=-1).unpack()
+
+    eager = round_trip(x)  # the first call imports the backend; a compiled one only looks it up
+    explained = torch._dynamo.explain(round_trip)(x)
+    assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
+    compiled = torch.compile(round_trip, fullgraph=True, dynamic=False, backend="eager")
+    assert torch.equal(compiled(x).view(torch.int32), eager.view(torch.int32))
