@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from dsq.engine.policies import DEFAULT_POLICY, policy_defaults
-from dsq.engine.spec import POINTS, QUANT_KEYS, Ladder, QuantSpec
+from dsq.engine.spec import POINTS, QUANT_KEYS, Ladder, QuantSpec, upgraded
 from dsq.formats import parse_format
 
 PRESETS: dict[str, QuantSpec] = {}
@@ -151,6 +151,19 @@ register_preset("nvfp4_dsq_stash_nvfp4", QuantSpec("nvfp4", "nvfp4", "mxfp8_e4m3
 
 
 # -- how a run's quant record differs from its preset --------------------------------------------
+def record_quant(quant: Mapping) -> dict:
+    """A run record's ``quant`` (result.json) as this version writes it: its points and settings
+    `upgraded` from the record's ``version`` (a record without one is version 1, written before
+    the key existed), and ``modified`` where the record predates it (whether the points differ
+    from the preset's; True for a preset this version does not know). Every reader of a record
+    reads its quant through this."""
+    out = upgraded(quant, quant.get("version", 1))
+    if "modified" not in out:
+        differences = preset_differences(out)
+        out["modified"] = differences is None or bool(differences)
+    return out
+
+
 def preset_differences(quant: Mapping) -> list[str] | None:
     """``point=value`` for each quant key of a run's record (``quant``: the preset's name under
     ``preset`` and the run's keys, as result.json's ``quant``) that differs from the preset;
@@ -163,11 +176,11 @@ def preset_differences(quant: Mapping) -> list[str] | None:
     differences = []
     for key in PRESET_KEYS:
         mine, theirs = quant.get(key), stored.get(key)
-        if key == "rounding":  # a point not named rounds to nearest (runs from before rounding)
+        if key == "rounding":  # a point not named rounds to nearest
             mine, theirs = _every_point_rounding(mine), _every_point_rounding(theirs)
-        if _same(mine, theirs) or (key == "stash_scope" and mine is None):
-            continue
-        if key == "engine" and (mine or "dsq") == (theirs or "dsq"):
+        elif key in _DEFAULTS:  # a setting left out stands at its default (to_dict leaves it out)
+            mine, theirs = quant.get(key, _DEFAULTS[key]), stored.get(key, _DEFAULTS[key])
+        if _same(mine, theirs):
             continue
         if isinstance(mine, Mapping) and isinstance(theirs, Mapping):
             differences += _ladder_differences(key, mine, theirs)
@@ -197,6 +210,9 @@ def _levels(ladder: Mapping) -> list | None:
     if isinstance(levels, Sequence) and not isinstance(levels, str):
         return [_canonical(level) for level in levels]
     return levels
+
+
+_DEFAULTS = {"stash_scope": QuantSpec.stash_scope, "engine": QuantSpec.engine}
 
 
 def _every_point_rounding(rounding: Mapping | None) -> dict:

@@ -24,7 +24,7 @@ from typing import Any
 
 from dsq import cost
 from dsq.engine.config import POINTS
-from dsq.presets import COST_BASELINE
+from dsq.presets import COST_BASELINE, record_quant
 from dsq.records import FRACTION_METRICS, LOWER_IS_BETTER, METRICS  # noqa: F401 (read here)
 from dsq_cli import runs
 
@@ -128,6 +128,7 @@ class RunResult:
         names = {f.name for f in dataclasses.fields(cls)} - {"evaluation"}
         known = {k: v for k, v in record.items() if k in names}
         evaluation = {k: v for k, v in record.items() if k not in names}
+        known["quant"] = record_quant(known["quant"])  # as this version writes it
         return cls(**known, evaluation=evaluation)
 
     def write(self, run_dir: Path, *, in_place: bool = False) -> None:

@@ -65,6 +65,10 @@ SAVED_DEFAULT = MappingProxyType(
 # rows at a time, holding nothing sequence x sequence; ``explicit``, the definition, with the
 # scores and probabilities whole. The same values up to float32 summation order.
 ATTENTION_KERNELS = ("tiled", "explicit")
+# The version `QuantSpec.to_dict` writes under "version" (docs/dsq.md, "Presets and specs").
+# Version 1 is every mapping written before the key existed: run records then left out what
+# their run did before a setting existed, which `upgraded` spells out.
+SPEC_VERSION = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,7 +204,13 @@ class QuantSpec:
     def from_dict(cls, config: Mapping) -> QuantSpec:
         """From a preset's mapping (conf/quant/*.yaml, result.json's quant without its
         ``preset`` and ``modified``): q0..q3, stash_scope, rounding, gemm_unit, engine; a
-        ``name`` key is ignored, any other is a ValueError."""
+        ``name`` key is ignored, any other is a ValueError. A ``version`` other than
+        `SPEC_VERSION` is read as `upgraded` reads it; without one, the mapping is this
+        version's (a preset, a user's config)."""
+        version = config.get("version", SPEC_VERSION)
+        if version != SPEC_VERSION:
+            config = upgraded(config, version)
+        config = {k: v for k, v in config.items() if k != "version"}
         unknown = set(config) - set(QUANT_KEYS) - {"name"}
         if unknown:
             raise ValueError(
@@ -213,8 +223,9 @@ class QuantSpec:
         """The mapping ``from_dict`` reads, as conf/quant's presets write it: the four points (a
         ladder as its mapping), stash_scope and every point's rounding; ``gemm_unit`` and
         ``engine`` only where they are not their defaults (auto, dsq), so that the record of a
-        run of a preset has the preset's keys."""
-        out: dict[str, Any] = {point: _point_dict(getattr(self, point)) for point in POINTS}
+        run of a preset has the preset's keys; and ``version``, `SPEC_VERSION`."""
+        out: dict[str, Any] = {"version": SPEC_VERSION}
+        out |= {point: _point_dict(getattr(self, point)) for point in POINTS}
         out["stash_scope"] = self.stash_scope
         out["rounding"] = dict(self.rounding)
         if self.gemm_unit != "auto":
@@ -250,6 +261,41 @@ class QuantSpec:
         if self.engine != "dsq":
             fields.append(f"engine={self.engine!r}")
         return f"QuantSpec({', '.join(fields)})"
+
+
+def upgraded(config: Mapping, version: int) -> dict:
+    """``config``, a quant mapping written at spec ``version`` (a run record without a
+    ``version`` key is version 1), as `SPEC_VERSION` writes the same run: its keys and any
+    other keys (a record's ``preset``, ``modified``) kept, ``version`` set. The one place an
+    old record's omissions are read (docs/dsq.md, "Presets and specs").
+
+    Version 1 to 2: a key a version-1 record lacks is what its run did before the setting
+    existed: ``attention`` explicit (the tiled kernel came with the key), ``gemm_unit`` fp32
+    (every quantized GEMM ran in float32 before the units), ``engine`` dsq, ``stash_scope``
+    gemm, a point without a ``rounding`` nearest; and ``saved``, under ``stash_scope=all``,
+    every kind in the stash (q1) where it is absent (``all`` before its rules), a kind it
+    lacks at that kind's default."""
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise ValueError(f"quant version {version!r}: versions are whole numbers from 1")
+    if version > SPEC_VERSION:
+        raise ValueError(
+            f"quant version {version} was written by a newer dsq (this one reads up to "
+            f"{SPEC_VERSION}); upgrade dsq to read it"
+        )
+    out = dict(config)
+    if version == 1:
+        for key, before in (("attention", "explicit"), ("gemm_unit", "fp32"),
+                            ("engine", "dsq"), ("stash_scope", "gemm")):  # fmt: skip
+            out.setdefault(key, before)
+        rounding = dict(out.get("rounding") or {})
+        out["rounding"] = {p: rounding.get(p, "nearest") for p in POINTS}
+        if out["stash_scope"] == "all":
+            before_rules = dict.fromkeys(SAVED_KINDS, "q1") | {"checkpoint": "keep"}
+            out["saved"] = (
+                (dict(SAVED_DEFAULT) | dict(out["saved"])) if "saved" in out else before_rules
+            )
+    out["version"] = SPEC_VERSION
+    return out
 
 
 def _point_spec(point: str, value) -> PointSpec:

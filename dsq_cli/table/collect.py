@@ -93,12 +93,9 @@ def row_name(quant: Mapping) -> str:
     """The preset, or ``preset* (q1=bfp3)`` for a run whose points were overridden, so that it
     is never averaged into the preset's own row."""
     preset = str(quant["preset"])
-    modified = quant.get("modified")
-    differences = preset_differences(quant)
-    if modified is None:  # result.json written before the flag existed
-        modified = differences is None or bool(differences)
-    if not modified:
+    if not quant["modified"]:  # RunResult reads it, through dsq.presets.record_quant
         return preset
+    differences = preset_differences(quant)
     return f"{preset}* ({', '.join(differences)})" if differences else f"{preset}*"
 
 

@@ -67,8 +67,9 @@ def static_controls(table: Table, row: str) -> list[str]:
 
 
 def _saved_rules(quant: Mapping) -> dict:
-    """A record's ``quant.saved`` as the engine reads it: the defaults of the kinds it does not
-    name (a record written before a kind existed held it so) and one spelling per format."""
+    """A record's ``quant.saved`` as the engine reads it, one spelling per format (``bfp8`` and
+    ``bfp8e8b16`` are one rule); a record written before a kind existed reads with it filled in
+    (``dsq.presets.record_quant``)."""
     return dict(saved_rules(quant.get("saved"), quant.get("stash_scope", "gemm")))
 
 

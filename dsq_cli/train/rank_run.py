@@ -20,6 +20,7 @@ import torch
 
 from dsq.cost import stash_bits_mean
 from dsq.engine import QuantConfig
+from dsq.engine.spec import SPEC_VERSION
 from dsq.presets import COST_BASELINE, preset_differences
 from dsq_cli import runs
 from dsq_cli.config import to_plain
@@ -171,7 +172,8 @@ def recorded_quant(preset: str, points: dict) -> dict:
     if points.get("stash_scope") == "all":
         points = points | {"saved": QuantConfig.from_dict(points).to_dict()["saved"]}
     modified = preset_differences({"preset": preset, **points}) != []
-    return {"preset": preset, **points, "modified": modified}
+    # the version of the mapping the run read (a quant file without one: this version's)
+    return {"preset": preset, "version": SPEC_VERSION, **points, "modified": modified}
 
 
 def started_result(cfg: RunConfig, data, device: str, resumed: bool) -> RunResult:

@@ -13,15 +13,18 @@ import pytest
 import yaml
 
 from dsq.engine import Ladder, QuantConfig, QuantSpec, Schedule
+from dsq.engine.spec import SPEC_VERSION
 from dsq.presets import (
     PRESETS,
     get_preset,
     preset_differences,
     preset_names,
+    record_quant,
     register_preset,
 )
 
-QUANT_DIR = Path(__file__).resolve().parents[2] / "dsq_cli" / "conf" / "quant"
+REPO = Path(__file__).resolve().parents[2]
+QUANT_DIR = REPO / "dsq_cli" / "conf" / "quant"
 YAML_PRESETS = sorted(p.stem for p in QUANT_DIR.glob("*.yaml"))
 
 
@@ -114,3 +117,59 @@ def test_a_new_preset_is_one_registered_value():
             register_preset(name, spec)
     finally:
         PRESETS.pop(name, None)
+
+
+# -- the spec's version and the one migration of old records -------------------------------------
+def test_a_spec_writes_its_version_and_refuses_one_from_a_newer_dsq():
+    mapping = get_preset("dsq").to_dict()
+    assert mapping["version"] == SPEC_VERSION == 2
+    assert QuantSpec.from_dict(mapping) == get_preset("dsq")
+    with pytest.raises(ValueError, match="written by a newer dsq"):
+        QuantSpec.from_dict(mapping | {"version": SPEC_VERSION + 1})
+    for bad in (0, "2", True):
+        with pytest.raises(ValueError, match="versions are whole numbers from 1"):
+            QuantSpec.from_dict(mapping | {"version": bad})
+
+
+def test_a_version_1_record_reads_as_what_its_run_did():
+    """A record written before the version key left out what its run did before each setting
+    existed: attention explicit, GEMMs in float32, the dsq engine, the GEMM scope, nearest
+    rounding; and ``modified`` is decided from the preset where it is absent."""
+    old = {"preset": "dsq", **{p: v for p, v in get_preset("dsq").to_dict().items()
+                               if p in ("q0", "q1", "q2", "q3")}}  # fmt: skip
+    quant = record_quant(old)
+    assert quant["version"] == SPEC_VERSION and quant["modified"] is False
+    assert (quant["attention"], quant["gemm_unit"], quant["engine"], quant["stash_scope"]) == (
+        "explicit", "fp32", "dsq", "gemm")  # fmt: skip
+    assert quant["rounding"] == dict.fromkeys(("q0", "q1", "q2", "q3"), "nearest")
+    assert "saved" not in quant
+    spec = QuantSpec.from_dict({k: v for k, v in old.items() if k != "preset"} | {"version": 1})
+    assert spec.attention == "explicit" and spec.gemm_unit == "fp32"
+    assert record_quant(old | {"q1": "bfp3"})["modified"] is True
+    assert record_quant(old | {"preset": "no_such_preset"})["modified"] is True
+
+
+def test_a_version_1_stash_scope_all_held_every_saved_tensor_in_the_stash():
+    """``all`` before its rules held every kind in q1; a record with rules but without a kind
+    that came later held that kind at its default."""
+    old = {"preset": "dsq", "q0": "bfp8", "q1": "bfp2", "q2": "bfp8", "q3": "fixed16",
+           "stash_scope": "all"}  # fmt: skip
+    before_rules = record_quant(old)["saved"]
+    assert before_rules == {"norm": "q1", "activation": "q1", "elementwise": "q1",
+                            "constant": "q1", "checkpoint": "keep"}  # fmt: skip
+    rules = {"norm": "bfp8e8b16", "activation": "bfp8e8b16", "elementwise": "bfp8e8b16",
+             "constant": "keep"}  # fmt: skip
+    assert record_quant(old | {"saved": rules})["saved"] == rules | {"checkpoint": "keep"}
+
+
+def test_records_read_through_the_result_type_are_upgraded_and_new_ones_are_not_changed():
+    """A committed record from before the key (no attention, no gemm_unit, no rounding) and one
+    written since (attention tiled) read as their runs ran."""
+    from dsq_cli.run_result import RunResult
+
+    old = RunResult.read(REPO / "results/multi30k-wall-time/dsq-seed1-run1")
+    assert old.quant["attention"] == "explicit" and old.quant["gemm_unit"] == "fp32"
+    new_path = REPO / "results/lm/seed1/quant-dsq/result.json"
+    new = RunResult.read(new_path)
+    written = yaml.safe_load(new_path.read_text())["quant"]
+    assert new.quant == written | {"version": SPEC_VERSION, "engine": "dsq"}

@@ -11,6 +11,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
+from dsq.engine.spec import SPEC_VERSION
 from dsq.formats import parse_format
 from dsq_cli.cli import app
 
@@ -110,7 +111,8 @@ def test_bench_quant_json_on_a_small_tensor():
 @pytest.mark.parametrize("preset", sorted((REPO / "dsq_cli" / "conf" / "quant").glob("*.yaml")))
 def test_quant_presets_name_valid_formats(preset):
     cfg = yaml.safe_load(preset.read_text())
-    assert set(cfg) - {"engine"} == {"q0", "q1", "q2", "q3", "stash_scope", "rounding"}
+    assert set(cfg) - {"engine"} == {"version", "q0", "q1", "q2", "q3", "stash_scope", "rounding"}
+    assert cfg["version"] == SPEC_VERSION
     assert cfg.get("engine", "dsq") in ("dsq", "autocast")
     assert cfg["stash_scope"] in ("gemm", "all")
     assert cfg["rounding"] == {p: "nearest" for p in ("q0", "q1", "q2", "q3")}  # the paper's

@@ -98,7 +98,8 @@ def test_memory_is_written_with_the_trained_fields_and_read_back(tmp_path):
         "cuda_peak_allocated_mib": None,
         "stash_bytes_per_step": None,
     }
-    quant = {"preset": "fp32", "q0": "fp32", "q1": "fp32", "q2": "fp32", "q3": "fp32"}
+    quant = {"preset": "fp32", "version": 2, "q0": "fp32", "q1": "fp32", "q2": "fp32",
+             "q3": "fp32", "modified": False}  # fmt: skip
     running = RunResult(status="running", task="demo", quant=quant, metric="bleu")
     assert "memory" not in running.to_dict()  # nothing summarised yet
     summarised = dataclasses.replace(running, status="interrupted", epochs=1)

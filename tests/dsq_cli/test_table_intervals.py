@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from dsq.presets import record_quant
 from dsq_cli import table
 from dsq_cli.cli import app
 from dsq_cli.table.intervals import mean_interval, paired_interval, t_cdf, t_quantile
@@ -446,7 +447,7 @@ def test_runs_lists_every_run_from_its_result_json():
     assert len(lines) == len(list(CONVERGENCE.glob("seed*/*/result.json")))
     for path in CONVERGENCE.glob("seed*/*/result.json"):
         record = json.loads(path.read_text())
-        row = table.row_name(record["quant"])
+        row = table.row_name(record_quant(record["quant"]))
         cells = [x.strip() for x in lines[(row, "multi30k", str(record["seed"]))].split("|")[1:-1]]
         best, last = record["checkpoints"]["best"], record["checkpoints"]["last"]
         assert cells[4] == f"{best['valid_loss']:.3f} ({best['update']})"
