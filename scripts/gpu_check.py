@@ -32,7 +32,8 @@ if not CUDA:
     os.environ["TRITON_INTERPRET"] = "1"  # before Triton is imported
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from dsq.formats import backend_triton as tp  # noqa: E402
+from dsq.formats import bfp_triton as tp  # noqa: E402
+from dsq.formats import fixed_triton as tf  # noqa: E402
 from dsq.formats import reference as ref  # noqa: E402
 
 DEVICE = "cuda" if CUDA else "cpu"
@@ -90,17 +91,17 @@ def check_bfp(name, x, m, E, B, axis, rounding):
 
 def check_fixed(name, x, w, f, rounding):
     want = ref.fixed_static_quantize(x, w, f, rounding, gen(2))
-    got = tp.fixed_static_quantize(x, w, f, rounding, gen(2))
+    got = tf.fixed_static_quantize(x, w, f, rounding, gen(2))
     problem = same(got, want)
     if problem is None:
         ri, rn = ref.fixed_static_pack(x, w, f, rounding, gen(2))
-        gi, gn = tp.fixed_static_pack(x, w, f, rounding, gen(2))
+        gi, gn = tf.fixed_static_pack(x, w, f, rounding, gen(2))
         if not torch.equal(gi, ri):
             problem = "integer stream differs"
         elif (gn is None) != (rn is None) or (gn is not None and not torch.equal(gn, rn)):
             problem = "NaN mask stream differs"
         else:
-            out = tp.fixed_static_unpack(gi, gn, w, f, tuple(x.shape), x.dtype)
+            out = tf.fixed_static_unpack(gi, gn, w, f, tuple(x.shape), x.dtype)
             problem = same(out, want)
             problem = None if problem is None else "unpack: " + problem
     report(name, problem)

@@ -12,8 +12,8 @@ from . import reference
 from .backends import declare_family, kernel_for, register_kernel
 from .base import Format, PackedTensor, check_input, check_int_range, register
 
-# The definition (reference.py) is the family's reference kernels; the backends register their
-# own in their modules (backend_compile.py, backend_c.py, backend_triton.py).
+# The definition (reference.py) is the family's reference kernels; each backend's are in a module
+# of their own, declared below and imported when that backend first runs the family.
 for _op, _fn in {
     "quantize": reference.bfp_quantize,
     "pack": reference.bfp_pack,
@@ -24,7 +24,11 @@ for _op, _fn in {
     "quantize_chain": reference.bfp_quantize_chain,
 }.items():
     register_kernel("reference", "bfp", _op, _fn)
-declare_family("bfp")
+declare_family("bfp", {
+    "compile": "dsq.formats.bfp_compile",
+    "c": "dsq.formats.bfp_c",
+    "triton": "dsq.formats.bfp_triton",
+})  # fmt: skip
 
 
 @register

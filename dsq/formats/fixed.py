@@ -18,7 +18,11 @@ for _op, _fn in {
     "unpack": reference.fixed_static_unpack,
 }.items():
     register_kernel("reference", "fixed_static", _op, _fn)
-declare_family("fixed_static")
+declare_family("fixed_static", {
+    "compile": "dsq.formats.fixed_compile",
+    "c": "dsq.formats.fixed_c",
+    "triton": "dsq.formats.fixed_triton",
+})  # fmt: skip
 
 
 @register

@@ -1,11 +1,11 @@
 """Triton kernels for block floating point (BFP), dynamic fixed point and static fixed point.
 
 These kernels implement, bit for bit, the semantics of ``dsq/formats/reference.py`` (SPEC 1,
-1.1, 1.2) in float32 arithmetic. This module knows nothing of the formats above it: the host glue
-(``dsq/formats/backend_triton.py``) converts the input to float32, moves the block axis last,
-makes it contiguous, draws the stochastic-rounding noise and calls the launch functions at the
-end of this file with torch tensors and Python ints. Under ``TRITON_INTERPRET=1`` the same
-kernels run on CPU tensors (that is how the tests run them).
+1.1, 1.2) in float32 arithmetic. This module knows nothing of the formats above it: the host
+glue (``dsq/formats/bfp_triton.py``, ``fixed_triton.py``) converts the input to float32, moves
+the block axis last, makes it contiguous, draws the stochastic-rounding noise and calls the
+launch functions at the end of this file with torch tensors and Python ints. Under
+``TRITON_INTERPRET=1`` the same kernels run on CPU tensors (that is how the tests run them).
 
 Layout seen by the kernels: a contiguous float32 tensor of ``N`` elements made of rows of ``n``
 elements (the block axis, moved last); each row is cut into ``nb = ceil(n / B)`` blocks, the last

@@ -4,7 +4,7 @@
  * training loop quantizes with every step: BFP(m, E, B) with E <= 8 and 2 <= m <= 23, and
  * fixed<w> (one block spanning the tensor) with w <= 23. bfp_ops.cpp compiles this file as C++
  * (the casts of malloc's result are for C++) and registers each entry point as a torch custom
- * op; the host glue (dsq/kernels/cpu.py and dsq/formats/backend_compile.py) lays the tensor out
+ * op; the host glue (dsq/kernels/cpu.py and dsq/formats/bfp_c.py) lays the tensor out
  * as float32 with the block axis last and contiguous, and sends every other case to the
  * torch.compile kernels. Every pointer is to contiguous memory owned by the caller (the ops
  * allocate it and check its dtype and length). Built with OpenMP, large calls run on as many

@@ -44,7 +44,7 @@ pool; every op passes torch's thread count to the kernels (``dsq_set_threads``) 
 
 Like ``bfp.py`` this module knows nothing of the formats above it: its wrappers take float32 (or
 uint8) CPU tensors laid out as ``bfp_cpu.c`` states and return new tensors. The host glue is
-``dsq/formats/backend_compile.py``, which decides what runs here.
+``dsq/formats/bfp_c.py`` (and ``fixed_c.py``), which decides what runs here.
 """
 
 from __future__ import annotations

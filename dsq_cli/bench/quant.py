@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from dsq.formats import backend_compile, parse_format
+from dsq.formats import bfp_compile, parse_format
 from dsq.formats.backends import BACKENDS, missing_kernels, unavailable_reason
 
 
@@ -64,7 +64,7 @@ def measure(fn, x, device, repeats: int, warmup: int = 2) -> tuple[float, float,
 def _eager(fmt, x):
     """The compile backend's float32 code without torch.compile: what plain PyTorch costs."""
     if fmt.family == "bfp":
-        return backend_compile.eager_bfp_quantizer(x, fmt.man_bits, fmt.exp_bits, fmt.block)
+        return bfp_compile.eager_bfp_quantizer(x, fmt.man_bits, fmt.exp_bits, fmt.block)
     return None
 
 

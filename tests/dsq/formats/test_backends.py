@@ -137,3 +137,21 @@ def test_torch_compile_traces_a_stash_round_trip_as_one_graph():
     assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
     compiled = torch.compile(round_trip, fullgraph=True, dynamic=False, backend="eager")
     assert torch.equal(compiled(x).view(torch.int32), eager.view(torch.int32))
+
+
+def test_backend_modules_hold_no_familys_kernels_and_each_family_names_its_own():
+    """A backend module says where it runs and holds what its families' kernels share; every
+    kernel of BFP and static fixed point is in a module of the family's, named in its
+    ``declare_family`` (docs/formats.md, "Adding a format family")."""
+    import importlib
+    import inspect
+
+    for name in ("compile", "c", "triton"):
+        source = inspect.getsource(backends.load_backend(name))
+        assert "register_kernel" not in source, name
+    for family, prefix in (("bfp", "bfp"), ("fixed_static", "fixed")):
+        declared = backends._FAMILY_MODULES[family]
+        assert declared == {b: f"dsq.formats.{prefix}_{b}" for b in ("compile", "c", "triton")}
+        for backend, module in declared.items():
+            importlib.import_module(module)
+            assert backends.missing_kernels(backend, family) == []

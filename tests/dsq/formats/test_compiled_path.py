@@ -135,7 +135,7 @@ def test_stream_stage_equals_reference_pack_bits(width, kernels):
     if kernels == "c":
         from dsq.formats import backend_c  # packs one-byte codes in C
 
-        pack_codes = backend_c._pack_codes
+        pack_codes = backend_c.pack_codes
     else:
         pack_codes = compiled.code_stream
 
@@ -145,7 +145,7 @@ def test_stream_stage_equals_reference_pack_bits(width, kernels):
         codes = torch.randint(0, 2**width, (count,), generator=g).to(dtype)
         stream = pack_codes(codes, width)
         assert torch.equal(stream, exact.pack_bits(codes, width)), (width, count)
-        unpacked = compiled._unpack_codes(stream, width, count)
+        unpacked = compiled.unpack_codes(stream, width, count)
         assert torch.equal(unpacked.to(torch.int64), codes.to(torch.int64)), (width, count)
     whole = torch.randint(0, 2**width, (17,), generator=g).to(dtype)
     sliced = whole[1:9]  # 8 codes at an offset of 1: no int64 view of it in place

@@ -20,8 +20,9 @@ from helpers.tensors import assert_bitwise_equal  # noqa: E402
 pytest.importorskip("triton")
 
 import dsq.kernels.bfp as kernels  # noqa: E402
-from dsq.formats import backend_triton as tp  # noqa: E402
+from dsq.formats import bfp_triton as tp  # noqa: E402
 from dsq.formats import exact  # noqa: E402
+from dsq.formats import fixed_triton as tf  # noqa: E402
 from dsq.formats import reference as ref  # noqa: E402
 
 pytestmark = pytest.mark.slow  # trains, compiles or spawns processes (not in make test-fast)
@@ -59,15 +60,15 @@ def check_bfp(x, m, E, B, axis=-1, rounding="nearest", seed=0):
 
 def check_fixed(x, w, f, rounding="nearest", seed=0):
     want = ref.fixed_static_quantize(x, w, f, rounding, gen(seed))
-    got = tp.fixed_static_quantize(x, w, f, rounding, gen(seed))
+    got = tf.fixed_static_quantize(x, w, f, rounding, gen(seed))
     assert_same(got, want)
     want_i, want_n = ref.fixed_static_pack(x, w, f, rounding, gen(seed))
-    got_i, got_n = tp.fixed_static_pack(x, w, f, rounding, gen(seed))
+    got_i, got_n = tf.fixed_static_pack(x, w, f, rounding, gen(seed))
     assert torch.equal(got_i, want_i), "integer stream differs"
     assert (got_n is None) == (want_n is None)
     if want_n is not None:
         assert torch.equal(got_n, want_n), "NaN mask stream differs"
-    assert_same(tp.fixed_static_unpack(got_i, got_n, w, f, tuple(x.shape), x.dtype), want)
+    assert_same(tf.fixed_static_unpack(got_i, got_n, w, f, tuple(x.shape), x.dtype), want)
     return got
 
 
