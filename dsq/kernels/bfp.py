@@ -41,6 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_ops import define
+
 # Launch parameters (module globals so that tests can shrink them to exercise many programs).
 # About 8 elements per thread keeps every kernel under ~64 registers (good occupancy on sm_90).
 TILE_ELEMS = 2048  # elements per program of the BFP quantize tile kernel (ROWS * BP, at least BP)
@@ -922,7 +924,7 @@ def bfp_quantize_and_pack(x, q_args, p_args):
     return out, pack_codes(codes, p_man), pack_codes(ecodes, p_exp)
 
 
-def bfp_quantize_chain(x, first_args, second_args):
+def _bfp_quantize_chain(x, first_args, second_args):
     """Fused pair of contiguous float32 ``x`` (last axis a multiple of the second block):
     (first = BFP first_args with one block spanning x, BFP second_args of first along the last
     axis)."""
@@ -947,3 +949,99 @@ def bfp_quantize_chain(x, first_args, second_args):
         **_OPTS,
     )
     return first, second
+
+
+# ----------------------------------------------------------------------------- as torch ops
+# Each launch above is registered as a torch custom op (``dsq::triton_*``) with a fake kernel
+# that gives its outputs' shapes and dtypes, and the module's public names call the ops: a graph
+# torch.compile traces meets an op it can place without running Triton, as the C kernels are
+# (dsq/kernels/cpu.py). The launches stay the implementation, on CUDA or under the interpreter.
+def _stream_fake(like: torch.Tensor, codes: int, width: int) -> torch.Tensor:
+    return like.new_empty((codes * width + 7) // 8, dtype=torch.uint8)
+
+
+def _pack_fake(x, u, n, man_bits, exp_bits, block):
+    N = x.numel()
+    count = 1 if block is None else (N // n) * _blocking(n, block)[1]
+    return _stream_fake(x, N, man_bits), _stream_fake(x, count, exp_bits)
+
+
+def _quantize_and_pack_fake(x, q_args, p_args):
+    lead, n, k = x.shape
+    p_man, p_exp, p_block = p_args
+    nb = -(-n // p_block)
+    return (torch.empty_like(x), _stream_fake(x, x.numel(), p_man),
+            _stream_fake(x, lead * k * nb, p_exp))  # fmt: skip
+
+
+_OPS = {
+    "bfp_quantize_blocks": (
+        "(Tensor x, Tensor? u, int n, int man_bits, int exp_bits, int block) -> Tensor",
+        bfp_quantize_blocks,
+        lambda x, u, n, man_bits, exp_bits, block: torch.empty_like(x),
+    ),
+    "bfp_quantize_global": (
+        "(Tensor x, Tensor? u, int man_bits, int exp_bits) -> Tensor",
+        bfp_quantize_global,
+        lambda x, u, man_bits, exp_bits: torch.empty_like(x),
+    ),
+    "bfp_pack": (
+        "(Tensor x, Tensor? u, int n, int man_bits, int exp_bits, int? block) -> (Tensor, Tensor)",
+        bfp_pack,
+        _pack_fake,
+    ),
+    "pack_codes": (
+        "(Tensor codes, int width) -> Tensor",
+        pack_codes,
+        lambda codes, width: _stream_fake(codes, codes.numel(), width),
+    ),
+    "bfp_unpack": (
+        "(Tensor mantissas, Tensor exponents, int N, int n, int man_bits, int exp_bits, "
+        "int? block, Device device) -> Tensor",
+        bfp_unpack,
+        lambda mantissas, exponents, N, n, m, e, block, device: mantissas.new_empty(
+            N, dtype=torch.float32, device=device
+        ),
+    ),
+    "fixed_quantize": (
+        "(Tensor x, Tensor? u, int width, int frac_bits) -> Tensor",
+        fixed_quantize,
+        lambda x, u, width, frac_bits: torch.empty_like(x),
+    ),
+    "fixed_pack": (
+        "(Tensor x, Tensor? u, int width, int frac_bits) -> (Tensor, Tensor)",
+        fixed_pack,
+        lambda x, u, width, frac_bits: (
+            _stream_fake(x, x.numel(), width),
+            _stream_fake(x, x.numel(), 1),
+        ),
+    ),
+    "fixed_unpack": (
+        "(Tensor integers, Tensor? nan_mask, int N, int width, int frac_bits, Device device) "
+        "-> Tensor",
+        fixed_unpack,
+        lambda integers, nan_mask, N, width, frac_bits, device: integers.new_empty(
+            N, dtype=torch.float32, device=device
+        ),
+    ),
+    "bfp_quantize_and_pack": (
+        "(Tensor x, int[] q_args, int[] p_args) -> (Tensor, Tensor, Tensor)",
+        bfp_quantize_and_pack,
+        _quantize_and_pack_fake,
+    ),
+    # the first format's block is the whole tensor (None in first_args): not an argument
+    "bfp_quantize_chain": (
+        "(Tensor x, int f_man, int f_exp, int s_man, int s_exp, int s_block) -> (Tensor, Tensor)",
+        lambda x, f_man, f_exp, *second: _bfp_quantize_chain(x, (f_man, f_exp, None), second),
+        lambda x, *args: (torch.empty_like(x), torch.empty_like(x)),
+    ),
+}
+_chain_op = define("bfp_quantize_chain", *_OPS.pop("bfp_quantize_chain"))
+for _name, (_schema, _launch, _fake) in _OPS.items():
+    globals()[_name] = define(_name, _schema, _launch, _fake)
+
+
+def bfp_quantize_chain(x, first_args, second_args):
+    """`_bfp_quantize_chain` through its op (``dsq::triton_bfp_quantize_chain``)."""
+    (f_man, f_exp, _), (s_man, s_exp, s_block) = first_args, second_args
+    return _chain_op(x, f_man, f_exp, s_man, s_exp, s_block)

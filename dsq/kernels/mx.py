@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_ops import define
+
 TILE_ELEMS = 2048  # lanes per program (G blocks * BP)
 DECODE_BLOCK = 2048  # elements per program of the decode kernel
 NUM_WARPS = 4
@@ -156,7 +158,7 @@ def _grid(rows: int, n: int, block: int, bp: int):
     return nb, total, g, (triton.cdiv(total, g),)
 
 
-def mx_blocks(rows: torch.Tensor, block: int, element: tuple, codes: bool):
+def _mx_blocks(rows: torch.Tensor, block: int, element: tuple, codes: bool):
     """For float32 ``rows`` [R, n] (contiguous): the values of MX(element, block), or (codes
     [R, n] uint8, scale codes [R * nb] uint8). ``element`` is (bits, m, emin, emax, largest
     normal, INT8?)."""
@@ -176,7 +178,7 @@ def mx_blocks(rows: torch.Tensor, block: int, element: tuple, codes: bool):
     return (out, scales) if codes else out
 
 
-def nvfp4_blocks(rows: torch.Tensor, s: torch.Tensor, codes: bool):
+def _nvfp4_blocks(rows: torch.Tensor, s: torch.Tensor, codes: bool):
     """NVFP4 of float32 ``rows`` [R, n] under the tensor scale ``s`` (one float32): the values,
     or (codes [R, n] uint8, E4M3 scale codes [R * nb] uint8)."""
     r, n = rows.shape
@@ -192,7 +194,7 @@ def nvfp4_blocks(rows: torch.Tensor, s: torch.Tensor, codes: bool):
     return (out, scales) if codes else out
 
 
-def decode(codes: torch.Tensor, table: torch.Tensor, factor: torch.Tensor, rows: int, n: int,
+def _decode(codes: torch.Tensor, table: torch.Tensor, factor: torch.Tensor, rows: int, n: int,
            block: int) -> torch.Tensor:  # fmt: skip
     """Values [rows, n] float32: table[code] * factor[block] for codes [rows * n] (uint8)."""
     out = torch.empty(rows, n, dtype=torch.float32, device=codes.device)
@@ -202,3 +204,56 @@ def decode(codes: torch.Tensor, table: torch.Tensor, factor: torch.Tensor, rows:
     _decode_kernel[grid](codes, table, factor, out, count, n, nb, block, DECODE_BLOCK,
                          num_warps=NUM_WARPS)  # fmt: skip
     return out
+
+
+# ----------------------------------------------------------------------------- as torch ops
+# The launches above as torch custom ops (``dsq::triton_*``) with fake kernels, as dsq/kernels/
+# bfp.py registers its own: the public names call the ops, each with one return type (values, or
+# codes and scale codes).
+
+
+def _codes_fake(rows, n_blocks_of):
+    r, n = rows.shape
+    return (rows.new_empty(r, n, dtype=torch.uint8),
+            rows.new_empty(r * n_blocks_of(n), dtype=torch.uint8))  # fmt: skip
+
+
+_ELEMENT = "int bits, int m, int emin, int emax, float largest, bool integer"
+_mx_values = define(
+    "mx_values", f"(Tensor rows, int block, {_ELEMENT}) -> Tensor",
+    lambda rows, block, *element: _mx_blocks(rows, block, element, codes=False),
+    lambda rows, block, *element: torch.empty_like(rows),
+)  # fmt: skip
+_mx_codes = define(
+    "mx_codes", f"(Tensor rows, int block, {_ELEMENT}) -> (Tensor, Tensor)",
+    lambda rows, block, *element: _mx_blocks(rows, block, element, codes=True),
+    lambda rows, block, *element: _codes_fake(rows, lambda n: -(-n // block)),
+)  # fmt: skip
+_nvfp4_values = define(
+    "nvfp4_values", "(Tensor rows, Tensor s) -> Tensor",
+    lambda rows, s: _nvfp4_blocks(rows, s, codes=False),
+    lambda rows, s: torch.empty_like(rows),
+)  # fmt: skip
+_nvfp4_codes = define(
+    "nvfp4_codes", "(Tensor rows, Tensor s) -> (Tensor, Tensor)",
+    lambda rows, s: _nvfp4_blocks(rows, s, codes=True),
+    lambda rows, s: _codes_fake(rows, lambda n: -(-n // 16)),
+)  # fmt: skip
+decode = define(
+    "mx_decode",
+    "(Tensor codes, Tensor table, Tensor factor, int rows, int n, int block) -> Tensor",
+    _decode,
+    lambda codes, table, factor, rows, n, block: codes.new_empty(rows, n, dtype=torch.float32),
+)
+
+
+def mx_blocks(rows: torch.Tensor, block: int, element: tuple, codes: bool):
+    """`_mx_blocks` through its ops (``dsq::triton_mx_values``, ``dsq::triton_mx_codes``)."""
+    bits, m, emin, emax, largest, integer = element
+    element = (int(bits), int(m), int(emin), int(emax), float(largest), bool(integer))
+    return (_mx_codes if codes else _mx_values)(rows, block, *element)
+
+
+def nvfp4_blocks(rows: torch.Tensor, s: torch.Tensor, codes: bool):
+    """`_nvfp4_blocks` through its ops (``dsq::triton_nvfp4_values``, ``..._codes``)."""
+    return (_nvfp4_codes if codes else _nvfp4_values)(rows, s)
