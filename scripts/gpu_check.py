@@ -32,9 +32,10 @@ if not CUDA:
     os.environ["TRITON_INTERPRET"] = "1"  # before Triton is imported
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from dsq.formats import bfp_reference as ref  # noqa: E402
 from dsq.formats import bfp_triton as tp  # noqa: E402
+from dsq.formats import fixed_reference as rf  # noqa: E402
 from dsq.formats import fixed_triton as tf  # noqa: E402
-from dsq.formats import reference as ref  # noqa: E402
 
 DEVICE = "cuda" if CUDA else "cpu"
 FAILS: list[str] = []
@@ -90,11 +91,11 @@ def check_bfp(name, x, m, E, B, axis, rounding):
 
 
 def check_fixed(name, x, w, f, rounding):
-    want = ref.fixed_static_quantize(x, w, f, rounding, gen(2))
+    want = rf.fixed_static_quantize(x, w, f, rounding, gen(2))
     got = tf.fixed_static_quantize(x, w, f, rounding, gen(2))
     problem = same(got, want)
     if problem is None:
-        ri, rn = ref.fixed_static_pack(x, w, f, rounding, gen(2))
+        ri, rn = rf.fixed_static_pack(x, w, f, rounding, gen(2))
         gi, gn = tf.fixed_static_pack(x, w, f, rounding, gen(2))
         if not torch.equal(gi, ri):
             problem = "integer stream differs"

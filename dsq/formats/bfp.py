@@ -8,12 +8,12 @@ import re
 
 import torch
 
-from . import reference
+from . import bfp_reference as reference
 from .backends import declare_family, kernel_for, register_kernel
 from .base import Format, PackedTensor, check_input, check_int_range, register
 
-# The definition (reference.py) is the family's reference kernels; each backend's are in a module
-# of their own, declared below and imported when that backend first runs the family.
+# The definition (bfp_reference.py) is the family's reference kernels; each backend's are in a
+# module of their own, declared below and imported when that backend first runs the family.
 for _op, _fn in {
     "quantize": reference.bfp_quantize,
     "pack": reference.bfp_pack,

@@ -17,8 +17,8 @@ import torch
 from dsq.kernels import cpu
 
 from . import bfp_compile as compiled
+from . import bfp_reference as ref
 from . import layout
-from . import reference as ref
 from .backend_c import pack_codes as _pack_codes
 from .backends import register_kernel
 

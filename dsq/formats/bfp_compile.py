@@ -32,8 +32,8 @@ import sys
 
 import torch
 
+from . import bfp_reference as ref
 from . import exact, layout
-from . import reference as ref
 from .backend_compile import code_dtype, code_stream, rounded, run, unpack_codes
 from .backends import register_kernel
 

@@ -1,6 +1,6 @@
 """BFP's kernels on the triton backend (backend_triton.py), registered at the end.
 
-Same signatures, semantics and return types as the end of ``reference.py``, bit for bit (values,
+Same signatures, semantics and return types as the end of ``bfp_reference.py``, bit for bit (values,
 -0.0, NaN positions, packed bytes). The kernels live in ``dsq.kernels.bfp``; this module only
 prepares their inputs on the host:
 
@@ -25,7 +25,8 @@ try:
 except Exception:  # triton is optional (backend_triton.py says why it cannot run)
     kernels = None
 
-from . import layout, reference
+from . import bfp_reference as reference
+from . import layout
 from .backend_triton import flat, noise
 from .backends import register_kernel
 

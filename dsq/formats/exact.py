@@ -1,7 +1,7 @@
 """The exact arithmetic every format's definition is written in: rounding (to nearest, and
 stochastic with 24-bit noise), powers of two built from exponent bits, and bit packing. The
-BFP and fixed-point definition (reference.py) and the MX and NVFP4 definitions (mx.py,
-nvfp4.py) import it; it imports nothing of theirs."""
+BFP and fixed-point definitions (bfp_reference.py, fixed_reference.py) and the MX and NVFP4
+definitions (mx.py, nvfp4.py) import it; it imports nothing of theirs."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ mxint8: 8.25).
 
 This module is the family's definition: the reference kernels below are registered under the
 ``reference`` backend; the faster kernels live in ``mx_c.py`` (the C kernels, ``c`` backend) and
-``mx_triton.py`` (``triton``). They work in float64 as reference.py does: x / X and the
+``mx_triton.py`` (``triton``). They work in float64 as bfp_reference.py does: x / X and the
 rounding are exact there, and every result q_i is a float32 number (an element of at most 7
 significant bits times 2^s with s >= -127 lies on float32's grid, subnormals included).
 """

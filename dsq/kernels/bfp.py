@@ -1,6 +1,6 @@
 """Triton kernels for block floating point (BFP), dynamic fixed point and static fixed point.
 
-These kernels implement, bit for bit, the semantics of ``dsq/formats/reference.py`` (SPEC 1,
+These kernels implement, bit for bit, the semantics of ``dsq/formats/bfp_reference.py`` (SPEC 1,
 1.1, 1.2) in float32 arithmetic. This module knows nothing of the formats above it: the host
 glue (``dsq/formats/bfp_triton.py``, ``fixed_triton.py``) converts the input to float32, moves
 the block axis last, makes it contiguous, draws the stochastic-rounding noise and calls the

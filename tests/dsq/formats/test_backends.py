@@ -35,7 +35,7 @@ def test_a_missing_kernel_runs_the_reference_with_one_logged_line(monkeypatch, c
     once, and lists the operation in `missing_kernels`."""
     import logging
 
-    from dsq.formats import reference
+    from dsq.formats import fixed_reference as reference
 
     monkeypatch.delitem(backends._KERNELS, ("compile", "fixed_static", "quantize"))
     backends._log_once.cache_clear()
@@ -71,7 +71,7 @@ def test_the_environment_variable_chooses_and_auto_is_the_default(monkeypatch):
 def test_the_reference_runs_pairs_as_the_two_calls(monkeypatch):
     """The reference fuses nothing: a pair asked of it runs the two calls (its own pair functions
     never run), with the two calls' results."""
-    from dsq.formats import reference
+    from dsq.formats import bfp_reference as reference
 
     def refuse(*args):
         raise AssertionError("the reference ran a fused pair")

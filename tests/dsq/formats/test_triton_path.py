@@ -20,10 +20,11 @@ from helpers.tensors import assert_bitwise_equal  # noqa: E402
 pytest.importorskip("triton")
 
 import dsq.kernels.bfp as kernels  # noqa: E402
+from dsq.formats import bfp_reference as ref  # noqa: E402
 from dsq.formats import bfp_triton as tp  # noqa: E402
 from dsq.formats import exact  # noqa: E402
+from dsq.formats import fixed_reference as rf  # noqa: E402
 from dsq.formats import fixed_triton as tf  # noqa: E402
-from dsq.formats import reference as ref  # noqa: E402
 
 pytestmark = pytest.mark.slow  # trains, compiles or spawns processes (not in make test-fast)
 
@@ -59,10 +60,10 @@ def check_bfp(x, m, E, B, axis=-1, rounding="nearest", seed=0):
 
 
 def check_fixed(x, w, f, rounding="nearest", seed=0):
-    want = ref.fixed_static_quantize(x, w, f, rounding, gen(seed))
+    want = rf.fixed_static_quantize(x, w, f, rounding, gen(seed))
     got = tf.fixed_static_quantize(x, w, f, rounding, gen(seed))
     assert_same(got, want)
-    want_i, want_n = ref.fixed_static_pack(x, w, f, rounding, gen(seed))
+    want_i, want_n = rf.fixed_static_pack(x, w, f, rounding, gen(seed))
     got_i, got_n = tf.fixed_static_pack(x, w, f, rounding, gen(seed))
     assert torch.equal(got_i, want_i), "integer stream differs"
     assert (got_n is None) == (want_n is None)
