@@ -83,6 +83,14 @@ def register_kernel(backend: str, family: str, op: str, fn: Callable | None = No
     return store if fn is None else store(fn)
 
 
+def register_kernels(backend: str, family: str, names: Mapping[str, str], namespace: Mapping):
+    """`register_kernel` for each operation of ``names`` (operation -> function name, the family's
+    one list of its kernels' names) with the function of that name in ``namespace`` (a kernel
+    module's ``globals()``): every backend's kernels of a family share their names."""
+    for op, name in names.items():
+        register_kernel(backend, family, op, namespace[name])
+
+
 def declare_family(family: str, kernel_modules: Mapping[str, str] | None = None) -> None:
     """Declare a format family whose reference kernels are registered (every operation of
     REQUIRED_OPS), and the modules that register its kernels on other backends, by backend

@@ -9,21 +9,12 @@ import re
 import torch
 
 from . import bfp_reference as reference
-from .backends import declare_family, kernel_for, register_kernel
+from .backends import declare_family, kernel_for, register_kernels
 from .base import Format, PackedTensor, check_input, check_int_range, register
 
 # The definition (bfp_reference.py) is the family's reference kernels; each backend's are in a
 # module of their own, declared below and imported when that backend first runs the family.
-for _op, _fn in {
-    "quantize": reference.bfp_quantize,
-    "pack": reference.bfp_pack,
-    "unpack": reference.bfp_unpack,
-    "fusable_quantize_and_pack": reference.fusable_quantize_and_pack,
-    "quantize_and_pack": reference.bfp_quantize_and_pack,
-    "fusable_quantize_chain": reference.fusable_quantize_chain,
-    "quantize_chain": reference.bfp_quantize_chain,
-}.items():
-    register_kernel("reference", "bfp", _op, _fn)
+register_kernels("reference", "bfp", reference.KERNEL_NAMES, vars(reference))
 declare_family("bfp", {
     "compile": "dsq.formats.bfp_compile",
     "c": "dsq.formats.bfp_c",

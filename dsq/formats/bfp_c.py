@@ -20,7 +20,7 @@ from . import bfp_compile as compiled
 from . import bfp_reference as ref
 from . import layout
 from .backend_c import pack_codes as _pack_codes
-from .backends import register_kernel
+from .backends import register_kernels
 
 
 def _c_format(man_bits: int, exp_bits: int, most: int = 23) -> bool:
@@ -176,13 +176,4 @@ def bfp_unpack(mantissas, exponents, man_bits, exp_bits, block, shape, axis, dty
 
 
 # BFP's kernels on the c backend
-for _op, _fn in {
-    "quantize": bfp_quantize,
-    "pack": bfp_pack,
-    "unpack": bfp_unpack,
-    "fusable_quantize_and_pack": fusable_quantize_and_pack,
-    "quantize_and_pack": bfp_quantize_and_pack,
-    "fusable_quantize_chain": fusable_quantize_chain,
-    "quantize_chain": bfp_quantize_chain,
-}.items():
-    register_kernel("c", "bfp", _op, _fn)
+register_kernels("c", "bfp", ref.KERNEL_NAMES, globals())

@@ -35,7 +35,7 @@ import torch
 from . import bfp_reference as ref
 from . import exact, layout
 from .backend_compile import code_dtype, code_stream, rounded, run, unpack_codes
-from .backends import register_kernel
+from .backends import register_kernels
 
 
 def _pow2(k: torch.Tensor) -> torch.Tensor:
@@ -389,13 +389,4 @@ def bfp_unpack(mantissas, exponents, man_bits, exp_bits, block, shape, axis, dty
 
 
 # BFP's kernels on the compile backend (docs/formats.md, "Implementations: the backends")
-for _op, _fn in {
-    "quantize": bfp_quantize,
-    "pack": bfp_pack,
-    "unpack": bfp_unpack,
-    "fusable_quantize_and_pack": fusable_quantize_and_pack,
-    "quantize_and_pack": bfp_quantize_and_pack,
-    "fusable_quantize_chain": fusable_quantize_chain,
-    "quantize_chain": bfp_quantize_chain,
-}.items():
-    register_kernel("compile", "bfp", _op, _fn)
+register_kernels("compile", "bfp", ref.KERNEL_NAMES, globals())

@@ -233,3 +233,16 @@ def bfp_unpack(mantissas, exponents, man_bits, exp_bits, block, shape, axis, dty
     codes = exact.unpack_bits(mantissas, man_bits, numel)
     exps = exact.unpack_bits(exponents, exp_bits, n_exps)
     return bfp_decode(codes, exps, man_bits, exp_bits, block, shape, axis, dtype)
+
+
+# The family's operations and the name of each one's function, in this module as in every
+# backend's module of BFP kernels (backends.register_kernels)
+KERNEL_NAMES = {
+    "quantize": "bfp_quantize",
+    "pack": "bfp_pack",
+    "unpack": "bfp_unpack",
+    "fusable_quantize_and_pack": "fusable_quantize_and_pack",
+    "quantize_and_pack": "bfp_quantize_and_pack",
+    "fusable_quantize_chain": "fusable_quantize_chain",
+    "quantize_chain": "bfp_quantize_chain",
+}

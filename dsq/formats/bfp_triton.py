@@ -28,7 +28,7 @@ except Exception:  # triton is optional (backend_triton.py says why it cannot ru
 from . import bfp_reference as reference
 from . import layout
 from .backend_triton import flat, noise
-from .backends import register_kernel
+from .backends import register_kernels
 
 
 def bfp_quantize(x, man_bits, exp_bits, block, axis, rounding="nearest", generator=None):
@@ -112,13 +112,4 @@ def bfp_quantize_chain(x, first_args, axis, second_args, second_axis):
     return first.reshape(x.shape).to(x.dtype), second.reshape(x.shape).to(x.dtype)
 
 
-for _op, _fn in {
-    "quantize": bfp_quantize,
-    "pack": bfp_pack,
-    "unpack": bfp_unpack,
-    "fusable_quantize_and_pack": fusable_quantize_and_pack,
-    "quantize_and_pack": bfp_quantize_and_pack,
-    "fusable_quantize_chain": fusable_quantize_chain,
-    "quantize_chain": bfp_quantize_chain,
-}.items():
-    register_kernel("triton", "bfp", _op, _fn)
+register_kernels("triton", "bfp", reference.KERNEL_NAMES, globals())

@@ -8,16 +8,11 @@ import re
 import torch
 
 from . import fixed_reference as reference
-from .backends import declare_family, kernel_for, register_kernel
+from .backends import declare_family, kernel_for, register_kernels
 from .base import Format, PackedTensor, check_input, check_int_range, register
 from .bfp import BFP
 
-for _op, _fn in {
-    "quantize": reference.fixed_static_quantize,
-    "pack": reference.fixed_static_pack,
-    "unpack": reference.fixed_static_unpack,
-}.items():
-    register_kernel("reference", "fixed_static", _op, _fn)
+register_kernels("reference", "fixed_static", reference.KERNEL_NAMES, vars(reference))
 declare_family("fixed_static", {
     "compile": "dsq.formats.fixed_compile",
     "c": "dsq.formats.fixed_c",

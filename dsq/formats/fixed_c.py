@@ -6,8 +6,13 @@ backend's choice (not a missing kernel); pack hands them the c backend's bit pac
 from __future__ import annotations
 
 from . import fixed_compile as compiled
+from . import fixed_reference
 from .backend_c import pack_codes
-from .backends import register_kernel
+from .backends import register_kernels
+
+# the compile backend's, the c backend's choice
+fixed_static_quantize = compiled.fixed_static_quantize
+fixed_static_unpack = compiled.fixed_static_unpack
 
 
 def fixed_static_pack(x, width, frac_bits, rounding="nearest", generator=None):
@@ -16,9 +21,4 @@ def fixed_static_pack(x, width, frac_bits, rounding="nearest", generator=None):
     )
 
 
-for _op, _fn in {
-    "quantize": compiled.fixed_static_quantize,
-    "pack": fixed_static_pack,
-    "unpack": compiled.fixed_static_unpack,
-}.items():
-    register_kernel("c", "fixed_static", _op, _fn)
+register_kernels("c", "fixed_static", fixed_reference.KERNEL_NAMES, globals())

@@ -10,9 +10,9 @@ import struct
 
 import torch
 
-from . import exact
+from . import exact, fixed_reference
 from .backend_compile import code_dtype, code_stream, rounded, run, unpack_codes
-from .backends import register_kernel
+from .backends import register_kernels
 
 
 def _fixed_static_fn(x, u, width: int, frac_bits: int):
@@ -85,9 +85,4 @@ def fixed_static_unpack(integers, nan_mask, width, frac_bits, shape, dtype):
 
 
 # static fixed point's kernels on the compile backend
-for _op, _fn in {
-    "quantize": fixed_static_quantize,
-    "pack": fixed_static_pack,
-    "unpack": fixed_static_unpack,
-}.items():
-    register_kernel("compile", "fixed_static", _op, _fn)
+register_kernels("compile", "fixed_static", fixed_reference.KERNEL_NAMES, globals())

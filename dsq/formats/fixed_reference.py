@@ -53,3 +53,12 @@ def fixed_static_unpack(integers, nan_mask, width, frac_bits, shape, dtype):
     if nan_mask is not None:
         values = torch.where(exact.unpack_bits(nan_mask, 1, numel).bool(), math.nan, values)
     return values.reshape(shape).to(torch.float32).to(dtype)
+
+
+# The family's operations and the name of each one's function, in this module as in every
+# backend's module of static fixed-point kernels (backends.register_kernels)
+KERNEL_NAMES = {
+    "quantize": "fixed_static_quantize",
+    "pack": "fixed_static_pack",
+    "unpack": "fixed_static_unpack",
+}

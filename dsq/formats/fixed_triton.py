@@ -12,8 +12,9 @@ try:
 except Exception:  # triton is optional (backend_triton.py says why it cannot run)
     kernels = None
 
+from . import fixed_reference
 from .backend_triton import flat, noise
-from .backends import register_kernel
+from .backends import register_kernels
 
 
 def fixed_static_quantize(x, width, frac_bits, rounding="nearest", generator=None):
@@ -41,9 +42,4 @@ def fixed_static_unpack(integers, nan_mask, width, frac_bits, shape, dtype):
     return out.reshape(shape).to(dtype)
 
 
-for _op, _fn in {
-    "quantize": fixed_static_quantize,
-    "pack": fixed_static_pack,
-    "unpack": fixed_static_unpack,
-}.items():
-    register_kernel("triton", "fixed_static", _op, _fn)
+register_kernels("triton", "fixed_static", fixed_reference.KERNEL_NAMES, globals())
