@@ -151,13 +151,14 @@ register_preset("nvfp4_dsq_stash_nvfp4", QuantSpec("nvfp4", "nvfp4", "mxfp8_e4m3
 
 
 # -- how a run's quant record differs from its preset --------------------------------------------
-def record_quant(quant: Mapping) -> dict:
+def record_quant(quant: Mapping, *, by_library: bool = False) -> dict:
     """A run record's ``quant`` (result.json) as this version writes it: its points and settings
     `upgraded` from the record's ``version`` (a record without one is version 1, written before
     the key existed), and ``modified`` where the record predates it (whether the points differ
-    from the preset's; True for a preset this version does not know). Every reader of a record
-    reads its quant through this."""
-    out = upgraded(quant, quant.get("version", 1))
+    from the preset's; True for a preset this version does not know). ``by_library``: the
+    record was written by the library (the Hugging Face callback) rather than ``dsq train``
+    (`upgraded` says what differs). Every reader of a record reads its quant through this."""
+    out = upgraded(quant, quant.get("version", 1), by_library=by_library)
     if "modified" not in out:
         differences = preset_differences(out)
         out["modified"] = differences is None or bool(differences)

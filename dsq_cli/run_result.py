@@ -128,7 +128,9 @@ class RunResult:
         names = {f.name for f in dataclasses.fields(cls)} - {"evaluation"}
         known = {k: v for k, v in record.items() if k in names}
         evaluation = {k: v for k, v in record.items() if k not in names}
-        known["quant"] = record_quant(known["quant"])  # as this version writes it
+        # as this version writes it; the library's records name transformers among their versions
+        by_library = "transformers" in (record.get("versions") or {})
+        known["quant"] = record_quant(known["quant"], by_library=by_library)
         return cls(**known, evaluation=evaluation)
 
     def write(self, run_dir: Path, *, in_place: bool = False) -> None:

@@ -263,7 +263,7 @@ class QuantSpec:
         return f"QuantSpec({', '.join(fields)})"
 
 
-def upgraded(config: Mapping, version: int) -> dict:
+def upgraded(config: Mapping, version: int, *, by_library: bool = False) -> dict:
     """``config``, a quant mapping written at spec ``version`` (a run record without a
     ``version`` key is version 1), as `SPEC_VERSION` writes the same run: its keys and any
     other keys (a record's ``preset``, ``modified``) kept, ``version`` set. The one place an
@@ -274,7 +274,11 @@ def upgraded(config: Mapping, version: int) -> dict:
     (every quantized GEMM ran in float32 before the units), ``engine`` dsq, ``stash_scope``
     gemm, a point without a ``rounding`` nearest; and ``saved``, under ``stash_scope=all``,
     every kind in the stash (q1) where it is absent (``all`` before its rules), a kind it
-    lacks at that kind's default."""
+    lacks at that kind's default. ``by_library``: the mapping is version 1's ``to_dict`` (the
+    Hugging Face callback's result.json), which left out a setting at its default: ``gemm_unit``
+    auto and ``attention`` tiled (the callback came after the GEMM units; a record it wrote in
+    the day before the tiled kernel ran the explicit path, and reads as tiled: the key was
+    not written either way)."""
     if not isinstance(version, int) or isinstance(version, bool) or version < 1:
         raise ValueError(f"quant version {version!r}: versions are whole numbers from 1")
     if version > SPEC_VERSION:
@@ -284,8 +288,9 @@ def upgraded(config: Mapping, version: int) -> dict:
         )
     out = dict(config)
     if version == 1:
-        for key, before in (("attention", "explicit"), ("gemm_unit", "fp32"),
-                            ("engine", "dsq"), ("stash_scope", "gemm")):  # fmt: skip
+        omitted = (("attention", "tiled"), ("gemm_unit", "auto")) if by_library else (
+            ("attention", "explicit"), ("gemm_unit", "fp32"))  # fmt: skip
+        for key, before in (*omitted, ("engine", "dsq"), ("stash_scope", "gemm")):
             out.setdefault(key, before)
         rounding = dict(out.get("rounding") or {})
         out["rounding"] = {p: rounding.get(p, "nearest") for p in POINTS}

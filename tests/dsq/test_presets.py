@@ -149,6 +149,16 @@ def test_a_version_1_record_reads_as_what_its_run_did():
     assert record_quant(old | {"preset": "no_such_preset"})["modified"] is True
 
 
+def test_a_version_1_record_of_the_library_left_out_its_defaults():
+    """The Hugging Face callback wrote version 1's ``to_dict``, which left out ``gemm_unit`` auto
+    and ``attention`` tiled; ``dsq train`` wrote every key its config had."""
+    written = {k: v for k, v in get_preset("dsq").to_dict().items() if k != "version"}
+    quant = record_quant({"preset": "dsq", **written, "modified": False}, by_library=True)
+    assert (quant["gemm_unit"], quant["attention"]) == ("auto", "tiled")
+    spec = {k: v for k, v in quant.items() if k not in ("preset", "modified")}
+    assert QuantSpec.from_dict(spec) == get_preset("dsq")
+
+
 def test_a_version_1_stash_scope_all_held_every_saved_tensor_in_the_stash():
     """``all`` before its rules held every kind in q1; a record with rules but without a kind
     that came later held that kind at its default."""
