@@ -15,8 +15,10 @@ import torch
 from dsq.kernels import cpu
 
 from . import backend_compile
+from .memo import memo
 
 
+@memo
 def unavailable_reason(device_type: str) -> str | None:
     """Why this backend cannot run tensors of ``device_type`` here (the compile backend's reason,
     as it runs the calls the C kernels do not hold, or why the kernels do not build), or None."""

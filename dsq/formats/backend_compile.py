@@ -23,6 +23,8 @@ import sys
 
 import torch
 
+from .memo import memo
+
 _RECOMPILE_LIMIT = 256  # one compiled variant per format, row length and noise on/off
 
 
@@ -61,7 +63,7 @@ def _word_plan(width: int) -> tuple[int, int] | None:
 
 
 def code_stream(codes: torch.Tensor, width: int) -> torch.Tensor:
-    """Stage 2 of pack, on the host: the byte stream of flat integer ``codes`` (``_code_dtype``).
+    """Stage 2 of pack, on the host: the byte stream of flat integer ``codes`` (`code_dtype`).
 
     Widths 8, 16 and 32 are already the stream (a view, little-endian); other one-byte codes are
     read eight at a time as int64 words (`_pack_bytes_fn`); the others run the compiled byte
@@ -218,8 +220,11 @@ def run(fn, *args, dynamic_dims=()):
 
 
 @functools.cache
+@memo
 def unavailable_reason(device_type: str) -> str | None:
-    """Why this backend cannot run tensors of ``device_type`` here, or None when it can."""
+    """Why this backend cannot run tensors of ``device_type`` here, or None when it can (kept: a
+    backend named by a call or ``DSQ_BACKEND`` is asked at every quantizer call, and the import
+    and compiler search below would break a compiled graph each time)."""
     if device_type != "cpu":
         return f"its kernels are for CPU tensors (got {device_type})"
     try:

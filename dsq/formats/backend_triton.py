@@ -16,8 +16,9 @@ import os
 
 import torch
 
-try:
-    import triton  # noqa: F401
+try:  # the families' kernel modules: one that does not import makes the backend unavailable
+    import dsq.kernels.bfp  # noqa: F401
+    import dsq.kernels.mx  # noqa: F401
 except Exception as err:  # triton is optional, and a broken install can raise anything
     _import_error: Exception | None = err
 else:
@@ -29,7 +30,7 @@ from . import exact
 def unavailable_reason(device_type: str) -> str | None:
     """Why the Triton kernels cannot run tensors of ``device_type`` here, or None when they can."""
     if _import_error is not None:
-        return f"triton is not importable ({_import_error})"
+        return f"the Triton kernels do not import ({_import_error})"
     if device_type == "cuda":
         return None
     if device_type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":

@@ -6,11 +6,15 @@ Four backends exist; each is a module that says where it runs (``unavailable_rea
 =========== ========================= ==========================================================
 name        module                    runs
 =========== ========================= ==========================================================
-reference   ``reference.py``          the definition, readable PyTorch, any device
+reference   ``reference.py``          each family's definition, readable PyTorch, any device
 compile     ``backend_compile.py``    torch.compile-fused kernels, CPU tensors
 c           ``backend_c.py``          the C kernels (torch custom ops ``dsq::*``), CPU tensors
 triton      ``backend_triton.py``     Triton kernels: CUDA tensors (CPU under TRITON_INTERPRET=1)
 =========== ========================= ==========================================================
+
+A backend's module holds no family's kernels: each family's are in modules of its own, one a
+backend (``bfp_compile.py``, ``mx_c.py``, ...; the definitions ``bfp_reference.py``, ``mx.py``),
+named in the family's `declare_family`.
 
 Every backend gives the reference's results bit for bit; they differ in speed only.
 

@@ -762,10 +762,10 @@ def bfp_pack(x, u, n: int, man_bits: int, exp_bits: int, block: int | None):
         num_warps=_warps(8 * gb),
         **_OPTS,
     )
-    return buf[:nbytes], pack_codes(ecodes, exp_bits)
+    return buf[:nbytes], _pack_codes(ecodes, exp_bits)
 
 
-def pack_codes(codes, width: int):
+def _pack_codes(codes, width: int):
     """``pack_bits`` of a 1-D integer tensor (values < 2^width) as a uint8 stream."""
     buf, view, n_units, nbytes = _stream(codes.numel(), width, codes.device)
     gb = PACK_GROUPS
@@ -921,7 +921,7 @@ def bfp_quantize_and_pack(x, q_args, p_args):
         num_warps=_warps(pbp * tk),
         **_OPTS,
     )
-    return out, pack_codes(codes, p_man), pack_codes(ecodes, p_exp)
+    return out, _pack_codes(codes, p_man), _pack_codes(ecodes, p_exp)
 
 
 def _bfp_quantize_chain(x, first_args, second_args):
@@ -992,7 +992,7 @@ _OPS = {
     ),
     "pack_codes": (
         "(Tensor codes, int width) -> Tensor",
-        pack_codes,
+        _pack_codes,
         lambda codes, width: _stream_fake(codes, codes.numel(), width),
     ),
     "bfp_unpack": (

@@ -1,6 +1,6 @@
 /* C kernels for block floating point on the CPU, nearest rounding (docs/formats.md).
  *
- * They compute, bit for bit, what dsq/formats/reference.py defines, for the formats the
+ * They compute, bit for bit, what dsq/formats/bfp_reference.py defines, for the formats the
  * training loop quantizes with every step: BFP(m, E, B) with E <= 8 and 2 <= m <= 23, and
  * fixed<w> (one block spanning the tensor) with w <= 23. bfp_ops.cpp compiles this file as C++
  * (the casts of malloc's result are for C++) and registers each entry point as a torch custom

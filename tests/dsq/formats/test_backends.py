@@ -37,6 +37,7 @@ def test_a_missing_kernel_runs_the_reference_with_one_logged_line(monkeypatch, c
 
     from dsq.formats import fixed_reference as reference
 
+    assert backends.missing_kernels("compile", "fixed_static") == []  # its module loaded
     monkeypatch.delitem(backends._KERNELS, ("compile", "fixed_static", "quantize"))
     backends._log_once.cache_clear()
     x = torch.randn(40, generator=torch.Generator().manual_seed(1))
@@ -122,15 +123,19 @@ def test_a_backend_that_cannot_run_here_is_refused_before_a_run_starts(monkeypat
     assert result.exit_code == 2 and "DSQ_BACKEND=triton cannot run on cpu" in result.output
 
 
-def test_torch_compile_traces_a_stash_round_trip_as_one_graph():
-    """A BFP stash packed and unpacked on the automatic backend (the C kernels here) traces as
-    one graph with eager's values bit for bit: the backend lookups and the C decode's row
-    joining (which reads torch's thread count) break no graph."""
+@pytest.mark.parametrize("backend", [None, "c"])  # compile: its own compiled kernels
+def test_torch_compile_traces_a_stash_round_trip_as_one_graph(backend):
+    """A BFP stash packed and unpacked on the automatic backend (the C kernels here) or a named
+    one traces as one graph with eager's values bit for bit: the backend lookups, a named
+    backend's availability check and the C decode's row joining (which reads torch's thread
+    count) break no graph."""
+    if backend and backends.unavailable_reason(backend, "cpu"):
+        pytest.skip(backends.unavailable_reason(backend, "cpu"))
     fmt = parse_format("bfp4")
     x = torch.randn(64, 48, generator=torch.Generator().manual_seed(0))
 
     def round_trip(x):
-        return fmt.pack(x, axis=-1).unpack()
+        return fmt.pack(x, axis=-1, backend=backend).unpack(backend=backend)
 
     eager = round_trip(x)  # the first call imports the backend; a compiled one only looks it up
     explained = torch._dynamo.explain(round_trip)(x)

@@ -18,7 +18,7 @@ import pytest
 import torch
 from helpers.tensors import assert_bitwise_equal
 
-from dsq.formats import backends, parse_format
+from dsq.formats import backend_c, backends, parse_format
 from dsq.kernels import cpu as c_kernels
 
 pytestmark = pytest.mark.skipif(
@@ -254,6 +254,7 @@ def fresh_loader(monkeypatch, tmp_path):
         c_kernels.library.cache_clear()
         c_kernels.build_failure.cache_clear()
         backends.auto_backend.cache_clear()
+        backend_c.unavailable_reason.cache_clear()
         backends._log_once.cache_clear()
 
     forget()
