@@ -50,11 +50,12 @@ path's, not value for value.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 
 import torch
 
-from dsq.formats import Format, parse_format
+from dsq.formats import Format, backends, parse_format
 
 from . import accounting, units
 from .config import POINTS, QuantConfig
@@ -71,6 +72,8 @@ from .functions import (
 # the elements of one tile's [rows x keys] tensors across its sequences and heads: a few such
 # tensors are alive at once, about 8 MiB each, whatever the batch
 TILE_ELEMENTS = 2**21
+
+log = logging.getLogger(__name__)
 
 
 # -- the definition -----------------------------------------------------------------------------
@@ -460,6 +463,14 @@ def attention_forward(
     scaling multiplies it in place. ``tile_rows`` 0 lets the kernel choose."""
     call = _Call(q0, k0, v0, _points_of(points, noise_seed, q0.device), gemm_unit, scaling, mask,
                  causal, key_padding, dropout, dropout_seed, tile_rows or None)  # fmt: skip
+    triton_kernels = _triton_kernels(call, q0, k0, v0)
+    if triton_kernels is not None:
+        out, amax = triton_kernels.forward(
+            call.scaled(q0, (k0, v0)), k0, v0, mask, key_padding, call.points, scaling,
+            call.causal, call.folded,
+        )  # fmt: skip
+        amax = torch.zeros((), device=q0.device) if amax is None else amax
+        return out, amax.to(torch.float32)
     out = _forward(call, q0, k0, v0)
     amax = call.amax_pd if call.amax_pd is not None else torch.zeros((), device=q0.device)
     return out, amax.to(torch.float32)
@@ -486,6 +497,15 @@ def attention_backward(
     call = _Call(q0, k0, v1, _points_of(points, noise_seed, q0.device), gemm_unit, scaling, mask,
                  causal, key_padding, dropout, dropout_seed, tile_rows or None)  # fmt: skip
     call.amax_pd = None if amax_pd is None else amax_pd.to(q0.dtype)
+    triton_kernels = _triton_kernels(call, q0, k0, v1)
+    if triton_kernels is not None:
+        f2, f3 = call.points[2], call.points[3]
+        g_out, g2_out = f3.quantize_chain(d_out.contiguous(), -2, f2, -1)
+        keep = (d_out, g_out, k0, q1, k1, v1)
+        return triton_kernels.backward(
+            g_out, call.scaled(g2_out, keep), call.scaled(q0, keep), k0, q1, k1, v1,
+            call.amax_pd, mask, key_padding, call.points, scaling, call.causal, call.folded,
+        )  # fmt: skip
     return _backward(call, d_out.contiguous(), q0, k0, q1, k1, v1)
 
 
@@ -494,6 +514,27 @@ def _attention_backward_fake(d_out, q0, k0, q1, k1, v1, *_):
     b, kv_heads, m, d = k0.shape
     dk = q0.new_empty(b, kv_heads, d, m).transpose(-1, -2)
     return torch.empty_like(q0), dk, q0.new_empty(b, kv_heads, m, v1.shape[-1])
+
+
+@functools.cache
+def _log_once(message: str) -> None:
+    log.warning(message)  # the run is slower, not different
+
+
+def _triton_kernels(call: _Call, q0, k0, v0):
+    """The Triton kernels' host module (``attention_triton.py``) where the formats' quantizers
+    run ``q0`` on the triton backend and the kernels hold this call, else None: the torch
+    kernel runs, and a line logged once says why where the backend is triton."""
+    if backends.backend_name(q0) != "triton":
+        return None
+    from . import attention_triton
+
+    reason = attention_triton.unsupported_reason(q0, k0, v0, call.points, call.dropout)
+    if reason is not None:
+        _log_once(f"dsq: attention runs its torch kernel on the triton backend here: the Triton "
+                  f"kernels do not hold {reason}")  # fmt: skip
+        return None
+    return attention_triton
 
 
 def _owned(x: torch.Tensor, others) -> torch.Tensor:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.attention import MASKS, cfg_of, inputs, mask_keywords
 
 from dsq.engine import QuantConfig
 from dsq.engine.attention import (
@@ -29,42 +30,11 @@ from dsq.presets import get_preset
 # a preset of each family: BFP with fixed16 gradients (a whole-tensor scale at q3), MX, NVFP4
 # (a whole-tensor scale at q0 and in the stash), fixed16 everywhere, and fp32
 PRESETS = ("dsq", "mx_dsq", "nvfp4_dsq", "fixed16", "fp32")
-MASKS = ("causal", "boolean", "additive", "none", "padding")
 
 
 def close(actual, expected):
     scale = expected.abs().max().clamp_min(1e-30)
     assert ((actual - expected).abs().max() / scale).item() <= 1e-5
-
-
-def cfg_of(preset: str, **changes) -> QuantConfig:
-    return QuantConfig.from_dict(get_preset(preset).to_dict() | changes)
-
-
-def inputs(b=2, heads=4, kv_heads=2, n=75, m=75, d=16, e=16, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, heads, n, d, generator=g).requires_grad_()
-    k = torch.randn(b, kv_heads, m, d, generator=g).requires_grad_()
-    v = torch.randn(b, kv_heads, m, e, generator=g).requires_grad_()
-    return q, k, v, torch.randn(b, heads, n, e, generator=g)
-
-
-def mask_keywords(kind: str, b: int, n: int, m: int) -> dict:
-    g = torch.Generator().manual_seed(1)
-    if kind == "causal":
-        return {"causal": True}
-    if kind == "boolean":  # a padded batch, and a query row that attends to nothing
-        keep = torch.rand(b, 1, n, m, generator=g) > 0.3
-        keep[0, 0, 3] = False
-        return {"mask": keep}
-    if kind == "additive":
-        return {"mask": torch.randn(b, 1, n, m, generator=g)}
-    if kind == "padding":  # fairseq's pair: an additive causal mask and padded keys
-        future = torch.triu(torch.full((n, m), -torch.inf), 1)
-        padded = torch.zeros(b, m, dtype=torch.bool)
-        padded[0, -5:] = True
-        return {"mask": future, "key_padding": padded}
-    return {}
 
 
 def both(preset, kind, n=75, m=75, heads=4, kv_heads=2, tile_rows=32, scaling=0.25):
