@@ -343,7 +343,7 @@ def training_step() -> None:
 
 def attention(repeats: int) -> None:
     """Tiled attention (docs/dsq.md, "Attention in tiles") on the GPU: equal to the explicit path
-    to float32 summation order (dsq and nvfp4_dsq, causal, grouped-query), then forward plus
+    to float32 summation order (dsq, mx_dsq and nvfp4_dsq, causal, grouped-query), then forward plus
     backward time and the allocator's peak against the explicit path and SDPA under bf16
     autocast, a Llama-style layer's attention (8 heads, 4 key/value heads of 64), 4 sequences."""
     from dsq.engine import QuantConfig
@@ -355,16 +355,22 @@ def attention(repeats: int) -> None:
         t = [torch.randn(s, device=DEVICE, generator=g) for s in shapes]
         return [x.requires_grad_() for x in t[:3]] + [t[3]]
 
-    for preset in ("dsq", "nvfp4_dsq"):
+    # dsq and mx_dsq run the Triton kernels (dsq/kernels/attention.py), nvfp4_dsq the torch
+    # kernel; their tolerance is tests/dsq/kernels/test_attention_triton.py's: within 1e-4 of the
+    # largest value but in at most 1% of the values (a value moved by one quantum), within 1e-2
+    for preset in ("dsq", "mx_dsq", "nvfp4_dsq"):
         cfg = QuantConfig.from_preset(preset)
         q, k, v, d_out = inputs(200, b=2)
         want, _ = explicit_attention(q, k, v, cfg, scaling=0.125, causal=True)
         got = dsq_attention(q, k, v, cfg, scaling=0.125, causal=True, tile_rows=64)
         pairs = zip((got, *torch.autograd.grad(got, (q, k, v), d_out)),
                     (want, *torch.autograd.grad(want, (q, k, v), d_out)))  # fmt: skip
-        worst = max(float((a - b).abs().max() / b.abs().max()) for a, b in pairs)
-        report(f"attention tiled = explicit, {preset} (worst {worst:.1e} of the largest)",
-               None if worst <= 1e-5 else "beyond float32 summation order")  # fmt: skip
+        errors = [(a - b).abs() / b.abs().max() for a, b in pairs]
+        worst = max(float(e.max()) for e in errors)
+        moved = max(float((e > 1e-4).float().mean()) for e in errors)
+        problem = None if worst <= 1e-2 and moved <= 0.01 else "beyond one quantum's moves"
+        report(f"attention tiled = explicit, {preset} (worst {worst:.1e} of the largest, "
+               f"{moved:.2%} beyond 1e-4)", problem)  # fmt: skip
     from dsq_cli.bench import attention as attention_bench
 
     print()
