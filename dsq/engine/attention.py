@@ -527,7 +527,7 @@ def _triton_kernels(call: _Call, q0, k0, v0):
     kernel runs, and a line logged once says why where the backend is triton."""
     if backends.backend_name(q0) != "triton":
         return None
-    from . import attention_triton
+    from dsq.formats import attention_triton
 
     reason = attention_triton.unsupported_reason(q0, k0, v0, call.points, call.dropout)
     if reason is not None:

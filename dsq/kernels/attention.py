@@ -23,7 +23,7 @@ BFP, ``B`` 0 for one block spanning the tensor, whose exponent comes from ``gbit
 bits of the tensor's largest magnitude; 2: MX), and the family's widths. Every quantizer here
 rounds to nearest (even), as the formats' own Triton kernels (`dsq.kernels.bfp`, `dsq.kernels.mx`)
 do, whose device helpers these call. The host's choice of what runs here is in
-``dsq/engine/attention_triton.py``.
+``dsq/formats/attention_triton.py``.
 """
 
 from __future__ import annotations
@@ -87,15 +87,21 @@ def _quant(x, gbits, R: tl.constexpr, C: tl.constexpr, ALONG_ROWS: tl.constexpr,
 
 # ============================================================================ one tile's values
 @triton.jit
+def _load_keys(ptr, b, hk, keys, M, KVH, C: tl.constexpr):
+    """Keys ``keys`` of head ``hk`` of a contiguous [B, KVH, M, C] tensor, zeros past M."""
+    cc = tl.arange(0, C)
+    return tl.load(ptr + ((b * KVH + hk) * M + keys[:, None]) * C + cc[None, :],
+                   mask=(keys < M)[:, None], other=0.0)  # fmt: skip
+
+
+@triton.jit
 def _scores(q, k_ptr, b, h, hk, rows, keys, N, M, H, KVH, scaling, MASK, ms_b, ms_h, ms_n, ms_m,
             KP, D: tl.constexpr, MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr,
             HAS_KP: tl.constexpr, FOLDED: tl.constexpr):  # fmt: skip
     """(S, allowed) of a tile [BM, BN]: ``q`` the rows' q0(Q) [BM, D] (scaled where FOLDED),
     keys from ``k_ptr`` (q0(K), [B, KVH, M, D] contiguous); forbidden places -inf in S."""
-    dd = tl.arange(0, D)
     kmask = keys < M
-    k = tl.load(k_ptr + ((b * KVH + hk) * M + keys[:, None]) * D + dd[None, :],
-                mask=kmask[:, None], other=0.0)  # fmt: skip
+    k = _load_keys(k_ptr, b, hk, keys, M, KVH, D)
     s = tl.dot(q, tl.trans(k), input_precision="ieee")
     if not FOLDED:
         s = s * scaling
@@ -197,8 +203,7 @@ def _forward_kernel(Q, K, V, O, PART, G0, MASK, ms_b, ms_h, ms_n, ms_m, KP, N, M
             most = tl.maximum(most, tl.max(_abs_bits(p), axis=1))
         else:
             p0 = _quant(p, gbits, BM, BN, False, F0, B0, M0, EMIN0, EMAX0, MAXN0, INT0)
-            v = tl.load(V + ((b * KVH + hk) * M + keys[:, None]) * E + ee[None, :],
-                        mask=(keys < M)[:, None], other=0.0)  # fmt: skip
+            v = _load_keys(V, b, hk, keys, M, KVH, E)
             acc += tl.dot(p0, v, input_precision="ieee")
     if AMAX:
         tl.store(PART + bh * tl.num_programs(0) + pid, tl.max(most, axis=0))
@@ -213,9 +218,7 @@ def _score_grads(s, allowed, m, lsum, empty, D_row, go2, v1_ptr, b, hk, keys, M,
     """(P, dZ) of a tile: dPd = q2(g_O) q1(V)^T, dS = P (dPd - D), dZ = dS * scaling (folded:
     the scaling is in q2(g_O) already)."""
     p = _probs(s, m, lsum, empty)
-    ee = tl.arange(0, E)
-    v = tl.load(v1_ptr + ((b * KVH + hk) * M + keys[:, None]) * E + ee[None, :],
-                mask=(keys < M)[:, None], other=0.0)  # fmt: skip
+    v = _load_keys(v1_ptr, b, hk, keys, M, KVH, E)
     dp = tl.dot(go2, tl.trans(v), input_precision="ieee")
     dp = tl.where(allowed & ~empty[:, None], dp, 0.0)
     ds = p * (dp - D_row[:, None])
@@ -248,15 +251,13 @@ def _rows_kernel(Q, K, V1, GO2, K1, STATS, PART, DQ, G2, G3, MASK, ms_b, ms_h, m
                                          ms_h, ms_n, ms_m, KP, key_end, BM, BN, D, MASK_KIND,
                                          CAUSAL, HAS_KP, FOLDED)  # fmt: skip
         total = tl.zeros([BM], tl.float32)
-        ee = tl.arange(0, E)
         for start in range(0, key_end, BN):
             keys = start + tl.arange(0, BN)
             s, allowed = _scores(q, K, b, h, hk, rows, keys, N, M, H, KVH, scaling, MASK, ms_b,
                                  ms_h, ms_n, ms_m, KP, D, MASK_KIND, CAUSAL, HAS_KP,
                                  FOLDED)  # fmt: skip
             p = _probs(s, m, lsum, empty)
-            v = tl.load(V1 + ((b * KVH + hk) * M + keys[:, None]) * E + ee[None, :],
-                        mask=(keys < M)[:, None], other=0.0)  # fmt: skip
+            v = _load_keys(V1, b, hk, keys, M, KVH, E)
             dp = tl.dot(go2, tl.trans(v), input_precision="ieee")
             total += tl.sum(p * tl.where(allowed, dp, 0.0), axis=1)
         inside = rows < N
@@ -289,8 +290,7 @@ def _rows_kernel(Q, K, V1, GO2, K1, STATS, PART, DQ, G2, G3, MASK, ms_b, ms_h, m
                     most = tl.maximum(most, tl.max(_abs_bits(g), axis=1))
                 else:
                     gq = _quant(g, g2, BM, BN, False, F2, B2, M2, EMIN2, EMAX2, MAXN2, INT2)
-                    k = tl.load(K1 + ((b * KVH + hk) * M + keys[:, None]) * D + dd[None, :],
-                                mask=(keys < M)[:, None], other=0.0)  # fmt: skip
+                    k = _load_keys(K1, b, hk, keys, M, KVH, D)
                     dq += tl.dot(gq, k, input_precision="ieee")
         if MODE == 3:
             tl.store(DQ + (bh * N + rows[:, None]) * D + dd[None, :], dq,

@@ -1,5 +1,6 @@
 """The tiled attention's two passes on the triton backend (docs/dsq.md, "Attention in tiles"):
-the host side of ``dsq/kernels/attention.py``.
+the host glue of ``dsq/kernels/attention.py``, as ``compute.py`` is the GEMM kernels' (the engine
+reaches the kernels only through formats).
 
 `attention.attention_forward` and `attention.attention_backward` run these where the formats'
 quantizers run on the triton backend (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``
@@ -18,9 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from dsq.formats import Format
-
-from .functions import _Point
+from .base import Format
 
 # rows of a query tile and keys of a key tile: multiples of every block the kernels take
 TILE = 64
@@ -28,9 +27,9 @@ TILE = 64
 
 def point_constants(fmt: Format) -> tuple | None:
     """A point's constexprs for the kernels (family, block, widths), or None where they lack it."""
-    from dsq.formats.bfp import BFP
-    from dsq.formats.floats import FP32
-    from dsq.formats.mx import MX
+    from .bfp import BFP
+    from .floats import FP32
+    from .mx import MX
 
     if isinstance(fmt, FP32):
         return (0, 0, 0, 0, 0, 0.0, False)
@@ -52,8 +51,9 @@ def _named(prefix: str, constants: tuple) -> dict:
     return {f"{name}{prefix}": value for name, value in zip(names, constants, strict=True)}
 
 
-def unsupported_reason(q0, k0, v0, points: tuple[_Point, ...], dropout: float) -> str | None:
-    """What the Triton kernels lack for this call, or None when they run it."""
+def unsupported_reason(q0, k0, v0, points: tuple, dropout: float) -> str | None:
+    """What the Triton kernels lack for this call, or None when they run it; ``points`` are
+    q0..q3 as the engine's calls hold them (each with ``fmt`` and ``rounding``)."""
     if dropout > 0:
         return "dropout"
     if any(t.dtype != torch.float32 for t in (q0, k0, v0)):
@@ -69,7 +69,7 @@ def unsupported_reason(q0, k0, v0, points: tuple[_Point, ...], dropout: float) -
     return None
 
 
-def _whole(point: _Point) -> bool:
+def _whole(point) -> bool:
     return point.fmt.whole_tensor_scale
 
 
