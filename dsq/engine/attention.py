@@ -469,6 +469,7 @@ def attention_forward(
             call.scaled(q0, (k0, v0)), k0, v0, mask, key_padding, call.points, scaling,
             call.causal, call.folded,
         )  # fmt: skip
+        units.count("matmul.forward", "fp32", 2)  # S and O, in float32 whatever the plans say
         amax = torch.zeros((), device=q0.device) if amax is None else amax
         return out, amax.to(torch.float32)
     out = _forward(call, q0, k0, v0)
@@ -497,8 +498,10 @@ def attention_backward(
     call = _Call(q0, k0, v1, _points_of(points, noise_seed, q0.device), gemm_unit, scaling, mask,
                  causal, key_padding, dropout, dropout_seed, tile_rows or None)  # fmt: skip
     call.amax_pd = None if amax_pd is None else amax_pd.to(q0.dtype)
-    triton_kernels = _triton_kernels(call, q0, k0, v1)
+    triton_kernels = _triton_kernels(call, q0, k0, v1, d_out, q1, k1)
     if triton_kernels is not None:
+        units.count("matmul.da", "fp32", 2)  # dPd and dQ, in float32 as the forward's
+        units.count("matmul.db", "fp32", 2)  # dV and dK
         f2, f3 = call.points[2], call.points[3]
         g_out, g2_out = f3.quantize_chain(d_out.contiguous(), -2, f2, -1)
         keep = (d_out, g_out, k0, q1, k1, v1)
@@ -521,7 +524,7 @@ def _log_once(message: str) -> None:
     log.warning(message)  # the run is slower, not different
 
 
-def _triton_kernels(call: _Call, q0, k0, v0):
+def _triton_kernels(call: _Call, q0, k0, v0, *others):
     """The Triton kernels' host module (``attention_triton.py``) where the formats' quantizers
     run ``q0`` on the triton backend and the kernels hold this call, else None: the torch
     kernel runs, and a line logged once says why where the backend is triton."""
@@ -529,7 +532,7 @@ def _triton_kernels(call: _Call, q0, k0, v0):
         return None
     from dsq.formats import attention_triton
 
-    reason = attention_triton.unsupported_reason(q0, k0, v0, call.points, call.dropout)
+    reason = attention_triton.unsupported_reason(q0, k0, v0, call.points, call.dropout, *others)
     if reason is not None:
         _log_once(f"dsq: attention runs its torch kernel on the triton backend here: the Triton "
                   f"kernels do not hold {reason}")  # fmt: skip

@@ -195,6 +195,12 @@ def negated(counts: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
     return {kind: {unit: -n for unit, n in units.items()} for kind, units in counts.items()}
 
 
+def count(kind: str, unit: str, calls: int = 1) -> None:
+    """Count ``calls`` GEMMs of ``kind`` run on ``unit`` by a kernel of its own (the tiled
+    attention's Triton kernels, whose GEMMs are float32), as `gemm` counts its calls."""
+    _TALLY[(kind, unit)] += calls
+
+
 # -- running a GEMM -----------------------------------------------------------------------------
 def gemm(a: torch.Tensor, b: torch.Tensor, how: GemmPlan, kind: str, bias=None) -> torch.Tensor:
     """``a @ b`` (+ ``bias``) in float32, on the unit of ``how`` when every value passes the

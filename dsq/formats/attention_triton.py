@@ -24,6 +24,9 @@ from .base import Format
 # rows of a query tile and keys of a key tile: multiples of every block the kernels take
 TILE = 64
 
+# launch options: no fused multiply-add (a product and a sum each rounded, as torch's)
+_OPTS = {"enable_fp_fusion": False}
+
 
 def point_constants(fmt: Format) -> tuple | None:
     """A point's constexprs for the kernels (family, block, widths), or None where they lack it."""
@@ -51,16 +54,23 @@ def _named(prefix: str, constants: tuple) -> dict:
     return {f"{name}{prefix}": value for name, value in zip(names, constants, strict=True)}
 
 
-def unsupported_reason(q0, k0, v0, points: tuple, dropout: float) -> str | None:
+def unsupported_reason(q0, k0, v0, points: tuple, dropout: float, *others) -> str | None:
     """What the Triton kernels lack for this call, or None when they run it; ``points`` are
-    q0..q3 as the engine's calls hold them (each with ``fmt`` and ``rounding``)."""
+    q0..q3 as the engine's calls hold them (each with ``fmt`` and ``rounding``), ``others`` the
+    backward pass's other tensors."""
     if dropout > 0:
         return "dropout"
-    if any(t.dtype != torch.float32 for t in (q0, k0, v0)):
-        return f"inputs in {q0.dtype}"
+    for t in (q0, k0, v0, *others):
+        if t.dtype != torch.float32:
+            return f"inputs in {t.dtype}"
     for width in (q0.shape[-1], v0.shape[-1]):
-        if width < 16 or width & (width - 1):
-            return f"heads of width {width}"
+        if width < 16 or width > 128 or width & (width - 1):  # wider: a tile's registers spill
+            return f"heads of width {width} (they take 16, 32, 64 or 128)"
+    b, heads, n, _ = q0.shape
+    largest = max(b * heads * n * max(q0.shape[-1], v0.shape[-1]), b * heads * n * k0.shape[2],
+                  *(t.numel() for t in (k0, v0)))  # fmt: skip
+    if largest >= 2**31:  # their offsets are int32
+        return f"a tensor of {largest} elements (at most 2^31 - 1)"
     for i, point in enumerate(points):
         if point_constants(point.fmt) is None:
             return f"q{i}'s format {point.fmt.spec}"
@@ -121,13 +131,13 @@ def forward(q0, k0, v0, mask, key_padding, points, scaling: float, causal: bool,
     amax = None
     if _whole(points[0]) or _whole(points[1]):
         parts = torch.zeros(b * heads * q_tiles, dtype=torch.int32, device=q0.device)
-        _forward_kernel[(q_tiles, b * heads)](q0, k0, v0, q0, parts, parts, *args, D=d, E=e,
-                                              AMAX=True, **flags, **f0)  # fmt: skip
+        _forward_kernel[(b * heads, q_tiles)](q0, k0, v0, q0, parts, parts, *args, D=d, E=e,
+                                              AMAX=True, **flags, **f0, **_OPTS)  # fmt: skip
         amax = parts.amax().reshape(1).view(torch.float32).reshape(())
     out = q0.new_empty(b, heads, n, e)
     g0 = _bits(amax if _whole(points[0]) else None, q0.device)
-    _forward_kernel[(q_tiles, b * heads)](q0, k0, v0, out, g0, g0, *args, D=d, E=e, AMAX=False,
-                                          **flags, **f0)  # fmt: skip
+    _forward_kernel[(b * heads, q_tiles)](q0, k0, v0, out, g0, g0, *args, D=d, E=e, AMAX=False,
+                                          **flags, **f0, **_OPTS)  # fmt: skip
     return out, amax
 
 
@@ -147,11 +157,11 @@ def backward(g_out, g2_out, q0, k0, q1, k1, v1, amax_pd, mask, key_padding, poin
     parts = torch.zeros(b * heads * q_tiles, dtype=torch.int32, device=q0.device)
     dq = torch.empty_like(q0)
     zero = _bits(None, q0.device)
-    grid = (q_tiles, b * heads)
+    grid = (b * heads, q_tiles)
 
     def rows(mode, g2, g3):
         _rows_kernel[grid](q0, k0, v1, g2_out, k1, stats, parts, dq, g2, g3, *args, D=d, E=e,
-                           MODE=mode, **flags, **f2, **f3)  # fmt: skip
+                           MODE=mode, **flags, **f2, **f3, **_OPTS)  # fmt: skip
         return parts.amax().reshape(1)
 
     rows(0, zero, zero)
@@ -161,6 +171,8 @@ def backward(g_out, g2_out, q0, k0, q1, k1, v1, amax_pd, mask, key_padding, poin
     dk_t = k0.new_empty(b, kv_heads, d, m)
     dv = k0.new_empty(b, kv_heads, m, e)
     g1 = _bits(amax_pd if _whole(points[1]) else None, q0.device)
-    _keys_kernel[(k_tiles, b * kv_heads)](q0, k0, v1, g_out, g2_out, q1, stats, dk_t, dv, g1, g3,
-                                          *args, D=d, E=e, **flags, **f1, **f3)  # fmt: skip
+    _keys_kernel[(b * kv_heads, k_tiles)](
+        q0, k0, v1, g_out, g2_out, q1, stats, dk_t, dv, g1, g3, *args, D=d, E=e, **flags, **f1,
+        **f3, **_OPTS,
+    )  # fmt: skip
     return dq, dk_t.transpose(-1, -2), dv

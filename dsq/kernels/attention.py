@@ -147,9 +147,16 @@ def _row_stats_walk(q, k_ptr, b, h, hk, rows, N, M, H, KVH, scaling, MASK, ms_b,
 
 
 @triton.jit
+def _finite_bits(x):
+    """|x|'s bits where finite, else 0: a whole-tensor scale takes the largest finite magnitude."""
+    bits = _abs_bits(x)
+    return tl.where(bits < 0x7F800000, bits, 0)
+
+
+@triton.jit
 def _probs(s, m, lsum, empty):
     """P of a tile from its scores and its rows' statistics; 0 in a row with nothing allowed."""
-    p = tl.exp(s - m[:, None]) / lsum[:, None]
+    p = tl.math.div_rn(tl.exp(s - m[:, None]), lsum[:, None])
     return tl.where(empty[:, None], 0.0, p)
 
 
@@ -179,7 +186,7 @@ def _forward_kernel(Q, K, V, O, PART, G0, MASK, ms_b, ms_h, ms_n, ms_m, KP, N, M
                     HAS_KP: tl.constexpr, FOLDED: tl.constexpr, AMAX: tl.constexpr,
                     F0: tl.constexpr, B0: tl.constexpr, M0: tl.constexpr, EMIN0: tl.constexpr,
                     EMAX0: tl.constexpr, MAXN0: tl.constexpr, INT0: tl.constexpr):  # fmt: skip
-    pid, bh = tl.program_id(0), tl.program_id(1)
+    bh, pid = tl.program_id(0), tl.program_id(1)  # heads on axis 0: no 65,535 limit
     b, h = bh // H, bh % H
     hk = h // (H // KVH)
     rows = pid * BM + tl.arange(0, BM)
@@ -200,13 +207,13 @@ def _forward_kernel(Q, K, V, O, PART, G0, MASK, ms_b, ms_h, ms_n, ms_m, KP, N, M
                        ms_n, ms_m, KP, D, MASK_KIND, CAUSAL, HAS_KP, FOLDED)  # fmt: skip
         p = _probs(s, m, lsum, empty)
         if AMAX:
-            most = tl.maximum(most, tl.max(_abs_bits(p), axis=1))
+            most = tl.maximum(most, tl.max(_finite_bits(p), axis=1))
         else:
             p0 = _quant(p, gbits, BM, BN, False, F0, B0, M0, EMIN0, EMAX0, MAXN0, INT0)
             v = _load_keys(V, b, hk, keys, M, KVH, E)
             acc += tl.dot(p0, v, input_precision="ieee")
     if AMAX:
-        tl.store(PART + bh * tl.num_programs(0) + pid, tl.max(most, axis=0))
+        tl.store(PART + bh * tl.num_programs(1) + pid, tl.max(most, axis=0))
     else:
         tl.store(O + (bh * N + rows[:, None]) * E + ee[None, :], acc, mask=(rows < N)[:, None])
 
@@ -238,7 +245,7 @@ def _rows_kernel(Q, K, V1, GO2, K1, STATS, PART, DQ, G2, G3, MASK, ms_b, ms_h, m
                  EMAX3: tl.constexpr, MAXN3: tl.constexpr, INT3: tl.constexpr):  # fmt: skip
     """MODE 0: the rows' statistics (m, l, D; empty rows l = 0) into STATS [B*H, 3, N];
     1: the largest |dZ| and 2: the largest |q3(dZ)| of the program into PART; 3: dQ."""
-    pid, bh = tl.program_id(0), tl.program_id(1)
+    bh, pid = tl.program_id(0), tl.program_id(1)  # heads on axis 0: no 65,535 limit
     b, h = bh // H, bh % H
     hk = h // (H // KVH)
     rows = pid * BM + tl.arange(0, BM)
@@ -283,11 +290,11 @@ def _rows_kernel(Q, K, V1, GO2, K1, STATS, PART, DQ, G2, G3, MASK, ms_b, ms_h, m
             _, _, dz = _score_grads(s, allowed, m, lsum, empty, D_row, go2, V1, b, hk, keys, M,
                                     KVH, scaling, E, FOLDED)  # fmt: skip
             if MODE == 1:
-                most = tl.maximum(most, tl.max(_abs_bits(dz), axis=1))
+                most = tl.maximum(most, tl.max(_finite_bits(dz), axis=1))
             else:
                 g = _quant(dz, g3, BM, BN, True, F3, B3, M3, EMIN3, EMAX3, MAXN3, INT3)
                 if MODE == 2:
-                    most = tl.maximum(most, tl.max(_abs_bits(g), axis=1))
+                    most = tl.maximum(most, tl.max(_finite_bits(g), axis=1))
                 else:
                     gq = _quant(g, g2, BM, BN, False, F2, B2, M2, EMIN2, EMAX2, MAXN2, INT2)
                     k = _load_keys(K1, b, hk, keys, M, KVH, D)
@@ -296,7 +303,7 @@ def _rows_kernel(Q, K, V1, GO2, K1, STATS, PART, DQ, G2, G3, MASK, ms_b, ms_h, m
             tl.store(DQ + (bh * N + rows[:, None]) * D + dd[None, :], dq,
                      mask=(rows < N)[:, None])  # fmt: skip
         else:
-            tl.store(PART + bh * tl.num_programs(0) + pid, tl.max(most, axis=0))
+            tl.store(PART + bh * tl.num_programs(1) + pid, tl.max(most, axis=0))
 
 
 @triton.jit
@@ -310,7 +317,7 @@ def _keys_kernel(Q, K, V1, GO, GO2, Q1, STATS, DK, DV, G1, G3, MASK, ms_b, ms_h,
                  EMAX3: tl.constexpr, MAXN3: tl.constexpr, INT3: tl.constexpr):  # fmt: skip
     """dK (into DK as [B, KVH, D, M]) and dV of one key/value head's BN keys, over every query
     tile of its group."""
-    pid, bhk = tl.program_id(0), tl.program_id(1)
+    bhk, pid = tl.program_id(0), tl.program_id(1)
     b, hk = bhk // KVH, bhk % KVH
     rep = H // KVH
     keys = pid * BN + tl.arange(0, BN)

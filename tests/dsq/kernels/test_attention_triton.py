@@ -39,10 +39,10 @@ def attention_and_grads(preset, keywords, shape, **changes):
     return (out, *torch.autograd.grad(out, (q, k, v), d_out))
 
 
-def on_both(monkeypatch, preset, kind, **shape):
+def on_both(monkeypatch, preset, kind, scaling=0.25, **shape):
     """(the Triton kernels' output and gradients, the torch kernel's)."""
     n, m = shape.get("n", 75), shape.get("m", 75)
-    keywords = mask_keywords(kind, 2, n, m) | {"scaling": 0.25}
+    keywords = mask_keywords(kind, 2, n, m) | {"scaling": scaling}
     monkeypatch.setenv("DSQ_BACKEND", "triton")
     got = attention_and_grads(preset, keywords, shape)
     monkeypatch.delenv("DSQ_BACKEND")
@@ -73,6 +73,23 @@ def test_odd_lengths_and_groups(monkeypatch, preset, n, m, heads, kv_heads):
     """Tiles that end past the sequence, keys fewer than a block, a group of four query heads."""
     got, want = on_both(monkeypatch, preset, "boolean", n=n, m=m, heads=heads, kv_heads=kv_heads)
     assert_close(got, want)
+
+
+@pytest.mark.parametrize("kind", ["additive", "padding"])
+def test_a_scaling_that_is_not_a_power_of_two_and_wider_heads(monkeypatch, kind):
+    """Heads of 32 at their default scaling 32^-0.5: the scores and their gradients are scaled
+    tile by tile, not folded into an operand."""
+    got, want = on_both(monkeypatch, "dsq", kind, scaling=None, n=50, m=50, d=32, e=32)
+    assert_close(got, want)
+
+
+def test_their_gemms_are_counted_as_float32(monkeypatch):
+    from dsq.engine import units
+
+    before = units.tally()
+    on_both(monkeypatch, "dsq", "causal", n=40, m=40)
+    ran = units.merge_tallies(units.tally(), units.negated(before))
+    assert ran["matmul.forward"]["fp32"] >= 2 and ran["matmul.da"]["fp32"] >= 2
 
 
 def test_the_causal_rule_and_a_tile_of_keys_past_the_queries(monkeypatch):
