@@ -11,8 +11,8 @@ same quantized values but where a float32 sum's order moves one across a roundin
 
 What the kernels do not hold, and the torch kernel does: stochastic rounding at a point that
 quantizes inside them (q0 of ``Pd``, q1, q2, q3), dropout, NVFP4 and static fixed point inside
-them, inputs other than float32, heads whose width is not a power of two of at least 16, and
-blocks that do not divide a tile.
+them, inputs other than float32, heads other than 16, 32, 64 or 128 values wide, tensors of
+2^31 elements or more, and blocks that do not divide a tile.
 """
 
 from __future__ import annotations
@@ -107,15 +107,13 @@ def _bits(amax: torch.Tensor | None, device) -> torch.Tensor:
 
 
 def _common(q0, k0, mask, key_padding, scaling, causal, folded):
-    from dsq.kernels.attention import triton
-
     b, heads, n, d = q0.shape
     kv_heads, m = k0.shape[1], k0.shape[2]
     kind, tensor, strides, padding = _masks(mask, key_padding, (b, heads, n, m), q0.device)
     args = (tensor, *strides, padding, n, m, heads, kv_heads, scaling)
     flags = {"MASK_KIND": kind, "CAUSAL": causal and mask is None, "HAS_KP": key_padding
              is not None, "FOLDED": folded, "BM": TILE, "BN": TILE}  # fmt: skip
-    return args, flags, triton.cdiv(n, TILE), triton.cdiv(m, TILE)
+    return args, flags, -(-n // TILE), -(-m // TILE)
 
 
 def forward(q0, k0, v0, mask, key_padding, points, scaling: float, causal: bool, folded: bool):

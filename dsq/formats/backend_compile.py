@@ -219,7 +219,6 @@ def run(fn, *args, dynamic_dims=()):
         config.recompile_limit = prior
 
 
-@functools.cache
 @memo
 def unavailable_reason(device_type: str) -> str | None:
     """Why this backend cannot run tensors of ``device_type`` here, or None when it can (kept: a
