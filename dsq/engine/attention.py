@@ -49,6 +49,7 @@ path's, not value for value.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -168,6 +169,9 @@ def quantize_part(point: _Point, x: torch.Tensor, axis: int, amax) -> torch.Tens
     the format sees the whole tensor's scale."""
     if amax is None:
         return point.quantize(x, axis)
+    if _lends_its_first_value(point, x, amax):
+        with _first_value_lent(point, x, amax) as mend:
+            return mend(point.quantize(x, axis))
     across = -2 if axis in (-1, x.dim() - 1) else -1
     shape = list(x.shape)
     shape[across] = 1
@@ -175,6 +179,58 @@ def quantize_part(point: _Point, x: torch.Tensor, axis: int, amax) -> torch.Tens
     extra.view(-1)[0] = amax
     out = point.quantize(torch.cat([x, extra], dim=across), axis)
     return out.narrow(across, 0, x.shape[across])
+
+
+def _one_scale(point: _Point) -> bool:
+    """Whether every value of ``point``'s format is rounded by one scale and nothing else: a
+    single block over the tensor (``fixed<w>``), nearest rounding. Each quantized value is then
+    a function of the value and that scale alone."""
+    return point.rounding == "nearest" and getattr(point.fmt, "block", 0) is None
+
+
+def _lends_its_first_value(point: _Point, x: torch.Tensor, amax) -> bool:
+    """Whether `_first_value_lent` may quantize part ``x`` at the scale of ``amax``: a
+    `_one_scale` format and a finite first value (a NaN or inf there makes every value NaN,
+    which lending it would hide)."""
+    return _one_scale(point) and bool(torch.isfinite(x[(0,) * x.dim()]))
+
+
+@contextlib.contextmanager
+def _first_value_lent(point: _Point, x: torch.Tensor, amax):
+    """Quantizing part ``x`` at the scale of the whole tensor's largest magnitude ``amax``
+    without a copy of ``x``: inside, ``x``'s first value is ``amax``, the largest magnitude;
+    the block yields a function that writes, into a quantized result, that first value as
+    ``point`` quantizes it beside ``amax``; on leaving, ``x`` gets its value back."""
+    first = (0,) * x.dim()
+    value = x[first].clone()
+    alone = point.quantize(torch.stack([value, amax.to(value.dtype)]), 0)[0]
+    x[first] = amax
+
+    def mend(out: torch.Tensor) -> torch.Tensor:
+        out[first] = alone
+        return out
+
+    try:
+        yield mend
+    finally:
+        x[first] = value
+
+
+def quantize_chain_part(first: _Point, second: _Point, x: torch.Tensor, amax, second_amax):
+    """``(g, quantize_part(second, g, -1, second_amax))`` with ``g = quantize_part(first, x,
+    -2, amax)``: the incoming gradient of a tile in q3 and q2, in one pass where the formats'
+    path fuses the two (`Format.quantize_chain`)."""
+    if amax is None and second_amax is None:
+        return first.quantize_chain(x, -2, second, -1)
+    if second_amax is None and _lends_its_first_value(first, x, amax):
+        with _first_value_lent(first, x, amax) as mend:
+            g, g2 = first.quantize_chain(x, -2, second, -1)
+        g = mend(g)
+        row = (0,) * (x.dim() - 1)  # the blocks along the last axis that held the lent value
+        g2[row] = second.quantize(g[row], -1)
+        return g, g2
+    g = quantize_part(first, x, -2, amax)
+    return g, quantize_part(second, g, -1, second_amax)
 
 
 def _amax(x: torch.Tensor) -> torch.Tensor:
@@ -375,8 +431,7 @@ def _backward(call: _Call, d_out, q0, k0, q1, k1, v1):
         dv[bs, :, keys] += units.gemm(pd1.transpose(-1, -2), call.rows_of(g_out, bs, rows),
                                       call.plans_pv[2], "matmul.db")  # fmt: skip
         # g = q3(dZ) along the queries, then q2(g) along the keys
-        g = quantize_part(f3, dz, -2, amax_dz)
-        g2 = quantize_part(f2, g, -1, amax_g)
+        g, g2 = quantize_chain_part(f3, f2, dz, amax_dz, amax_g)
         dq_tile = units.gemm(call.merged(g2), k1[bs, :, keys], call.plans_qk[1], "matmul.da")
         dq5[bs, :, :, rows] = dq_tile.view(dq_tile.shape[0], call.kv_heads, call.rep, -1,
                                            call.d)  # fmt: skip

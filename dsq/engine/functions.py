@@ -203,9 +203,11 @@ class DSQLinearFunction(torch.autograd.Function):
                                         ctx.plans[1], "linear.dx")  # fmt: skip
         if ctx.needs_input_grad[1]:
             stash = _stash_restore(ctx.stash_header, stash_tensors).unpack()
-            # by rows of dW (output features): the unit's copies of g a slice at a time
-            dw = units.gemm_by_rows(lambda rows: g[:, rows].t(), m, n, stash, ctx.plans[2],
-                                    "linear.dw")  # fmt: skip
+            if ctx.plans[2].unit == "fp32":  # g^T is a view: nothing to copy, one GEMM
+                dw = units.gemm(g.t(), stash, ctx.plans[2], "linear.dw")
+            else:  # by rows of dW (output features): the unit's copies of g a slice at a time
+                dw = units.gemm_by_rows(lambda rows: g[:, rows].t(), m, n, stash, ctx.plans[2],
+                                        "linear.dw")  # fmt: skip
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = g.sum(0)
         return dx, dw, db, None, None

@@ -4,7 +4,9 @@ units"): the host glue of ``dsq.kernels.onednn``, as the backends are the quanti
 ``bf16_gemm(a, b, bias)`` converts both float32 operands to bf16, checking in the same pass
 that every value is a bf16 number the bf16 unit multiplies exactly (``Format.exact_in`` says
 which formats' values are), pads every side with zeros to one of 32 sizes per octave (so that
-batches of every length share a few hundred oneDNN primitives) and returns the float32 result,
+batches of every length share a few hundred oneDNN primitives; the result's columns are B's
+first ones, read through a view, so that a result of the layer's own width needs no copy of its
+padding's) and returns the float32 result,
 or None when a value did not pass or oneDNN refused the call: the caller then runs the GEMM in
 float32. ``bf16x2_gemm(a, b, split, bias)`` does the same with one operand, whose values have up
 to 16 significant bits (fixed16's), split into an exact pair of bf16 numbers: two bf16 GEMMs
@@ -90,11 +92,11 @@ def _padded_gemm(a, b, bias, split, b_ready=None):
         bb = b_ready if b_ready is not None else prepared_b(b3, split)
     if bb is None:
         return None
-    if bias is not None and pn > n:
-        bias = torch.nn.functional.pad(bias, (0, pn - n))
+    if pn > n:  # B's columns beyond n, a strided view: the result has n columns, no copy
+        bb = tuple(x[..., :n] for x in bb) if split == "b" else bb[..., :n]
     try:
         if split is None:
-            out = onednn.gemm_bf16(ab, bb, bias)  # [batch, pm, pn], a new contiguous tensor
+            out = onednn.gemm_bf16(ab, bb, bias)  # [batch, pm, n], a new contiguous tensor
         elif split == "a":
             out = onednn.gemm_bf16(ab[0], bb, bias).add_(onednn.gemm_bf16(ab[1], bb))
         else:
@@ -102,8 +104,8 @@ def _padded_gemm(a, b, bias, split, b_ready=None):
     except RuntimeError as err:  # a layout oneDNN refuses: float32 runs it instead
         _log_once(f"dsq: a bf16 GEMM ran in float32: {err}")
         return None
-    if pn != n or (rows > 1 and pm != m):
-        out = out[:rows, :m, :n].clone(memory_format=torch.contiguous_format)
+    if rows > 1 and pm != m:
+        out = out[:rows, :m].clone(memory_format=torch.contiguous_format)
     # the result's leading memory, reshaped in place: a new tensor, not a view (a custom
     # Function's output that a model then modifies in place must not be a view)
     return out.resize_(*lead, m, n)

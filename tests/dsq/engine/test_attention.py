@@ -11,6 +11,8 @@ are the same GEMM rows, are seen here bit for bit.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from helpers.attention import MASKS, cfg_of, inputs, mask_keywords
@@ -82,6 +84,33 @@ def test_a_scaling_that_is_not_a_power_of_two_scales_every_tile(preset):
 def test_the_output_and_dq_are_the_explicit_paths_bit_for_bit_here():
     got, want = both("dsq", "causal")
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("width", [48, 40])  # the fused q3-then-q2 pass, and two calls
+@pytest.mark.parametrize("first", [0.0, -0.75, 3.0, float("nan")])
+def test_a_part_quantized_at_the_whole_tensors_scale_is_that_tensors_quantized_part(first, width):
+    """fixed16 (q3, one scale for the tensor), then bfp8 along the rows (q2): a part's values
+    equal the whole tensor's quantized, bit for bit, whether the part lends its first value to
+    the largest magnitude (finite) or is quantized beside it (NaN), and the part keeps its
+    values."""
+    from dsq.engine.attention import quantize_chain_part, quantize_part
+    from dsq.engine.functions import _points
+
+    points = _points(cfg_of("dsq"), torch.device("cpu"))
+    q3, q2 = points[3], points[2]
+    whole = torch.randn(6, width, generator=torch.Generator().manual_seed(0)) * 5
+    whole[2, 7] = -40.0  # the largest magnitude lies outside the part
+    part = whole[3:].clone()
+    part[0, 0] = first
+    whole[3:] = part
+    before = part.clone()
+    amax = whole.abs().nan_to_num(0.0).amax()
+    g, g2 = q3.quantize_chain(whole, -2, q2, -1)
+    same = functools.partial(torch.allclose, rtol=0, atol=0, equal_nan=True)
+    assert same(quantize_part(q3, part, -2, amax), g[3:])
+    got, got2 = quantize_chain_part(q3, q2, part, amax, None)
+    assert same(got, g[3:]) and same(got2, g2[3:])
+    assert same(part, before)
 
 
 def test_without_grad_it_computes_the_same_output_and_keeps_nothing():
