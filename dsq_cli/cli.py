@@ -229,6 +229,12 @@ KV_HEADS_OPTION = typer.Option(
     0, min=0, help="llama: key/value heads, grouped-query attention (0: as many as heads)."
 )
 THREADS_OPTION = typer.Option(0, min=0, help="transformers models: threads a row (0: torch's).")
+ROUNDS_OPTION = typer.Option(
+    1, min=1,
+    help="transformers models: measure every row this many times, the rows taking turns; time "
+    "a token and its ratios are the medians over the rounds (a row's processes run after "
+    "another's, so one round's ratio moves with the host's speed).",
+)  # fmt: skip
 
 
 def _seq_lens(text: str) -> tuple[int, ...]:
@@ -241,9 +247,15 @@ def _seq_lens(text: str) -> tuple[int, ...]:
     return lengths
 
 
+def _transformers_only(option: str, given: bool) -> None:
+    if given:
+        raise ValueError(f"{option} applies to the transformers models (--model llama, gpt2 or "
+                         "bert); leave it out for fairseq")  # fmt: skip
+
+
 def _transformers_bench(model, presets, layers, width, heads, kv_heads, vocab, seq_lens,
                         scopes, checkpointing, repeats, budget, threads, refused,
-                        loss_chunk=None):  # fmt: skip
+                        loss_chunk=None, rounds=1):  # fmt: skip
     """The rows of ``dsq bench memory|step --model llama|gpt2|bert``; ``refused`` names the
     fairseq-only options given, each a usage error; ``loss_chunk`` None: the model's own loss."""
     from dsq_cli.bench import memory, transformers_models
@@ -274,7 +286,8 @@ def _transformers_bench(model, presets, layers, width, heads, kv_heads, vocab, s
             f"({list(transformers_models.CAUSAL)}); leave it out for {model}"
         )
     return transformers_models.run(shape, rows, lengths, memory.parse_size(budget), repeats,
-                                   threads=threads, loss_chunk=loss_chunk or 0)  # fmt: skip
+                                   threads=threads, loss_chunk=loss_chunk or 0,
+                                   rounds=rounds)  # fmt: skip
 
 
 LOSS_CHUNK_OPTION = typer.Option(
@@ -333,6 +346,7 @@ def bench_step(
     heads: int = HEADS_OPTION,
     kv_heads: int = KV_HEADS_OPTION,
     threads: int = THREADS_OPTION,
+    rounds: int = ROUNDS_OPTION,
     breakdown: bool = typer.Option(
         False,
         "--breakdown",
@@ -355,9 +369,10 @@ def bench_step(
                    "--gemm-units": gemm_units != "auto"}  # fmt: skip
         result = _transformers_bench(model, presets, layers, width, heads, kv_heads, vocab,
                                      seq_lens, scopes, checkpointing, repeats, "4GiB", threads,
-                                     refused, loss_chunk)  # fmt: skip
+                                     refused, loss_chunk, rounds)  # fmt: skip
         _print_bench(result, as_json, transformers_models.format_step)
         return
+    _transformers_only("--rounds", rounds != 1)
     names = _preset_names(presets)
     scope_list = _choices("--scopes", scopes, tuple(SCOPES))
     unit_list = _choices("--gemm-units", gemm_units, SETTINGS)
@@ -450,6 +465,7 @@ def bench_memory(
     heads: int = HEADS_OPTION,
     kv_heads: int = KV_HEADS_OPTION,
     threads: int = THREADS_OPTION,
+    rounds: int = ROUNDS_OPTION,
     repeats: int = typer.Option(2, min=1, help="transformers models: timed steps a row."),
     device: str = typer.Option("cpu", help="cpu or cuda."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
@@ -465,9 +481,10 @@ def bench_memory(
         refused = {"--fp32-head": fp32_head, "--device": device != "cpu"}
         result = _transformers_bench(model, presets, layers, width, heads, kv_heads, vocab,
                                      seq_lens, scopes, checkpointing, repeats, budget, threads,
-                                     refused, loss_chunk)  # fmt: skip
+                                     refused, loss_chunk, rounds)  # fmt: skip
         _print_bench(result, as_json, transformers_models.format_memory)
         return
+    _transformers_only("--rounds", rounds != 1)
     size = memory.parse_size(budget)
     names = _preset_names(presets)
     scope_list = _choices("--scopes", scopes, tuple(SCOPES))

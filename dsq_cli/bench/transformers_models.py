@@ -200,27 +200,39 @@ def measure_in_fresh_process(shape, row, seq_len, batch, repeats, threads,
 
 
 def run(shape: ModelShape, rows: list[Row], seq_lens, budget: int, repeats: int = 2,
-        batches=None, threads: int | None = None, loss_chunk: int = 0) -> dict:  # fmt: skip
+        batches=None, threads: int | None = None, loss_chunk: int = 0,
+        rounds: int = 1) -> dict:  # fmt: skip
     """Every row at every sequence length, each at two batch sizes (``batches``, default 2 and
     3 sequences, 4 and 8 below 512 tokens): per token, the allocator's and the process's bytes
     (the slope between the two), time (the larger batch's step over its tokens), and tokens at
     ``budget`` (the line through the two peaks, whole sequences). Not 1 and 2 sequences: with
     checkpointing, one sequence's passes peak at the end of the backward pass (the parameters'
     gradients), more sequences' at the loss, and a slope across the two phases is no bytes a
-    token (measured: 56 KiB a token from 1 to 2 sequences of 1,024, 110 from 2 to 3)."""
+    token (measured: 56 KiB a token from 1 to 2 sequences of 1,024, 110 from 2 to 3).
+
+    ``rounds`` > 1 measures every row that many times, the rows taking turns, because one row's
+    processes run after another's and a row's time moves with the host's speed between them:
+    the time a token is the median over the rounds, each ratio to a baseline the median of the
+    rounds' ratios; the bytes are the first round's."""
     threads = threads or torch.get_num_threads()
     results = []
     for seq_len in seq_lens:
         small, large = batches or ((4, 8) if seq_len < 512 else (2, 3))
+        measured: dict[Row, list] = {row: [] for row in rows}
+        for _ in range(rounds):
+            for row in rows:
+                measured[row].append(tuple(
+                    measure_in_fresh_process(shape, row, seq_len, batch, repeats, threads,
+                                             loss_chunk)
+                    for batch in (small, large)
+                ))  # fmt: skip
         for row in rows:
-            a = measure_in_fresh_process(shape, row, seq_len, small, repeats, threads,
-                                         loss_chunk)  # fmt: skip
-            b = measure_in_fresh_process(shape, row, seq_len, large, repeats, threads,
-                                         loss_chunk)  # fmt: skip
             entry = {"row": row.label, "seq_len": seq_len, "batches": [small, large]}
-            if "error" in a or "error" in b:
-                results.append(entry | {"error": a.get("error") or b.get("error")})
+            errors = [m["error"] for pair in measured[row] for m in pair if "error" in m]
+            if errors:
+                results.append(entry | {"error": errors[0]})
                 continue
+            a, b = measured[row][0]
             tokens = (large - small) * seq_len
             for key, name in (("allocator_bytes", "allocator"), ("rss_bytes", "rss")):
                 slope = (b[key] - a[key]) / tokens
@@ -235,7 +247,9 @@ def run(shape: ModelShape, rows: list[Row], seq_lens, budget: int, repeats: int 
             # the optimizer step's peak (it does not grow with the batch; the tokens at a budget
             # above assume the passes' peak is the step's)
             entry["optimizer_step_mib"] = b.get("optimizer_step_bytes", 0) / 2**20
-            entry["ms_per_token"] = b["step_s"] * 1e3 / (large * seq_len)
+            per_round = [pair[1]["step_s"] * 1e3 / (large * seq_len) for pair in measured[row]]
+            entry["ms_per_token"] = statistics.median(per_round)
+            entry["ms_per_token_rounds"] = per_round
             entry["first_loss"] = b["first_loss"]
             results.append(entry)
     _ratios(results)
@@ -245,6 +259,7 @@ def run(shape: ModelShape, rows: list[Row], seq_lens, budget: int, repeats: int 
         "model": dataclasses.asdict(shape),
         "budget_bytes": budget,
         "repeats": repeats,
+        "rounds": rounds,
         "threads": threads,
         "loss_chunk": loss_chunk,
         "machine": machine_description(torch.device("cpu")).rsplit(",", 1)[0],
@@ -270,6 +285,12 @@ def _ratios(results: list[dict]) -> None:
                         "allocator_tokens_at_budget", "rss_tokens_at_budget"):  # fmt: skip
                 known = entry[key] is not None and base[key]
                 entry[f"{key}_x_{tag}"] = entry[key] / base[key] if known else None
+            # rounds: each round's time over the baseline's in the same round, their median
+            mine, theirs = entry.get("ms_per_token_rounds"), base.get("ms_per_token_rounds")
+            if mine and theirs and len(mine) == len(theirs) > 1:
+                entry[f"ms_per_token_x_{tag}"] = statistics.median(
+                    m / t for m, t in zip(mine, theirs)
+                )
 
 
 def _x(value) -> str:
@@ -319,7 +340,15 @@ def _footer(result: dict) -> str:
         f"({m['kv_heads']} key/value), vocabulary {m['vocab']}; Adam, {_loss_words(result)}; "
         f"each row and batch a fresh process; {result['machine']}, {result['threads']} threads, "
         f"torch {result['torch']}; median of {result['repeats']} steps"
+        + _rounds_words(result.get("rounds", 1))
     )
+
+
+def _rounds_words(rounds: int) -> str:
+    if rounds == 1:
+        return ""
+    return (f"; {rounds} rounds, the rows taking turns: median time and median ratio over the "
+            "rounds, bytes from the first")  # fmt: skip
 
 
 def _loss_words(result: dict) -> str:

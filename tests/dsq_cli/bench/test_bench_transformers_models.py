@@ -44,6 +44,36 @@ def test_bytes_per_token_and_tokens_at_a_budget_come_from_the_line_through_two_b
     assert long["batches"] == [2, 3]
 
 
+def test_rounds_take_turns_and_time_is_the_median_of_each_rounds_ratio(monkeypatch):
+    """The host's speed moves between rows: the rounds' ratios are 2, 2 and 5, their median 2,
+    where the ratio of the median times would say 5; bytes come from the first round."""
+    order, speed = [], iter([1.0, 1.0, 1.0, 1.0, 3.0, 3.0, 3.0, 3.0, 1.0, 1.0, 2.5, 2.5])
+
+    def fake(shape, row, seq_len, batch, repeats, threads, loss_chunk=0):
+        order.append(row.label)
+        per_token = (2.0 if row.preset == "dsq" else 1.0) * next(speed) * 1e-3
+        return {"step_s": per_token * seq_len * batch, "allocator_bytes": 100 * batch,
+                "rss_bytes": 200 * batch, "first_loss": 1.0}  # fmt: skip
+
+    monkeypatch.setattr(tm, "measure_in_fresh_process", fake)
+    rows = [tm.Row("amp_bf16"), tm.Row("dsq")]
+    result = tm.run(tm.ModelShape(), rows, [64], budget=10**6, repeats=1, rounds=3)
+    assert order == ["amp_bf16", "amp_bf16", "dsq", "dsq"] * 3
+    amp, dsq = result["rows"]
+    assert amp["ms_per_token_rounds"] == pytest.approx([1.0, 3.0, 1.0])
+    assert dsq["ms_per_token_rounds"] == pytest.approx([2.0, 6.0, 5.0])
+    assert dsq["ms_per_token"] == pytest.approx(5.0)
+    assert dsq["ms_per_token_x_amp_bf16"] == pytest.approx(2.0)
+    assert dsq["allocator_kib_per_token"] == pytest.approx(100 / 64 / 1024)  # 100 B a sequence
+    assert "3 rounds, the rows taking turns" in tm.format_step(result)
+
+
+def test_rounds_are_for_the_transformers_models():
+    result = CliRunner().invoke(app, ["bench", "step", "--rounds", "2"])
+    assert result.exit_code == 2
+    assert "--rounds applies to the transformers models" in result.output
+
+
 @pytest.mark.slow
 def test_a_tiny_llama_runs_every_row_in_its_own_process():
     result = CliRunner().invoke(app, [
