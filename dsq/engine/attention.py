@@ -235,7 +235,8 @@ def quantize_chain_part(first: _Point, second: _Point, x: torch.Tensor, amax, se
 
 def _amax(x: torch.Tensor) -> torch.Tensor:
     """The largest finite magnitude of ``x`` (the whole-tensor scales leave out the rest)."""
-    amax = torch.maximum(x.amax(), x.amin().neg())  # no |x| tensor
+    low, high = torch.aminmax(x)  # one read, and no |x| tensor
+    amax = torch.maximum(high, low.neg())
     if torch.isfinite(amax):
         return amax
     return torch.where(torch.isfinite(x), x.abs(), 0.0).amax()
