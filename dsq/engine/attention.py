@@ -207,7 +207,8 @@ def _first_value_lent(point: _Point, x: torch.Tensor, amax):
     x[first] = amax
 
     def mend(out: torch.Tensor) -> torch.Tensor:
-        out[first] = alone
+        # a NaN or inf elsewhere makes every value NaN, the first one's too
+        out[first] = torch.where(torch.isfinite(out[first]), alone, out[first])
         return out
 
     try:

@@ -102,6 +102,8 @@ def test_a_part_quantized_at_the_whole_tensors_scale_is_that_tensors_quantized_p
     whole[2, 7] = -40.0  # the largest magnitude lies outside the part
     part = whole[3:].clone()
     part[0, 0] = first
+    if first == 3.0:  # a NaN elsewhere than first: every value NaN, the lent one's too
+        part[1, 5] = float("nan")
     whole[3:] = part
     before = part.clone()
     amax = whole.abs().nan_to_num(0.0).amax()
