@@ -281,16 +281,13 @@ def _ratios(results: list[dict]) -> None:
             if base is None or "error" in entry:
                 continue
             tag = base_name.replace(" ", "_")
-            for key in ("allocator_kib_per_token", "rss_kib_per_token", "ms_per_token",
+            for key in ("allocator_kib_per_token", "rss_kib_per_token",
                         "allocator_tokens_at_budget", "rss_tokens_at_budget"):  # fmt: skip
                 known = entry[key] is not None and base[key]
                 entry[f"{key}_x_{tag}"] = entry[key] / base[key] if known else None
-            # rounds: each round's time over the baseline's in the same round, their median
-            mine, theirs = entry.get("ms_per_token_rounds"), base.get("ms_per_token_rounds")
-            if mine and theirs and len(mine) == len(theirs) > 1:
-                entry[f"ms_per_token_x_{tag}"] = statistics.median(
-                    m / t for m, t in zip(mine, theirs)
-                )
+            # each round's time over the baseline's in the same round, their median
+            pairs = zip(entry["ms_per_token_rounds"], base["ms_per_token_rounds"], strict=True)
+            entry["ms_per_token_x_" + tag] = statistics.median(m / t for m, t in pairs)
 
 
 def _x(value) -> str:
