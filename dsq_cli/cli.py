@@ -247,26 +247,43 @@ def _seq_lens(text: str) -> tuple[int, ...]:
     return lengths
 
 
-def _transformers_only(option: str, given: bool) -> None:
+def _given(ctx: typer.Context, *names: str) -> list[str]:
+    """The options among ``names`` (parameter names) given on the command line, as spelled there:
+    an option one model kind does not read is refused when given, whatever its value, never
+    ignored."""
+    # by the source's name: typer's own copy of click may not be the click on the path
+    unset = ("DEFAULT", "DEFAULT_MAP")
+    return [
+        param.opts[0]
+        for param in ctx.command.params
+        if param.name in names and ctx.get_parameter_source(param.name).name not in unset
+    ]
+
+
+# the options of `dsq bench step|memory` that only a transformers model reads
+TRANSFORMERS_ONLY = ("seq_lens", "heads", "kv_heads", "threads", "rounds")
+
+
+def _transformers_only(given: list[str]) -> None:
     if given:
-        raise ValueError(f"{option} applies to the transformers models (--model llama, gpt2 or "
-                         "bert); leave it out for fairseq")  # fmt: skip
+        raise ValueError(f"{', '.join(given)}: for the transformers models only (--model llama, "
+                         "gpt2 or bert); leave it out for fairseq")  # fmt: skip
 
 
 def _transformers_bench(model, presets, layers, width, heads, kv_heads, vocab, seq_lens,
                         scopes, checkpointing, repeats, budget, threads, refused,
                         loss_chunk=None, rounds=1):  # fmt: skip
-    """The rows of ``dsq bench memory|step --model llama|gpt2|bert``; ``refused`` names the
-    fairseq-only options given, each a usage error; ``loss_chunk`` None: the model's own loss."""
+    """The rows of ``dsq bench memory|step --model llama|gpt2|bert``; ``refused`` lists the
+    fairseq-only options given, a usage error; ``loss_chunk`` None: the model's own loss."""
     from dsq_cli.bench import memory, transformers_models
     from dsq_cli.bench.step import SCOPES
 
     if model not in transformers_models.MODELS:
         choices = ["fairseq", *transformers_models.MODELS]
         raise ValueError(f"--model {model!r}: choose one of {choices}")
-    given = [name for name, is_given in refused.items() if is_given]
-    if given:
-        raise ValueError(f"{given[0]} applies to --model fairseq only; leave it out for {model}")
+    if refused:
+        raise ValueError(f"{', '.join(refused)}: for --model fairseq only; leave it out for "
+                         f"{model}")  # fmt: skip
     heads = heads or max(1, width // 64)
     kv_heads = kv_heads or heads
     if width % heads or heads % kv_heads or (model != "llama" and kv_heads != heads):
@@ -311,6 +328,7 @@ SCOPES_OPTION = typer.Option(
 @bench_app.command("step")
 @usage_errors
 def bench_step(
+    ctx: typer.Context,
     presets: str = typer.Option(
         "fp32,amp_bf16,bfp8,dsq",
         help="Comma-separated quant presets (conf/quant/). Every row is reported as a multiple "
@@ -365,14 +383,14 @@ def bench_step(
     if model != "fairseq":
         from dsq_cli.bench import transformers_models
 
-        refused = {"--breakdown": breakdown, "--fp32-head": fp32_head, "--device": device != "cpu",
-                   "--gemm-units": gemm_units != "auto"}  # fmt: skip
+        refused = _given(ctx, "tokens", "src_len", "gemm_units", "fp32_head", "breakdown")
+        refused += ["--device"] * (device != "cpu")
         result = _transformers_bench(model, presets, layers, width, heads, kv_heads, vocab,
                                      seq_lens, scopes, checkpointing, repeats, "4GiB", threads,
                                      refused, loss_chunk, rounds)  # fmt: skip
         _print_bench(result, as_json, transformers_models.format_step)
         return
-    _transformers_only("--rounds", rounds != 1)
+    _transformers_only(_given(ctx, *TRANSFORMERS_ONLY))
     names = _preset_names(presets)
     scope_list = _choices("--scopes", scopes, tuple(SCOPES))
     unit_list = _choices("--gemm-units", gemm_units, SETTINGS)
@@ -440,6 +458,7 @@ def bench_attention(
 @bench_app.command("memory")
 @usage_errors
 def bench_memory(
+    ctx: typer.Context,
     budget: str = typer.Option(
         ..., help="Memory for one training step: 2GiB, 512MiB, 1.5GB (KiB/MiB/GiB: 1024)."
     ),
@@ -478,13 +497,13 @@ def bench_memory(
     if model != "fairseq":
         from dsq_cli.bench import transformers_models
 
-        refused = {"--fp32-head": fp32_head, "--device": device != "cpu"}
+        refused = _given(ctx, "src_len", "fp32_head") + ["--device"] * (device != "cpu")
         result = _transformers_bench(model, presets, layers, width, heads, kv_heads, vocab,
                                      seq_lens, scopes, checkpointing, repeats, budget, threads,
                                      refused, loss_chunk, rounds)  # fmt: skip
         _print_bench(result, as_json, transformers_models.format_memory)
         return
-    _transformers_only("--rounds", rounds != 1)
+    _transformers_only(_given(ctx, *TRANSFORMERS_ONLY, "repeats"))
     size = memory.parse_size(budget)
     names = _preset_names(presets)
     scope_list = _choices("--scopes", scopes, tuple(SCOPES))

@@ -68,10 +68,19 @@ def test_rounds_take_turns_and_time_is_the_median_of_each_rounds_ratio(monkeypat
     assert "3 rounds, the rows taking turns" in tm.format_step(result)
 
 
-def test_rounds_are_for_the_transformers_models():
-    result = CliRunner().invoke(app, ["bench", "step", "--rounds", "2"])
+@pytest.mark.parametrize(("command", "args", "named"), [
+    (["step"], ["--rounds", "2"], "--rounds"),
+    (["step"], ["--threads", "2", "--seq-lens", "512"], "--seq-lens, --threads"),
+    (["step"], ["--heads", "4", "--kv-heads", "2"], "--heads, --kv-heads"),
+    # the default value given on the command line is refused too: given is given
+    (["memory", "--budget", "1GiB"], ["--seq-lens", "256,1024"], "--seq-lens"),
+    (["memory", "--budget", "1GiB"], ["--repeats", "3"], "--repeats"),
+])  # fmt: skip
+def test_fairseq_refuses_the_transformers_options_it_would_not_read(command, args, named):
+    result = CliRunner().invoke(app, ["bench", *command, *args])
     assert result.exit_code == 2
-    assert "--rounds applies to the transformers models" in result.output
+    assert f"{named}: for the transformers models only" in result.output
+    assert "leave it out for fairseq" in result.output
 
 
 @pytest.mark.slow
@@ -92,7 +101,8 @@ def test_a_tiny_llama_runs_every_row_in_its_own_process():
 
 @pytest.mark.parametrize(("args", "says"), [
     (["--model", "gpt3"], "--model 'gpt3': choose one of"),
-    (["--model", "llama", "--fp32-head"], "--fp32-head applies to --model fairseq only"),
+    (["--model", "llama", "--fp32-head"], "--fp32-head: for --model fairseq only"),
+    (["--model", "gpt2", "--src-len", "8"], "--src-len: for --model fairseq only"),
     (["--model", "gpt2", "--heads", "4", "--kv-heads", "2"], "equal them but for llama"),
     (["--model", "llama", "--seq-lens", "1k"], "--seq-lens: expected lengths"),
     (["--model", "bert", "--loss-chunk", "64"], "--loss-chunk takes a causal LM's output layer"),
@@ -101,6 +111,14 @@ def test_bad_options_are_one_line_usage_errors(args, says):
     result = CliRunner().invoke(app, ["bench", "memory", "--budget", "1GiB", *args])
     assert result.exit_code == 2
     assert says in result.output
+
+
+def test_step_of_a_transformers_model_refuses_the_fairseq_options_it_would_not_read():
+    result = CliRunner().invoke(app, ["bench", "step", "--model", "llama", "--tokens", "4096",
+                                      "--gemm-units", "auto", "--breakdown"])  # fmt: skip
+    assert result.exit_code == 2
+    assert "--tokens, --gemm-units, --breakdown: for --model fairseq only" in result.output
+    assert "leave it out for llama" in result.output
 
 
 def test_a_peak_that_does_not_grow_with_the_batch_gives_no_tokens_at_the_budget(monkeypatch):
