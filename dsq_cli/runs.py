@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import errno
-import functools
 import json
 import logging
 import os
@@ -24,6 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from dsq.atomic_files import temporaries, write_atomic
+from dsq.warn_once import warn_once
 
 # A name that says it holds a secret: one of these words as a whole `_`/`-`/`.`-separated part
 # (WANDB_API_KEY, hf_token, aws_secret_access_key), but not max_tokens or sort_keys.
@@ -115,15 +115,11 @@ class RunInUse(ValueError):
 def _no_locks_here(path: Path, err: OSError) -> None:
     if err.errno not in _NO_LOCKS:
         raise err
-    _say_once(
+    warn_once(
+        log,
         f"dsq: {path.parent}: this file system takes no locks ({os.strerror(err.errno)}); "
-        "runs there are not protected from being trained by two processes at once"
+        "runs there are not protected from being trained by two processes at once",
     )
-
-
-@functools.cache
-def _say_once(message: str) -> None:
-    log.warning(message)
 
 
 def lock_file(path: str | os.PathLike) -> bool:

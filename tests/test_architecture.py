@@ -46,6 +46,7 @@ LAYERS = [
     ("kernels", ["dsq.kernels"]),
     ("atomic files", ["dsq.atomic_files"]),  # the standard library only
     ("records", ["dsq.records"]),  # the standard library only
+    ("warnings", ["dsq.warn_once"]),  # the standard library only
 ]
 # Inside train/: the launcher and the rank helpers import nothing above them.
 LEAVES = {

@@ -57,6 +57,7 @@ import math
 import torch
 
 from dsq.formats import Format, backends, parse_format
+from dsq.warn_once import warn_once
 
 from . import accounting, units
 from .config import POINTS, QuantConfig
@@ -576,11 +577,6 @@ def _attention_backward_fake(d_out, q0, k0, q1, k1, v1, *_):
     return torch.empty_like(q0), dk, q0.new_empty(b, kv_heads, m, v1.shape[-1])
 
 
-@functools.cache
-def _log_once(message: str) -> None:
-    log.warning(message)  # the run is slower, not different
-
-
 def _triton_kernels(call: _Call, q0, k0, v0, *others):
     """The Triton kernels' host module (``attention_triton.py``) where the formats' quantizers
     run ``q0`` on the triton backend and the kernels hold this call, else None: the torch
@@ -591,8 +587,9 @@ def _triton_kernels(call: _Call, q0, k0, v0, *others):
 
     reason = attention_triton.unsupported_reason(q0, k0, v0, call.points, call.dropout, *others)
     if reason is not None:
-        _log_once(f"dsq: attention runs its torch kernel on the triton backend here: the Triton "
-                  f"kernels do not hold {reason}")  # fmt: skip
+        # the run is slower, not different
+        warn_once(log, f"dsq: attention runs its torch kernel on the triton backend here: the "
+                       f"Triton kernels do not hold {reason}")  # fmt: skip
         return None
     return attention_triton
 

@@ -43,6 +43,7 @@ import logging
 import torch
 
 from dsq.formats import Format, compute
+from dsq.warn_once import warn_once
 
 # quant.gemm_unit: auto picks a unit per GEMM; fp32 runs every GEMM in float32
 SETTINGS = ("auto", "fp32")
@@ -65,11 +66,6 @@ SLICE_ELEMENTS = 2**20
 SLICE_ROWS = 64
 
 log = logging.getLogger("dsq.engine")
-
-
-@functools.cache
-def _say_once(message: str) -> None:
-    log.warning(message)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,21 +102,23 @@ def offered_units(device: torch.device) -> tuple[str, ...]:
         reason = cpu_unavailable_reason()
         if reason is None:
             return ("bf16", "bf16x2") if compute.cpu_split_pays() else ("bf16",)
-        _say_once(f"dsq: quantized GEMMs run in float32 on this CPU: {reason}")
+        warn_once(log, f"dsq: quantized GEMMs run in float32 on this CPU: {reason}")
         return ()
     if device.type == "cuda":
         capability = cuda_capability(device)
         if tuple(capability) >= MIN_CUDA_CAPABILITY:
             if torch_mm_takes_out_dtype():
                 return REDUCED_UNITS  # all three
-            _say_once(
+            warn_once(
+                log,
                 "dsq: bf16 GEMMs need torch.mm(..., out_dtype=) (torch 2.8 and later); this "
-                f"torch {torch.__version__} runs quantized GEMMs on TF32 or in float32"
+                f"torch {torch.__version__} runs quantized GEMMs on TF32 or in float32",
             )
             return ("tf32",)
-        _say_once(
+        warn_once(
+            log,
             f"dsq: quantized GEMMs run in float32 on this GPU: compute capability "
-            f"{capability[0]}.{capability[1]} has no bf16 or TF32 tensor cores (8.0 and later do)"
+            f"{capability[0]}.{capability[1]} has no bf16 or TF32 tensor cores (8.0 and later do)",
         )
     return ()
 
@@ -255,10 +253,11 @@ def _gemm(a, b, how: GemmPlan, bias, b_ready=None):
 
 
 def _fallback(how: GemmPlan) -> None:
-    _say_once(
+    warn_once(
+        log,
         f"dsq: a GEMM planned on {how.unit} ran in float32: an operand held a value that is not "
         f"a {how.unit} number or is below 2^-63 in magnitude, or the unit refused the call "
-        f'(docs/dsq.md, "GEMM units")'
+        f'(docs/dsq.md, "GEMM units")',
     )
 
 

@@ -49,6 +49,8 @@ from types import ModuleType
 
 import torch
 
+from dsq.warn_once import warn_once
+
 from .memo import memo
 
 BACKENDS = ("reference", "compile", "c", "triton")
@@ -139,7 +141,7 @@ def kernel(family: str, op: str, backend: str) -> Callable:
     reference = _KERNELS.get(("reference", family, op))
     if reference is None:
         raise KeyError(f"format family {family!r} has no operation {op!r}")
-    _log_once(f"dsq: the {backend} backend has no {family} {op} kernel; the reference runs it")
+    warn_once(log, f"dsq: the {backend} backend has no {family} {op} kernel; the reference runs it")
     return reference
 
 
@@ -203,11 +205,6 @@ def requested_backend_refusal(device_type: str) -> str | None:
     )
 
 
-@memo
-def _log_once(message: str) -> None:
-    log.warning(message)  # the run is slower, not different
-
-
 def backend_name(x: torch.Tensor, backend: str | None = None) -> str:
     """The backend to run ``x`` on (the module docstring states the rules)."""
     requested = requested_backend(backend)
@@ -236,7 +233,7 @@ def auto_backend(device_type: str) -> str:
         reason = unavailable_reason(name, device_type)
         if reason is None:
             if reasons:
-                _log_once(f"dsq: quantizers on the {name} backend ({'; '.join(reasons)})")
+                warn_once(log, f"dsq: quantizers on the {name} backend ({'; '.join(reasons)})")
             return name
         reasons.append(f"{name}: {reason}")
     raise AssertionError("the reference backend runs everywhere")  # pragma: no cover

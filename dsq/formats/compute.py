@@ -15,17 +15,13 @@ whose results are added, which pays on CPUs whose bf16 GEMMs are fast enough (``
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
 
+from dsq.warn_once import warn_once
+
 log = logging.getLogger("dsq.formats")
-
-
-@functools.cache
-def _log_once(message: str) -> None:
-    log.warning(message)
 
 
 def cpu_bf16_unavailable_reason() -> str | None:
@@ -102,7 +98,7 @@ def _padded_gemm(a, b, bias, split, b_ready=None):
         else:
             out = onednn.gemm_bf16(ab, bb[0], bias).add_(onednn.gemm_bf16(ab, bb[1]))
     except RuntimeError as err:  # a layout oneDNN refuses: float32 runs it instead
-        _log_once(f"dsq: a bf16 GEMM ran in float32: {err}")
+        warn_once(log, f"dsq: a bf16 GEMM ran in float32: {err}")
         return None
     if rows > 1 and pm != m:
         out = out[:rows, :m].clone(memory_format=torch.contiguous_format)

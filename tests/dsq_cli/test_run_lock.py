@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from dsq.warn_once import warn_once
 from dsq_cli import runs, sweep
 from dsq_cli.config import ConfigError
 from dsq_cli.train.entry import load_resume
@@ -189,7 +190,7 @@ def test_a_file_system_without_locks_is_said_once_and_locks_nothing(tmp_path, mo
         raise OSError(errno.ENOLCK, "No locks available")
 
     monkeypatch.setattr(fcntl, "flock", no_locks)
-    runs._say_once.cache_clear()
+    warn_once.cache_clear()
     with caplog.at_level(logging.WARNING, logger="dsq_cli.runs"):
         runs.hold(tmp_path)  # not refused: nothing can be locked here
         assert not runs.in_use(tmp_path / "other")

@@ -28,6 +28,7 @@ from dsq.formats import parse_format
 from dsq.formats.base import COMPUTE_DTYPES
 from dsq.integrations import quantize_model
 from dsq.presets import get_preset
+from dsq.warn_once import warn_once
 from dsq_cli.presets import at_first_level, load_quant_preset
 
 U = 2.0**-24  # float32's unit roundoff
@@ -147,7 +148,7 @@ def test_a_value_the_bf16_unit_cannot_take_sends_the_gemm_to_float32(bad, caplog
     a = torch.ones(256, 256)
     a[7, 9] = bad
     b = torch.full((256, 256), 0.5)
-    units._say_once.cache_clear()
+    warn_once.cache_clear()
     with caplog.at_level(logging.WARNING, logger="dsq.engine"):
         before = units.tally().get("test", {}).get("fp32", 0)
         out = units.gemm(a, b, units.GemmPlan("bf16"), "test")
@@ -233,7 +234,7 @@ def test_a_cpu_without_bf16_instructions_takes_float32_and_says_so_once(monkeypa
     from dsq.kernels import onednn
 
     monkeypatch.setattr(onednn, "cpu_flags", lambda: frozenset({"avx2", "avx512f"}))
-    units._say_once.cache_clear()
+    warn_once.cache_clear()
     with caplog.at_level(logging.WARNING, logger="dsq.engine"):
         plans = [units.plan(F("bfp8"), F("bfp8"), CPU) for _ in range(5)]
     assert plans == [units.FP32] * 5
@@ -265,7 +266,7 @@ def test_cuda_plan_with_its_capability_mocked(monkeypatch, a, b, expected):
 
 def test_a_gpu_before_ampere_takes_float32_and_says_why(monkeypatch, caplog):
     monkeypatch.setattr(units, "cuda_capability", lambda device: (7, 5))
-    units._say_once.cache_clear()
+    warn_once.cache_clear()
     with caplog.at_level(logging.WARNING, logger="dsq.engine"):
         assert units.plan(F("bfp8"), F("bfp8"), CUDA) == units.FP32
     assert "compute capability 7.5" in caplog.records[0].getMessage()

@@ -8,6 +8,7 @@ import torch
 from typer.testing import CliRunner
 
 from dsq.formats import backends, parse_format
+from dsq.warn_once import warn_once
 
 
 @pytest.mark.parametrize("name", backends.BACKENDS)
@@ -39,7 +40,7 @@ def test_a_missing_kernel_runs_the_reference_with_one_logged_line(monkeypatch, c
 
     assert backends.missing_kernels("compile", "fixed_static") == []  # its module loaded
     monkeypatch.delitem(backends._KERNELS, ("compile", "fixed_static", "quantize"))
-    backends._log_once.cache_clear()
+    warn_once.cache_clear()
     x = torch.randn(40, generator=torch.Generator().manual_seed(1))
     fmt = parse_format("fixed8f4")
     with caplog.at_level(logging.WARNING, logger="dsq.formats"):

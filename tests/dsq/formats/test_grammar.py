@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from dsq.formats import GRAMMAR, parse_format
+from dsq.warn_once import warn_once
 
 
 @pytest.mark.parametrize(
@@ -119,7 +120,7 @@ def test_auto_falls_back_with_one_logged_reason(caplog, monkeypatch):
     monkeypatch.delenv("DSQ_BACKEND", raising=False)
     monkeypatch.setattr(backends, "AUTO_ORDER", {"meta": ("compile", "reference")})
     backends.auto_backend.cache_clear()
-    backends._log_once.cache_clear()
+    warn_once.cache_clear()
     try:
         with caplog.at_level(logging.INFO, logger="dsq.formats"):
             for _ in range(3):

@@ -24,6 +24,7 @@ from helpers.attention import MASKS, cfg_of, inputs, mask_keywords
 pytest.importorskip("triton")
 
 from dsq.engine.attention import dsq_attention  # noqa: E402
+from dsq.warn_once import warn_once
 
 pytestmark = pytest.mark.slow  # the interpreter runs each program in Python
 
@@ -104,9 +105,8 @@ def test_the_causal_rule_and_a_tile_of_keys_past_the_queries(monkeypatch):
 def test_a_call_the_kernels_do_not_hold_runs_the_torch_kernel_and_says_so(
     monkeypatch, caplog, preset, changes, lacks
 ):
-    from dsq.engine import attention
 
-    attention._log_once.cache_clear()
+    warn_once.cache_clear()
     monkeypatch.setenv("DSQ_BACKEND", "triton")
     with caplog.at_level(logging.WARNING, logger="dsq.engine.attention"):
         got = attention_and_grads(preset, {"causal": True}, {}, **changes)

@@ -20,6 +20,7 @@ from helpers.tensors import assert_bitwise_equal
 
 from dsq.formats import backend_c, backends, parse_format
 from dsq.kernels import cpu as c_kernels
+from dsq.warn_once import warn_once
 
 pytestmark = pytest.mark.skipif(
     backends.unavailable_reason("c", "cpu") is not None,
@@ -255,7 +256,7 @@ def fresh_loader(monkeypatch, tmp_path):
         c_kernels.build_failure.cache_clear()
         backends.auto_backend.cache_clear()
         backend_c.unavailable_reason.cache_clear()
-        backends._log_once.cache_clear()
+        warn_once.cache_clear()
 
     forget()
     yield forget
