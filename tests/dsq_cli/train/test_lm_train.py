@@ -189,13 +189,24 @@ def test_a_resumed_run_repeats_the_uninterrupted_one(corpus, tmp_path, monkeypat
     assert result_of(straight)["value"] == result_of(stopped)["value"]
 
 
-def test_checkpointing_runs_the_decoder_layers_again(corpus, tmp_path):
-    result = RUNNER.invoke(
-        app, ["train", *config(corpus, tmp_path, "train.activation_checkpointing=true")]
-    )
-    assert result.exit_code == 0, result.output
-    (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
-    assert "1 layers checkpointed" in (run_dir / "train.log").read_text()
+def test_checkpointing_runs_the_decoder_layers_again_and_trains_as_without_it(corpus, tmp_path):
+    """dsq (the default preset) with the layers run again in the backward pass: the layer run
+    again quantizes as the first forward did, so every loss is the one without checkpointing,
+    bit for bit (the memory it saves costs no quality)."""
+    losses = {}
+    for checkpointing in ("false", "true"):
+        root = tmp_path / checkpointing
+        args = config(corpus, root, f"train.activation_checkpointing={checkpointing}")
+        result = RUNNER.invoke(app, ["train", *args])
+        assert result.exit_code == 0, result.output
+        (run_dir,) = [p for p in root.iterdir() if p.is_dir()]
+        said = (run_dir / "train.log").read_text()
+        assert ("1 layers checkpointed" in said) == (checkpointing == "true")
+        losses[checkpointing] = [
+            (m["kind"], m["update"], m.get("loss", m.get("valid_loss")))
+            for m in read_jsonl(run_dir / "metrics.jsonl")
+        ]
+    assert len(losses["true"]) > 6 and losses["true"] == losses["false"]
 
 
 @pytest.mark.parametrize(
