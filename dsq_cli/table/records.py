@@ -6,6 +6,7 @@ from .cells import METRIC, PAPER_REFERENCE, Cell, Column, Table
 from .intervals import (
     Interval,
 )
+from .post_move import post_move_records
 from .text import legend_lines
 
 CSV_COLUMNS = (
@@ -227,8 +228,20 @@ def as_json(table: Table) -> dict:
         if table.margins
         else None,
         "cells": cells,
+        # --endpoint post-move: each rising row minus each static control, as markdown's block
+        "post_move": [_post_move_record(r) for r in post_move_records(table)]
+        if table.post_move
+        else None,
         "baselines": table.baselines,
         "reference": {"paper": dict(PAPER_REFERENCE), "ours": table.rebased()},
         "legend": legend_lines(table),
         "warnings": table.warnings,
     }
+
+
+def _post_move_record(record: dict) -> dict:
+    interval = record["interval"]
+    fields = interval.as_dict() if interval else {**_interval_fields(None), "sd": None}
+    return {"row": record["row"], "control": record["control"], "column": record["column"],
+            **fields, **{key: record[key] for key in ("p", "p_adjusted", "margin", "equivalent",
+                         "equivalence_p", "equivalence_p_adjusted", "unmoved")}}  # fmt: skip

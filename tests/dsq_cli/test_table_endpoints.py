@@ -74,7 +74,8 @@ def test_holm_steps_down_and_never_decreases():
 def test_post_move_loss_of_the_rising_stash_against_its_control_recomputed_by_hand():
     found = table.collect([CONVERGENCE], endpoint="post-move")
     records = {(r["row"], r["control"]): r for r in table.post_move_records(found)}
-    mine = records[("bfp6_rising_stash", "bfp6_stash_bfp3")]
+    mine_pair = ("bfp6_rising_stash", "bfp6_stash_bfp3")
+    mine = records[mine_pair]
     differences = []
     for seed in SEEDS:
         moved = record(seed, "bfp6_rising_stash")["precision_segments"][0]["updates"]
@@ -90,6 +91,12 @@ def test_post_move_loss_of_the_rising_stash_against_its_control_recomputed_by_ha
         high
     )
     assert mine["p"] == pytest.approx(p, rel=1e-6)
+    # JSON carries the block as markdown prints it, with the adjusted p beside the raw one
+    block = json_table("--endpoint", "post-move", "--adjust", "holm")["post_move"]
+    (as_json,) = [r for r in block if (r["row"], r["control"]) == mine_pair]
+    assert (as_json["low"], as_json["high"], as_json["n"]) == pytest.approx((low, high, 5))
+    assert as_json["p"] == pytest.approx(p, rel=1e-6) and as_json["p_adjusted"] >= as_json["p"]
+    assert json_table("--against", "fp32")["post_move"] is None  # not asked for
     # the static controls of a rising row are the rows of its points with the stash at a level
     assert set(table.static_controls(found, "bfp6_rising_stash")) == {
         "bfp6", "bfp6_stash_bfp3", "bfp6_stash_bfp4",
