@@ -1,0 +1,58 @@
+"""scripts/study_blocks.py: a protocol's block of comparisons, Holm-adjusted over the block, is
+what docs/results.md's answer tables show; its verdicts follow the protocol's rule; and a block
+with a run missing is not compared."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("study_blocks", REPO / "scripts" / "study_blocks.py")
+study_blocks = importlib.util.module_from_spec(_spec)
+sys.modules["study_blocks"] = study_blocks  # its dataclasses look their module up there
+_spec.loader.exec_module(study_blocks)
+
+
+def docs_table(heading: str) -> str:
+    """The table of docs/results.md that starts at the line ``heading``."""
+    lines = (REPO / "docs" / "results.md").read_text().splitlines()
+    start = lines.index(heading)
+    end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
+    return "\n".join(lines[start:end]) + "\n"
+
+
+@pytest.mark.slow
+def test_the_clean_controls_answer_in_the_docs_is_what_the_script_prints(monkeypatch):
+    monkeypatch.chdir(REPO)
+    printed = study_blocks.markdown(study_blocks.clean_control())
+    assert printed == docs_table(printed.splitlines()[0])
+    assert printed.count("| equivalent |") == 2 and printed.count("| not resolved |") == 2
+
+
+@pytest.mark.parametrize(("mean", "p_held", "tost_held", "says"), [
+    (-0.01, 0.01, 0.01, "better"),  # a lower loss is better; a difference beats equivalence
+    (+0.01, 0.04, 0.01, "worse"),
+    (-0.01, 0.06, 0.049, "equivalent"),
+    (-0.01, 0.06, 0.05, "not resolved"),  # 5% exactly does not reject
+])  # fmt: skip
+def test_a_verdict_reads_the_adjusted_p_values(mean, p_held, tost_held, says):
+    assert study_blocks.verdict(mean, p_held, tost_held) == says
+
+
+def test_a_block_with_a_run_missing_is_not_compared(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    record = tmp_path / "results" / "lm" / "seed1" / "quant-dsq" / "result.json"
+    record.parent.mkdir(parents=True)
+    record.write_text("{}")
+    with pytest.raises(FileNotFoundError, match="a block is compared only once all its runs"):
+        study_blocks.rows(study_blocks.lm())
+    assert study_blocks.main(["lm"]) == 2
+    said = capsys.readouterr().err
+    assert "no record in results/lm/seed1/quant-amp_bf16" in said
+    assert "results/lm/seed1/quant-dsq," not in said  # the run that is in is not named
+    assert study_blocks.main(["nine"]) == 2
+    assert "one of clean-control, lm" in capsys.readouterr().err
