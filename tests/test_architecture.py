@@ -247,3 +247,12 @@ def test_the_table_packages_modules_import_only_those_before_them():
                      and node.module.startswith("dsq_cli.table.")}  # fmt: skip
         later = imported - set(TABLE_ORDER[:position])
         assert not later, f"table/{name}.py imports {sorted(later)}, which come after it"
+
+
+def test_the_readmes_layout_names_every_script():
+    """The README's layout lists scripts/ by name: a new script is named there, not found later."""
+    readme = (REPO / "README.md").read_text()
+    layout = readme[readme.index("scripts/ ") : readme.index("tests/ ")]
+    unnamed = [p.name for p in (REPO / "scripts").iterdir()
+               if p.is_file() and p.stem not in layout]  # fmt: skip
+    assert unnamed == [], f"README.md's layout does not name scripts/{unnamed}"
