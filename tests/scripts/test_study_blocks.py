@@ -5,6 +5,7 @@ with a run missing is not compared."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -56,3 +57,47 @@ def test_a_block_with_a_run_missing_is_not_compared(tmp_path, monkeypatch, capsy
     assert "results/lm/seed1/quant-dsq," not in said  # the run that is in is not named
     assert study_blocks.main(["nine"]) == 2
     assert "one of clean-control, lm" in capsys.readouterr().err
+
+
+def _scipy_numbers(comparison) -> tuple[float, float, float, float]:
+    """mean, p and TOST p (margin 0.02) of a comparison, from its records with scipy."""
+    stats = pytest.importorskip("scipy.stats")
+
+    def result(run):
+        return json.loads((run / "result.json").read_text())
+
+    def valid_losses(run):
+        lines = (run / "metrics.jsonl").read_text().splitlines()
+        entries = [json.loads(x) for x in lines if x.strip()]
+        return {e["update"]: e["valid_loss"] for e in entries if e.get("kind") == "valid"}
+
+    differences = []
+    for mine, theirs in comparison.pairs:
+        if comparison.endpoint == "last-loss":
+            last = [result(run)["checkpoints"]["last"]["valid_loss"] for run in (mine, theirs)]
+            differences.append(last[0] - last[1])
+            continue
+        segments = result(mine)["precision_segments"]
+        if len(segments) < 2:
+            continue  # never moved: no post-move pair
+        moved = segments[0]["updates"]
+        a, b = valid_losses(mine), valid_losses(theirs)
+        after = [u for u in a if u > moved and u in b]
+        differences.append(min(a[u] for u in after) - min(b[u] for u in after))
+    n = len(differences)
+    mean, se = sum(differences) / n, stats.sem(differences)
+    p = stats.ttest_1samp(differences, 0.0).pvalue
+    tost = max(stats.t.sf((mean + 0.02) / se, n - 1), stats.t.cdf((mean - 0.02) / se, n - 1))
+    return mean, n, p, tost
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["clean-control"])
+def test_each_comparison_of_a_block_is_its_records_recomputed_with_scipy(name, monkeypatch):
+    monkeypatch.chdir(REPO)
+    block = study_blocks.BLOCKS[name]()
+    for comparison, found in zip(block.comparisons, study_blocks.rows(block)):
+        mean, n, p, tost = _scipy_numbers(comparison)
+        assert (found["mean"], found["n"]) == (pytest.approx(mean, abs=1e-12), n), comparison
+        assert found["p"] == pytest.approx(p, rel=1e-6), comparison
+        assert found["equivalence_p"] == pytest.approx(tost, rel=1e-6), comparison
