@@ -27,11 +27,15 @@ def docs_table(heading: str) -> str:
 
 
 @pytest.mark.slow
-def test_the_clean_controls_answer_in_the_docs_is_what_the_script_prints(monkeypatch):
+@pytest.mark.parametrize(("name", "verdicts"), [
+    ("clean-control", {"equivalent": 2, "not resolved": 2}),
+    ("lm", {"better": 2, "not resolved": 5, "worse": 2}),
+])  # fmt: skip
+def test_a_blocks_answer_in_the_docs_is_what_the_script_prints(name, verdicts, monkeypatch):
     monkeypatch.chdir(REPO)
-    printed = study_blocks.markdown(study_blocks.clean_control())
+    printed = study_blocks.markdown(study_blocks.BLOCKS[name]())
     assert printed == docs_table(printed.splitlines()[0])
-    assert printed.count("| equivalent |") == 2 and printed.count("| not resolved |") == 2
+    assert {v: printed.count(f"| {v} |") for v in verdicts} == verdicts
 
 
 @pytest.mark.parametrize(("mean", "p_held", "tost_held", "says"), [
@@ -92,7 +96,7 @@ def _scipy_numbers(comparison) -> tuple[float, float, float, float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["clean-control"])
+@pytest.mark.parametrize("name", ["clean-control", "lm"])
 def test_each_comparison_of_a_block_is_its_records_recomputed_with_scipy(name, monkeypatch):
     monkeypatch.chdir(REPO)
     block = study_blocks.BLOCKS[name]()
