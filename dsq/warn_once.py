@@ -15,12 +15,14 @@ import logging
 _said: dict[tuple[str, str], None] = {}
 
 
-def warn_once(log: logging.Logger, message: str) -> None:
-    """Log ``message`` as a warning of ``log`` the first time this process asks, else nothing."""
-    key = (log.name, message)
+def warn_once(logger: str, message: str) -> None:
+    """Log ``message`` as a warning of the logger named ``logger`` the first time this process
+    asks, else nothing. The logger goes by its name, a string: torch.compile hashes a key of
+    strings as a constant, where a Logger's attribute in the key would break the graph."""
+    key = (logger, message)
     if key not in _said:
         _said[key] = None
-        log.warning(message)
+        logging.getLogger(logger).warning(message)
 
 
 # tests: forget what was said, so that a test sees its warning whatever ran before it

@@ -32,7 +32,8 @@ _SECRET_NAME = re.compile(
     re.IGNORECASE,
 )
 REDACTED = "<redacted>"
-log = logging.getLogger(__name__)
+LOGGER = __name__
+log = logging.getLogger(LOGGER)
 
 
 def new_run_dir(root: str | os.PathLike, name: str) -> Path:
@@ -116,7 +117,7 @@ def _no_locks_here(path: Path, err: OSError) -> None:
     if err.errno not in _NO_LOCKS:
         raise err
     warn_once(
-        log,
+        LOGGER,
         f"dsq: {path.parent}: this file system takes no locks ({os.strerror(err.errno)}); "
         "runs there are not protected from being trained by two processes at once",
     )

@@ -75,7 +75,8 @@ from .functions import (
 # tensors are alive at once, about 8 MiB each, whatever the batch
 TILE_ELEMENTS = 2**21
 
-log = logging.getLogger(__name__)
+LOGGER = __name__
+log = logging.getLogger(LOGGER)
 
 
 # -- the definition -----------------------------------------------------------------------------
@@ -588,7 +589,7 @@ def _triton_kernels(call: _Call, q0, k0, v0, *others):
     reason = attention_triton.unsupported_reason(q0, k0, v0, call.points, call.dropout, *others)
     if reason is not None:
         # the run is slower, not different
-        warn_once(log, f"dsq: attention runs its torch kernel on the triton backend here: the "
+        warn_once(LOGGER, f"dsq: attention runs its torch kernel on the triton backend here: the "
                        f"Triton kernels do not hold {reason}")  # fmt: skip
         return None
     return attention_triton

@@ -65,7 +65,8 @@ MIN_MACS = 2**24
 SLICE_ELEMENTS = 2**20
 SLICE_ROWS = 64
 
-log = logging.getLogger("dsq.engine")
+LOGGER = "dsq.engine"
+log = logging.getLogger(LOGGER)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +103,7 @@ def offered_units(device: torch.device) -> tuple[str, ...]:
         reason = cpu_unavailable_reason()
         if reason is None:
             return ("bf16", "bf16x2") if compute.cpu_split_pays() else ("bf16",)
-        warn_once(log, f"dsq: quantized GEMMs run in float32 on this CPU: {reason}")
+        warn_once(LOGGER, f"dsq: quantized GEMMs run in float32 on this CPU: {reason}")
         return ()
     if device.type == "cuda":
         capability = cuda_capability(device)
@@ -110,13 +111,13 @@ def offered_units(device: torch.device) -> tuple[str, ...]:
             if torch_mm_takes_out_dtype():
                 return REDUCED_UNITS  # all three
             warn_once(
-                log,
+                LOGGER,
                 "dsq: bf16 GEMMs need torch.mm(..., out_dtype=) (torch 2.8 and later); this "
                 f"torch {torch.__version__} runs quantized GEMMs on TF32 or in float32",
             )
             return ("tf32",)
         warn_once(
-            log,
+            LOGGER,
             f"dsq: quantized GEMMs run in float32 on this GPU: compute capability "
             f"{capability[0]}.{capability[1]} has no bf16 or TF32 tensor cores (8.0 and later do)",
         )
@@ -254,7 +255,7 @@ def _gemm(a, b, how: GemmPlan, bias, b_ready=None):
 
 def _fallback(how: GemmPlan) -> None:
     warn_once(
-        log,
+        LOGGER,
         f"dsq: a GEMM planned on {how.unit} ran in float32: an operand held a value that is not "
         f"a {how.unit} number or is below 2^-63 in magnitude, or the unit refused the call "
         f'(docs/dsq.md, "GEMM units")',

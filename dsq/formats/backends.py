@@ -67,7 +67,8 @@ _MODULES = {
 # pairs of BFP: ``fusable_quantize_and_pack`` and ``quantize_and_pack``, ``fusable_quantize_chain``
 # and ``quantize_chain``).
 REQUIRED_OPS = ("quantize", "pack", "unpack")
-log = logging.getLogger("dsq.formats")
+LOGGER = "dsq.formats"
+log = logging.getLogger(LOGGER)
 
 # (backend, family, operation) -> the kernel
 _KERNELS: dict[tuple[str, str, str], Callable] = {}
@@ -141,7 +142,9 @@ def kernel(family: str, op: str, backend: str) -> Callable:
     reference = _KERNELS.get(("reference", family, op))
     if reference is None:
         raise KeyError(f"format family {family!r} has no operation {op!r}")
-    warn_once(log, f"dsq: the {backend} backend has no {family} {op} kernel; the reference runs it")
+    warn_once(
+        LOGGER, f"dsq: the {backend} backend has no {family} {op} kernel; the reference runs it"
+    )
     return reference
 
 
@@ -233,7 +236,7 @@ def auto_backend(device_type: str) -> str:
         reason = unavailable_reason(name, device_type)
         if reason is None:
             if reasons:
-                warn_once(log, f"dsq: quantizers on the {name} backend ({'; '.join(reasons)})")
+                warn_once(LOGGER, f"dsq: quantizers on the {name} backend ({'; '.join(reasons)})")
             return name
         reasons.append(f"{name}: {reason}")
     raise AssertionError("the reference backend runs everywhere")  # pragma: no cover

@@ -21,7 +21,8 @@ import torch
 
 from dsq.warn_once import warn_once
 
-log = logging.getLogger("dsq.formats")
+LOGGER = "dsq.formats"
+log = logging.getLogger(LOGGER)
 
 
 def cpu_bf16_unavailable_reason() -> str | None:
@@ -98,7 +99,7 @@ def _padded_gemm(a, b, bias, split, b_ready=None):
         else:
             out = onednn.gemm_bf16(ab, bb[0], bias).add_(onednn.gemm_bf16(ab, bb[1]))
     except RuntimeError as err:  # a layout oneDNN refuses: float32 runs it instead
-        warn_once(log, f"dsq: a bf16 GEMM ran in float32: {err}")
+        warn_once(LOGGER, f"dsq: a bf16 GEMM ran in float32: {err}")
         return None
     if rows > 1 and pm != m:
         out = out[:rows, :m].clone(memory_format=torch.contiguous_format)
