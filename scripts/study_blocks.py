@@ -44,10 +44,10 @@ class Comparison:
     endpoint: str  # last-loss | post-move
     pairs: tuple[tuple[Path, Path], ...]
 
-    @property
-    def label(self) -> str:
+    def label(self, n: int) -> str:
+        """The comparison's name with ``n``, the pairs it was computed on."""
         before = f"{self.setting}, " if self.setting else ""
-        return f"{before}{ENDPOINTS[self.endpoint]} (n={len(self.pairs)})"
+        return f"{before}{ENDPOINTS[self.endpoint]} (n={n})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +110,8 @@ def _table_json(comparison: Comparison) -> dict:
                "--margin", f"0.5,{MARGIN}", "--endpoint", comparison.endpoint]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
-        sys.exit(f"study_blocks: `dsq table` failed for {comparison.label}: {done.stderr.strip()}")
+        what = f"{comparison.row} - {comparison.against}, {comparison.endpoint}"
+        sys.exit(f"study_blocks: `dsq table` failed for {what}: {done.stderr.strip()}")
     return json.loads(done.stdout)
 
 
@@ -140,13 +141,18 @@ def rows(block: Block) -> list[dict]:
         raise FileNotFoundError(f"no record in {', '.join(missing)}; a block is compared only "
                                 "once all its runs are in")  # fmt: skip
     found = [measured(c) for c in block.comparisons]
+    for comparison, record in zip(block.comparisons, found):
+        if record["p"] is None:  # a block fixed in advance is adjusted over all its comparisons
+            raise ValueError(f"{comparison.row} - {comparison.against}, {comparison.endpoint}: "
+                             f"{record['n']} pairs, too few for a paired test")  # fmt: skip
     for record, p_held, tost_held in zip(found, holm([r["p"] for r in found]),
                                          holm([r["equivalence_p"] for r in found])):  # fmt: skip
         record.update(p_held=p_held, tost_held=tost_held,
                       verdict=verdict(record["mean"], p_held, tost_held))  # fmt: skip
     for comparison, record in zip(block.comparisons, found):
         if record["n"] != len(comparison.pairs):
-            record["verdict"] += f" ({len(comparison.pairs) - record['n']} seeds did not move)"
+            left = len(comparison.pairs) - record["n"]
+            record["verdict"] += f" ({left} seeds without a post-move pair)"
     return found
 
 
@@ -156,7 +162,7 @@ def markdown(block: Block) -> str:
         interval = f"{r['mean']:+.3f} [{r['low']:+.3f}, {r['high']:+.3f}]"
         p = f"{r['p']:.3f} | {r['p_held']:.3f}"
         tost = f"{r['equivalence_p']:.4f} | {r['tost_held']:.4f}"
-        lines.append(f"| {comparison.label} | {interval} | {p} | {tost} | {r['verdict']} |")
+        lines.append(f"| {comparison.label(r['n'])} | {interval} | {p} | {tost} | {r['verdict']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -167,7 +173,7 @@ def main(argv: list[str]) -> int:
         return 2
     try:
         sys.stdout.write(markdown(BLOCKS[argv[0]]()))
-    except FileNotFoundError as err:
+    except (FileNotFoundError, ValueError) as err:
         print(f"study_blocks: {err}", file=sys.stderr)
         return 2
     return 0
