@@ -44,6 +44,10 @@ class Comparison:
     endpoint: str  # last-loss | post-move
     pairs: tuple[tuple[Path, Path], ...]
 
+    @property
+    def name(self) -> str:
+        return f"{self.row} - {self.against}, {self.endpoint}"
+
     def label(self, n: int) -> str:
         """The comparison's name with ``n``, the pairs it was computed on."""
         before = f"{self.setting}, " if self.setting else ""
@@ -110,8 +114,7 @@ def _table_json(comparison: Comparison) -> dict:
                "--margin", f"0.5,{MARGIN}", "--endpoint", comparison.endpoint]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
-        what = f"{comparison.row} - {comparison.against}, {comparison.endpoint}"
-        sys.exit(f"study_blocks: `dsq table` failed for {what}: {done.stderr.strip()}")
+        sys.exit(f"study_blocks: `dsq table` failed for {comparison.name}: {done.stderr.strip()}")
     return json.loads(done.stdout)
 
 
@@ -120,10 +123,10 @@ def measured(comparison: Comparison) -> dict:
     found = _table_json(comparison)
     if comparison.endpoint == "post-move":
         (record,) = [r for r in found["post_move"] if r["control"] == comparison.against]
-        return {key: record[key] for key in ("mean", "low", "high", "n", "p", "equivalence_p")}
-    (cell,) = found["cells"][comparison.row].values()
-    difference = cell["measures"]["last_valid_loss"]["difference"]
-    return {key: difference[key] for key in ("mean", "low", "high", "n", "p", "equivalence_p")}
+    else:
+        (cell,) = found["cells"][comparison.row].values()
+        record = cell["measures"]["last_valid_loss"]["difference"]
+    return {key: record[key] for key in ("mean", "low", "high", "n", "p", "equivalence_p")}
 
 
 def verdict(mean: float, p_held: float, tost_held: float) -> str:
@@ -143,8 +146,8 @@ def rows(block: Block) -> list[dict]:
     found = [measured(c) for c in block.comparisons]
     for comparison, record in zip(block.comparisons, found):
         if record["p"] is None:  # a block fixed in advance is adjusted over all its comparisons
-            raise ValueError(f"{comparison.row} - {comparison.against}, {comparison.endpoint}: "
-                             f"{record['n']} pairs, too few for a paired test")  # fmt: skip
+            raise ValueError(f"{comparison.name}: {record['n']} pairs, too few for a paired "
+                             "test")  # fmt: skip
     for record, p_held, tost_held in zip(found, holm([r["p"] for r in found]),
                                          holm([r["equivalence_p"] for r in found])):  # fmt: skip
         record.update(p_held=p_held, tost_held=tost_held,

@@ -229,7 +229,7 @@ def as_json(table: Table) -> dict:
         else None,
         "cells": cells,
         # --endpoint post-move: each rising row minus each static control, as markdown's block
-        "post_move": [_post_move_record(r) for r in post_move_records(table)]
+        "post_move": [_post_move_record(r, table.level) for r in post_move_records(table)]
         if table.post_move
         else None,
         "baselines": table.baselines,
@@ -239,9 +239,12 @@ def as_json(table: Table) -> dict:
     }
 
 
-def _post_move_record(record: dict) -> dict:
+def _post_move_record(record: dict, level: float) -> dict:
+    """One pair of the post-move block, its interval's keys present whether or not a pair moved
+    (as a measure's record has them)."""
     interval = record["interval"]
-    fields = interval.as_dict() if interval else {**_interval_fields(None), "sd": None}
+    fields = interval.as_dict() if interval else {**_interval_fields(None), "sd": None,
+                                                  "level": level}  # fmt: skip
     return {"row": record["row"], "control": record["control"], "column": record["column"],
             **fields, **{key: record[key] for key in ("p", "p_adjusted", "margin", "equivalent",
                          "equivalence_p", "equivalence_p_adjusted", "unmoved")}}  # fmt: skip
