@@ -45,6 +45,12 @@ def corpus(tmp_path):
     return path
 
 
+def losses(run_dir):
+    """Every training and validation loss a run logged, with its kind and update."""
+    return [(m["kind"], m["update"], m.get("loss", m.get("valid_loss")))
+            for m in read_jsonl(run_dir / "metrics.jsonl")]  # fmt: skip
+
+
 def config(corpus, root, *extra):
     return [
         "task=lm",
@@ -181,10 +187,6 @@ def test_a_resumed_run_repeats_the_uninterrupted_one(corpus, tmp_path, monkeypat
     cfg, resumed = load_resume(str(stopped), [f"resume={stopped}"])
     assert train(cfg, resume=resumed).status == "completed"
 
-    def losses(run_dir):
-        return [(m["kind"], m["update"], m.get("loss", m.get("valid_loss")))
-                for m in read_jsonl(run_dir / "metrics.jsonl")]  # fmt: skip
-
     assert losses(straight) == losses(stopped)
     assert result_of(straight)["value"] == result_of(stopped)["value"]
 
@@ -193,7 +195,7 @@ def test_checkpointing_runs_the_decoder_layers_again_and_trains_as_without_it(co
     """dsq (the default preset) with the layers run again in the backward pass: the layer run
     again quantizes as the first forward did, so every loss is the one without checkpointing,
     bit for bit (the memory it saves costs no quality)."""
-    losses = {}
+    runs = {}
     for checkpointing in ("false", "true"):
         root = tmp_path / checkpointing
         args = config(corpus, root, f"train.activation_checkpointing={checkpointing}")
@@ -202,11 +204,8 @@ def test_checkpointing_runs_the_decoder_layers_again_and_trains_as_without_it(co
         (run_dir,) = [p for p in root.iterdir() if p.is_dir()]
         said = (run_dir / "train.log").read_text()
         assert ("1 layers checkpointed" in said) == (checkpointing == "true")
-        losses[checkpointing] = [
-            (m["kind"], m["update"], m.get("loss", m.get("valid_loss")))
-            for m in read_jsonl(run_dir / "metrics.jsonl")
-        ]
-    assert len(losses["true"]) > 6 and losses["true"] == losses["false"]
+        runs[checkpointing] = losses(run_dir)
+    assert len(runs["true"]) > 6 and runs["true"] == runs["false"]
 
 
 @pytest.mark.parametrize(
