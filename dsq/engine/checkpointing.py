@@ -18,8 +18,8 @@ the input passes to the residual stream unchanged (as through a rounding that is
 What changes numerically is the layer's input, rounded to the format at every checkpointed
 layer; the residual stream itself, outside the layers, stays float32. The layer run again there
 holds what it saves by the model's ``stash_scope=all`` rules (`patch.open_stash_all`), as its
-forward pass would have; under ``torch.utils.checkpoint`` the run again holds it as autograd
-saves it.
+forward pass would have, and so does a layer run again by ``torch.utils.checkpoint``
+(`checkpoint_under_the_rules`): its values are then those of the step without checkpointing.
 """
 
 from __future__ import annotations
@@ -48,6 +48,34 @@ def _contexts():
     return contextlib.nullcontext(), accounting.recomputation()
 
 
+def checkpoint_under_the_rules(checkpoint_function, function, *args, **kwargs):
+    """``checkpoint_function(function, *args, **kwargs)`` (``torch.utils.checkpoint``, either
+    form, or a model's own), where a ``stash_scope=all`` model's forward pass is open
+    (`patch.open_stash_all`): ``function``, run again in the backward pass, holds what it saves
+    by the model's rules across its whole run, as the forward pass holds it without
+    checkpointing, so the gradients are those of the step without checkpointing."""
+    stash_all = open_stash_all()
+    if stash_all is None:
+        return checkpoint_function(function, *args, **kwargs)
+
+    @functools.wraps(function)
+    def run(*run_args, **run_kwargs):
+        if torch._C._current_graph_task_id() == -1:  # the first run, in the forward pass
+            return function(*run_args, **run_kwargs)
+        with stash_all.recomputing():
+            return function(*run_args, **run_kwargs)
+
+    # what the checkpoint itself saves, the layer's inputs, is held as it is (the rule
+    # quant.saved.checkpoint=keep): packed, the run again would compute on other inputs than
+    # the forward pass did
+    with torch.autograd.graph.saved_tensors_hooks(_as_it_is, _as_it_is):
+        return checkpoint_function(run, *args, **kwargs)
+
+
+def _as_it_is(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 def checkpoint_layers(layers: Iterable[nn.Module], cfg: QuantConfig | None = None) -> int:
     """Run each of ``layers`` under non-reentrant activation checkpointing from now on (its
     ``forward`` replaced on the instance), where a gradient can follow; return how many. ``cfg``,
@@ -72,8 +100,8 @@ def checkpoint_layers(layers: Iterable[nn.Module], cfg: QuantConfig | None = Non
             held = None if cfg is None else cfg.saved_format("checkpoint")
             if held is not None:
                 return held_input_checkpoint(held, _forward, *args, **kwargs)
-            return checkpoint(_forward, *args, use_reentrant=False,
-                              context_fn=_contexts, **kwargs)  # fmt: skip
+            own = functools.partial(checkpoint, use_reentrant=False, context_fn=_contexts)
+            return checkpoint_under_the_rules(own, _forward, *args, **kwargs)
 
         layer.forward = checkpointed
         count += 1

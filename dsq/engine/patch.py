@@ -19,6 +19,8 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from dsq.warn_once import warn_once
+
 from .config import QuantConfig
 from .functions import dsq_linear
 from .masks import dsq_dropout, dsq_relu
@@ -428,20 +430,55 @@ def stash_all_hooks(cfg: QuantConfig, innermost=lambda: None, packed_once=None):
             packed_once[key] = (weakref.ref(t), weakref.ref(saved))
         return saved
 
-    def unpack(saved):
-        if isinstance(saved, _PackedSave):
-            return saved.packed.unpack()
-        return saved
+    return torch.autograd.graph.saved_tensors_hooks(pack, _unpack)
 
-    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+def _unpack(saved):
+    if isinstance(saved, _PackedSave):
+        return saved.packed.unpack()
+    return saved
+
+
+@contextlib.contextmanager
+def _held_by_the_rules_when_run_again(cfg: QuantConfig, innermost, packed_once):
+    """`stash_all_hooks` over a layer's forward run again in the backward pass. With a
+    checkpoint's own hooks on top (``torch.utils.checkpoint``, non-reentrant: they take each
+    recomputed tensor for the backward pass), each tensor goes to them as the rules' hooks would
+    give it back, packed and unpacked, so the backward pass reads the values it reads without
+    checkpointing; with none (the reentrant form, `held_input_checkpoint`), the rules' hooks
+    hold what is saved, as in a forward pass."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    hooks = stash_all_hooks(cfg, innermost, packed_once)
+    if top is None:
+        with hooks:
+            yield
+        return
+    rules_pack, (checkpoint_pack, checkpoint_unpack) = hooks.pack_hook, top
+
+    def pack(t):
+        return checkpoint_pack(_unpack(rules_pack(t)))
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, checkpoint_unpack):
+        yield
 
 
 def _a_parameter(t: torch.Tensor) -> bool:
     """A parameter or a view of one (an unpatched Linear saves ``weight.t()``): alive anyway, so
-    a packed copy would only add to what the step holds."""
+    a packed copy would only add to what the step holds. Other leaves needing a gradient are
+    packed as their kind says: a checkpointed layer's input, detached by the reentrant
+    ``torch.utils.checkpoint`` for its run again, is one, and is held as the forward pass held
+    it."""
     base = t._base if t._base is not None else t
-    return base.is_leaf and base.requires_grad
+    return isinstance(base, nn.Parameter)
 
+
+_RUN_AGAIN_UNWRAPPED = (
+    "dsq: stash_scope=all: a module of the model runs in the backward pass, under a checkpoint "
+    "dsq does not wrap (torch.utils.checkpoint called by your own code): its inputs and what it "
+    "saves are not held as the forward pass held them, so its gradients differ from a step "
+    "without checkpointing. Use the model's gradient_checkpointing_enable(), or pass your "
+    "checkpoint function through dsq.engine.checkpointing.checkpoint_under_the_rules"
+)
 
 # the `_StashAllEntry` whose hooks this thread has open (a patched model's forward pass)
 _OPEN = threading.local()
@@ -449,7 +486,8 @@ _OPEN = threading.local()
 
 def open_stash_all() -> _StashAllEntry | None:
     """The ``stash_scope=all`` entry of the model whose forward pass runs on this thread, if any:
-    a layer checkpointed inside it (`held_input_checkpoint`) runs its recomputation under it."""
+    a layer checkpointed inside it (`held_input_checkpoint`, `checkpoint_under_the_rules`) runs
+    its recomputation under it."""
     return getattr(_OPEN, "entry", None)
 
 
@@ -457,8 +495,9 @@ class _StashAllEntry:
     """The `stash_all_hooks` of one patched model, entered by whichever of its modules is called
     first and left when that call returns: calls nested inside it (the model's own submodules)
     enter nothing, but each call's module is known to the hooks (the kind of what it saves). In
-    the backward pass a call enters nothing either (``torch.utils.checkpoint``'s recomputation
-    holds its own saved-tensor hooks there), except inside `recomputing`. Each thread has its own
+    the backward pass a layer run again by a checkpoint runs inside `recomputing`, entered by
+    dsq's checkpoint wrappers; a call there outside it (a checkpoint of the user's own) enters
+    nothing and is warned of, once. Each thread has its own
     open calls and context (``nn.DataParallel`` runs the replicas' forwards on threads of their
     own)."""
 
@@ -488,7 +527,10 @@ class _StashAllEntry:
             modules = None
         if not modules and not getattr(self.local, "recomputing", False):
             if torch._C._current_graph_task_id() != -1:
-                return  # in a backward pass: a checkpointed layer run again by torch
+                # in a backward pass, outside dsq's checkpoint wrappers (they run it under
+                # `recomputing`): a checkpoint of the user's own runs the module again
+                warn_once(__name__, _RUN_AGAIN_UNWRAPPED)
+                return
             self.local.modules, self.local.packed_once = [], {}
             self.local.context = stash_all_hooks(self.cfg, self.innermost, self.local.packed_once)
             self.local.context.__enter__()
@@ -506,15 +548,16 @@ class _StashAllEntry:
     @contextlib.contextmanager
     def recomputing(self):
         """The hooks, with the modules called known to them, over a checkpointed layer's forward
-        run again in the backward pass (`held_input_checkpoint`): what it saves is held by the
-        same rules as in a forward pass. This thread's state outside is restored after."""
+        run again in the backward pass (`held_input_checkpoint`, `checkpoint_under_the_rules`):
+        what it saves is held by the same rules as in a forward pass
+        (`_held_by_the_rules_when_run_again`). This thread's state outside is restored after."""
         local = self.local
         outside = {k: getattr(local, k, None) for k in ("context", "modules", "packed_once")}
         was = getattr(local, "recomputing", False)
         local.context, local.modules, local.packed_once = None, [], {}
         local.recomputing = True
         try:
-            with stash_all_hooks(self.cfg, self.innermost, local.packed_once):
+            with _held_by_the_rules_when_run_again(self.cfg, self.innermost, local.packed_once):
                 yield
         finally:
             for key, value in outside.items():

@@ -45,7 +45,7 @@ from transformers.pytorch_utils import Conv1D
 from dsq import cost
 from dsq.atomic_files import atomic_path, write_atomic
 from dsq.engine.attention import dsq_attention, explicit_attention
-from dsq.engine.checkpointing import held_input_checkpoint
+from dsq.engine.checkpointing import checkpoint_under_the_rules, held_input_checkpoint
 from dsq.engine.config import POINTS, QuantConfig
 from dsq.engine.functions import dsq_linear
 from dsq.engine.history import PrecisionHistory
@@ -194,13 +194,12 @@ class TransformersPatcher:
 
     def finish(self, model, cfg, report, excluded) -> None:
         stochastic = [p for p, mode in cfg.rounding.items() if mode == "stochastic"]
-        held = cfg.saved_format("checkpoint")
         for prefix, inner in outermost_transformers_models(model):
             if stochastic:
                 hook = inner.register_forward_pre_hook(_RefuseCheckpointing(stochastic))
                 on_unpatch(inner, "remove", hook)
-            if held is not None:
-                _hold_checkpointed_inputs(inner, cfg, report, prefix)
+            if cfg.stash_scope == "all":
+                _checkpoint_under_the_rules(inner, cfg, report, prefix)
             where = f" of {prefix}" if prefix else ""
             try:
                 routed, excluded_names, note = route_attention(
@@ -235,12 +234,13 @@ class _RefuseCheckpointing:
             )
 
 
-class _HoldCheckpointedInput:
+class _CheckpointUnderTheRules:
     """Forward pre-hook and hook of a ``transformers`` layer that checkpoints
-    (``gradient_checkpointing_enable``): for the length of its call its checkpointing function is
-    `held_input_checkpoint` in the ``quant.saved.checkpoint`` format, and after the call the
-    model's own again, so that unpatching, or a later ``gradient_checkpointing_enable``, finds
-    the model's function in place."""
+    (``gradient_checkpointing_enable``) in a ``stash_scope=all`` model: for the length of its
+    call its checkpointing function is `held_input_checkpoint` in the
+    ``quant.saved.checkpoint`` format, or, with the rule ``keep``, the model's own with the layer
+    run again under the rules (`checkpoint_under_the_rules`); after the call the model's own is
+    back in place, so that unpatching, or a later ``gradient_checkpointing_enable``, finds it."""
 
     def __init__(self, cfg: QuantConfig):
         self.cfg = cfg
@@ -254,12 +254,17 @@ class _HoldCheckpointedInput:
         if own is not None:  # a call cut short before its hook ran
             module._gradient_checkpointing_func = own
         if module.gradient_checkpointing:
-            if module.training:
-                _refuse_what_holding_drops(module._gradient_checkpointing_func)
-            module.dsq_own_checkpointing = module._gradient_checkpointing_func
+            own = module._gradient_checkpointing_func
             # the rule's format at this call: `q1` follows the stash's schedule
             held = self.cfg.saved_format("checkpoint")
-            module._gradient_checkpointing_func = functools.partial(held_input_checkpoint, held)
+            if held is None:
+                replacement = functools.partial(checkpoint_under_the_rules, own)
+            else:
+                if module.training:
+                    _refuse_what_holding_drops(own)
+                replacement = functools.partial(held_input_checkpoint, held)
+            module.dsq_own_checkpointing = own
+            module._gradient_checkpointing_func = replacement
         return None
 
 
@@ -298,27 +303,28 @@ def _refuse_what_holding_drops(own) -> None:
         )
 
 
-def _hold_checkpointed_inputs(model, cfg: QuantConfig, report: PatchReport, prefix: str) -> None:
-    """Every layer of ``model`` that ``transformers`` checkpoints holds its input as
-    ``quant.saved.checkpoint`` says when checkpointing is on; a rule no layer would apply is
-    refused."""
+def _checkpoint_under_the_rules(model, cfg: QuantConfig, report: PatchReport, prefix: str):
+    """Every layer of ``model`` that ``transformers`` checkpoints runs under
+    `_CheckpointUnderTheRules` when checkpointing is on; a ``quant.saved.checkpoint`` rule no
+    layer would apply is refused."""
     what = cfg.spec.saved["checkpoint"]
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
-    if not layers:
+    if not layers and what != "keep":
         raise ValueError(
             f"quant.saved.checkpoint={what}: {type(model).__name__} has no layer that "
             "transformers checkpoints (GradientCheckpointingLayer); set quant.saved.checkpoint="
             "keep"
         )
-    hook = _HoldCheckpointedInput(cfg)
+    hook = _CheckpointUnderTheRules(cfg)
     for layer in layers:
         on_unpatch(layer, "remove", layer.register_forward_pre_hook(hook))
         on_unpatch(layer, "remove", layer.register_forward_hook(hook, always_call=True))
-    where = f" of {prefix}" if prefix else ""
-    report.notes.append(
-        f"checkpointed layer inputs{where} held in {what} under gradient checkpointing "
-        f"({len(layers)} layers)"
-    )
+    if what != "keep":
+        where = f" of {prefix}" if prefix else ""
+        report.notes.append(
+            f"checkpointed layer inputs{where} held in {what} under gradient checkpointing "
+            f"({len(layers)} layers)"
+        )
 
 
 def outermost_transformers_models(model: nn.Module) -> list[tuple[str, nn.Module]]:

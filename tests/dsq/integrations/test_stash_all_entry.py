@@ -120,17 +120,84 @@ def test_the_trainers_step_packs(monkeypatch, tmp_path, fresh_accelerate):
     assert spy.entered >= 1 and spy.packed > 0
 
 
-def test_a_checkpointed_layer_run_again_in_the_backward_pass_enters_nothing(monkeypatch):
-    """The checkpoint's own hooks hold the recomputation: the layers' hooks, called again there,
-    enter nothing (a pack there would take the recomputed tensors from the checkpoint, which
-    would fail), and every parameter gets its gradient."""
+def gradients(model) -> list[torch.Tensor]:
+    model.train()
+    model.zero_grad()
+    model(IDS, labels=IDS).loss.backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_layer_run_again_by_the_models_checkpointing_holds_by_the_rules(monkeypatch, reentrant):
+    """The model's gradient checkpointing runs each layer again in the backward pass: what that
+    run saves is held by the ``stash_scope=all`` rules as the forward pass holds it without
+    checkpointing (the values handed to the checkpoint's own hooks, non-reentrant, or packed,
+    reentrant), so every gradient is the same bits with checkpointing and without."""
+    without = gradients(llama())
     spy = Spy(monkeypatch)
     checkpointed = llama()
-    checkpointed.gradient_checkpointing_enable({"use_reentrant": False})
-    checkpointed.train()
-    checkpointed(IDS, labels=IDS).loss.backward()
-    assert spy.entered == 1
-    assert all(p.grad is not None for p in checkpointed.parameters())
+    checkpointed.gradient_checkpointing_enable({"use_reentrant": reentrant})
+    got = gradients(checkpointed)
+    assert spy.packed > 0 and not hooks_pushed()
+    for a, b in zip(got, without, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_checkpoint_layers_runs_a_layer_again_under_the_rules_across_its_whole_forward():
+    """fairseq's ``train.activation_checkpointing`` (`checkpoint_layers`) wraps a layer's
+    ``forward``, so the layer's own call is not seen again: the rules still hold what its forward
+    saves between its submodules (here a SiLU and a product in the layer's own code), and every
+    gradient is the same bits as without checkpointing."""
+    from dsq.engine.checkpointing import checkpoint_layers
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm, self.up = nn.LayerNorm(32), nn.Linear(32, 64)
+            self.gate, self.down = nn.Linear(32, 64), nn.Linear(64, 32)
+
+        def forward(self, x):
+            h = self.norm(x)
+            return x + self.down(nn.functional.silu(self.gate(h)) * self.up(h))
+
+    def run(checkpointed: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = quantize_model(nn.Sequential(Layer(), Layer()), ALL)
+        if checkpointed:
+            assert checkpoint_layers(list(model), ALL) == 2
+        x = torch.randn(2, 24, 32, generator=torch.Generator().manual_seed(1))
+        (model(x) ** 2).mean().backward()
+        assert not hooks_pushed()
+        return [p.grad for p in model.parameters()]
+
+    for a, b in zip(run(True), run(False), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_a_checkpoint_of_the_users_own_is_warned_of(caplog):
+    """A checkpoint dsq does not wrap (``torch.utils.checkpoint`` called in a user's module) runs
+    a layer again without the rules: the step's gradients then differ from one without
+    checkpointing, and a warning says so and names the fix."""
+    from torch.utils.checkpoint import checkpoint
+
+    from dsq.warn_once import warn_once
+
+    class Body(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Sequential(nn.Linear(32, 32), nn.SiLU())
+                                        for _ in range(2))  # fmt: skip
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = checkpoint(layer, x, use_reentrant=False)
+            return x
+
+    warn_once.cache_clear()
+    model = quantize_model(Body(), ALL)
+    with caplog.at_level("WARNING", logger="dsq.engine.patch"):
+        model(torch.randn(2, 8, 32, requires_grad=True)).sum().backward()
+    assert "checkpoint_under_the_rules" in caplog.text and not hooks_pushed()
 
 
 def hooks_pushed() -> bool:
