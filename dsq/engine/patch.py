@@ -405,7 +405,6 @@ def stash_all_hooks(cfg: QuantConfig, innermost=lambda: None, packed_once=None):
     def pack(t: torch.Tensor):
         if (
             not t.is_floating_point()
-            or isinstance(t, nn.Parameter)
             or t.numel() < 64
             or t.dim() == 0
             or t.shape[-1] < STASH_ALL_MIN_ROW

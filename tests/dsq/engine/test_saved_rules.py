@@ -18,8 +18,8 @@ from dsq.integrations import quantize_model
 
 
 def activation(*shape: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(leaf, activation): a leaf that requires grad is a parameter to the hooks, kept as it is;
-    the activation computed from it is what they pack."""
+    """(leaf, activation): the activation computed from a leaf, as a layer's input is computed
+    from what came before it; the hooks pack it by its kind."""
     leaf = torch.randn(*shape, generator=torch.Generator().manual_seed(0)).requires_grad_()
     return leaf, leaf * 1.0
 
@@ -139,6 +139,24 @@ def test_a_leaf_input_needing_no_gradient_is_packed_by_its_rule_and_a_parameter_
     held_x = parse_format("bfp6").quantize(x.detach(), -1)
     assert torch.equal(weight.grad, held_data + held_x)
     assert torch.equal(leaf.grad, weight.detach())  # read from the parameter itself
+
+
+def test_a_view_of_a_parameter_stays_as_it_is_and_a_leaf_activation_is_packed(monkeypatch):
+    """An unpatched Linear saves ``weight.t()``, a view of a parameter: kept (it is alive
+    anyway). A leaf that needs a gradient but is no parameter (the input the reentrant
+    checkpoint detaches for a layer's run again) is packed by its kind, as the activation it
+    stands for was in the forward pass."""
+    cfg = QuantConfig(q1="bfp2", stash_scope="all", saved={"elementwise": "bfp6"})
+    packs = spy_packs(monkeypatch)
+    weight = nn.Parameter(torch.randn(8, 64))
+    leaf = torch.randn(4, 64).requires_grad_()
+    with patch_module.stash_all_hooks(cfg):
+        y = leaf @ weight.t()  # saves the leaf (for the weight's gradient) and weight.t()
+    y.sum().backward()
+    assert packs == [("bfp6e8b16", (4, 64))]
+    held = parse_format("bfp6").quantize(leaf.detach(), -1)
+    assert torch.equal(weight.grad, torch.ones(4, 8).t() @ held)
+    assert torch.equal(leaf.grad, torch.ones(4, 8) @ weight.detach())
 
 
 def test_keep_holds_a_kind_as_autograd_saved_it_and_q1_follows_the_stash(monkeypatch):
