@@ -666,90 +666,63 @@ def _roberta_base_data(overrides: list[str]) -> None:
     )
 
 
+# dsq table's option help, kept apart so that the command reads as its options and one call
+_TABLE_HELP = {
+    "paths": "Run directories or roots searched recursively for result.json (default: runs).",
+    "format": "markdown | csv | latex | json",
+    "out": "Write the table to FILE instead of stdout.",
+    "plot": "Also draw metric against arithmetic and DRAM ratio to FILE.png.",
+    "wandb": "Also log the table (and --plot) as a wandb run, job_type table.",
+    "moves": "After the table, list each scheduled run's formats over its updates and its mean "
+    "stash bits (markdown; json: under moves).",
+    "frontier": "After the table, list per task and cost ratio the rows on the Pareto frontier, "
+    "what dominates each other row, and whether that holds within the seeds' intervals "
+    "(markdown; json: under frontier).",
+    "runs": "After the table, one line per run: its stash moves, best validation loss and "
+    "update, the metric of its best checkpoint and last model, its cost (markdown; json carries "
+    "each run under cells).",
+    "checkpoint": "best | last: every run's metric from that model (result.json's checkpoints) "
+    "instead of its own headline value (its eval.checkpoint).",
+    "against": "A row (e.g. fp32) every other row is compared with seed by seed: the paired "
+    "difference in the metric and in best validation loss, with its interval.",
+    "level": "Confidence level of every interval (Student t over seeds); 0.90 gives the "
+    "intervals of two one-sided equivalence tests at 5%.",
+    "margin": "With --against: equivalence margins stated in advance, the metric's and the best "
+    "validation loss's (e.g. 0.5,0.02); each paired interval inside ± its margin reads "
+    "'equivalent' (two one-sided tests; --level 0.90 for 5% each), else 'not shown'.",
+    "endpoint": "The loss rows are compared by: best-loss (the best validation loss of the run) "
+    'or last-loss (the last model\'s, whose paired spread is smaller; docs/table.md, "Endpoints").',
+    "adjust": "With --against: none, or holm (each p-value adjusted by Holm's method within its "
+    "block, one column's comparisons in one measure).",
+    "rows": "Only these rows, comma-separated without spaces (e.g. dsq,dsq_stash_bfp3), and "
+    "--against's; --frontier is then the frontier among them.",
+}
+
+
+def _table_option(default, *flags, name: str, **kwargs):
+    return typer.Option(default, *flags, help=_TABLE_HELP[name], **kwargs)
+
+
 @app.command("table")
 @usage_errors
 def table_cmd(
-    paths: list[str] = typer.Argument(
-        None, help="Run directories or roots searched recursively for result.json (default: runs)."
-    ),
-    fmt: str = typer.Option("markdown", "--format", help="markdown | csv | latex | json"),
-    out: str = typer.Option(None, "--out", help="Write the table to FILE instead of stdout."),
-    plot: str = typer.Option(
-        None, "--plot", help="Also draw metric against arithmetic and DRAM ratio to FILE.png."
-    ),
-    use_wandb: bool = typer.Option(
-        False, "--wandb", help="Also log the table (and --plot) as a wandb run, job_type table."
-    ),
+    paths: list[str] = typer.Argument(None, help=_TABLE_HELP["paths"]),
+    fmt: str = _table_option("markdown", "--format", name="format"),
+    out: str = _table_option(None, "--out", name="out"),
+    plot: str = _table_option(None, "--plot", name="plot"),
+    use_wandb: bool = _table_option(False, "--wandb", name="wandb"),
     wandb_project: str = typer.Option("dsq", help="wandb project for --wandb."),
     wandb_dir: str = typer.Option(".", help="Where --wandb writes its files (DIR/wandb)."),
-    moves: bool = typer.Option(
-        False,
-        "--moves",
-        help="After the table, list each scheduled run's formats over its updates and its mean "
-        "stash bits (markdown; json: under moves).",
-    ),
-    frontier: bool = typer.Option(
-        False,
-        "--frontier",
-        help="After the table, list per task and cost ratio the rows on the Pareto frontier, "
-        "what dominates each other row, and whether that holds within the seeds' intervals "
-        "(markdown; json: under frontier).",
-    ),
-    every_run: bool = typer.Option(
-        False,
-        "--runs",
-        help="After the table, one line per run: its stash moves, best validation loss and "
-        "update, the metric of its best checkpoint and last model, its cost (markdown; json "
-        "carries each run under cells).",
-    ),
-    checkpoint: str = typer.Option(
-        None,
-        "--checkpoint",
-        help="best | last: every run's metric from that model (result.json's checkpoints) "
-        "instead of its own headline value (its eval.checkpoint).",
-        show_default=False,
-    ),
-    against: str = typer.Option(
-        None,
-        "--against",
-        help="A row (e.g. fp32) every other row is compared with seed by seed: the paired "
-        "difference in the metric and in best validation loss, with its interval.",
-        show_default=False,
-    ),
-    level: float = typer.Option(
-        0.95,
-        "--level",
-        help="Confidence level of every interval (Student t over seeds); 0.90 gives the "
-        "intervals of two one-sided equivalence tests at 5%.",
-    ),
-    margin: str = typer.Option(
-        None,
-        "--margin",
-        help="With --against: equivalence margins stated in advance, the metric's and the best "
-        "validation loss's (e.g. 0.5,0.02); each paired interval inside ± its margin reads "
-        "'equivalent' (two one-sided tests; --level 0.90 for 5% each), else 'not shown'.",
-        show_default=False,
-    ),
-    endpoint: str = typer.Option(
-        "best-loss",
-        "--endpoint",
-        help="The loss rows are compared by: best-loss (the best validation loss of the run) or "
-        "last-loss (the last model's, whose paired spread is smaller; docs/table.md, "
-        '"Endpoints").',
-    ),
-    adjust: str = typer.Option(
-        "none",
-        "--adjust",
-        help="With --against: none, or holm (each p-value adjusted by Holm's method within its "
-        "block, one column's comparisons in one measure).",
-    ),
-    rows: str = typer.Option(
-        None,
-        "--rows",
-        help="Only these rows, comma-separated without spaces (e.g. dsq,dsq_stash_bfp3), and "
-        "--against's; --frontier is then the frontier among them.",
-        show_default=False,
-    ),
+    moves: bool = _table_option(False, "--moves", name="moves"),
+    frontier: bool = _table_option(False, "--frontier", name="frontier"),
+    every_run: bool = _table_option(False, "--runs", name="runs"),
+    checkpoint: str = _table_option(None, "--checkpoint", name="checkpoint", show_default=False),
+    against: str = _table_option(None, "--against", name="against", show_default=False),
+    level: float = _table_option(0.95, "--level", name="level"),
+    margin: str = _table_option(None, "--margin", name="margin", show_default=False),
+    endpoint: str = _table_option("best-loss", "--endpoint", name="endpoint"),
+    adjust: str = _table_option("none", "--adjust", name="adjust"),
+    rows: str = _table_option(None, "--rows", name="rows", show_default=False),
 ):
     """The paper's Table 1 from runs' result.json: presets as rows, tasks as columns
     (docs/table.md).
@@ -762,35 +735,26 @@ def table_cmd(
 
     if plot is not None and not plot.lower().endswith(".png"):
         raise ValueError(f"--plot writes a PNG; {plot!r} does not end in .png")
-    margins = None
-    if margin is not None:
-        try:
-            margins = tuple(float(m) for m in margin.split(","))
-        except ValueError:
-            raise ValueError(
-                "--margin is two finite positive numbers, the metric's and the best validation "
-                f"loss's, e.g. --margin 0.5,0.02; got {margin!r}"
-            ) from None
     request = table.TableRequest(
         paths=paths or ["runs"], checkpoint=checkpoint, fmt=fmt, level=level, against=against,
-        rows=None if rows is None else table.split_rows(rows), margins=margins,
-        endpoint=endpoint, adjust=adjust, moves=moves, frontier=frontier, every_run=every_run,
+        rows=None if rows is None else table.split_rows(rows), endpoint=endpoint, adjust=adjust,
+        margins=None if margin is None else table.split_margins(margin), moves=moves,
+        frontier=frontier, every_run=every_run,
     )  # fmt: skip
     made = table.make_table(request)
-    result_table, text = made.table, made.text
-    for warning in result_table.warnings:
+    for warning in made.table.warnings:
         typer.echo(f"dsq: warning: {warning}", err=True)
     if out is None:
-        typer.echo(text, nl=False)
+        typer.echo(made.text, nl=False)
     else:
-        write_atomic(out, text)
+        write_atomic(out, made.text)
         typer.echo(f"table: {out}")
     if plot is not None:
         from dsq_cli.plots import plot_frontier
 
-        typer.echo(f"plot: {plot_frontier(result_table, plot)}", err=out is None)
+        typer.echo(f"plot: {plot_frontier(made.table, plot)}", err=out is None)
     if use_wandb:
-        wandb_run = table.log_to_wandb(result_table, wandb_project, wandb_dir, plot)
+        wandb_run = table.log_to_wandb(made.table, wandb_project, wandb_dir, plot)
         typer.echo(f"wandb: {wandb_run.dir}", err=out is None)
 
 

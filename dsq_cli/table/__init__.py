@@ -43,7 +43,15 @@ from .cells import (
     Run,
     Table,
 )
-from .collect import collect, find_result_files, read_runs, row_name, row_preset, split_rows
+from .collect import (
+    collect,
+    find_result_files,
+    read_runs,
+    row_name,
+    row_preset,
+    split_margins,
+    split_rows,
+)
 from .frontier import (
     FRONTIER_HEADING,
     dominators,
@@ -65,7 +73,7 @@ __all__ = [
     "find_result_files", "frontier_lines", "frontier_records", "log_to_wandb", "make_table",
     "markdown_grid", "periodic_span", "point_stretches", "post_move_differences",
     "post_move_records", "read_runs", "render", "row_name", "row_preset", "run_grid",
-    "shared_seed_gains", "split_rows", "stash_moves", "static_controls",
+    "shared_seed_gains", "split_margins", "split_rows", "stash_moves", "static_controls",
 ]  # fmt: skip
 
 

@@ -219,6 +219,17 @@ def split_rows(text: str) -> list[str]:
     return [row.strip() for row in re.split(r",(?! )", text) if row.strip()]
 
 
+def split_margins(text: str) -> tuple[float, float]:
+    """``--margin``'s two margins, the metric's and the compared loss's (``0.5,0.02``)."""
+    try:
+        return tuple(float(m) for m in text.split(","))  # type: ignore[return-value]
+    except ValueError:
+        raise ValueError(
+            "--margin is two finite positive numbers, the metric's and the best validation "
+            f"loss's, e.g. --margin 0.5,0.02; got {text!r}"
+        ) from None
+
+
 def collect(
     paths: Iterable[str | os.PathLike],
     checkpoint: str | None = None,
