@@ -4,11 +4,12 @@ The other way to train with less memory: a checkpointed layer keeps only its inp
 backward pass and runs its forward again there, holding its activations for the length of its
 own backward. ``torch.utils.checkpoint`` in its non-reentrant form does this and works with any
 layer, patched by DSQ or not, under ``torch.autocast`` or not. A DSQ layer run again packs its
-stash again: with nearest rounding the values are those of the first forward (the formats in
-force do not change between a forward and its backward). The run's records count each GEMM once,
-as its first forward ran it (`accounting.recomputation`). Stochastic rounding would draw new
-noise for the second forward, so its stash would not be the one the loss was computed with:
-`checkpoint_layers` refuses it.
+stash again, with the values of the first forward: the formats in force do not change between
+a forward and its backward, and under stochastic rounding the run again draws the noise the
+first run drew (`run_again_as_first`: the noise generators are set back to their state before
+the first run, and after the run again to where the backward pass had them, so the backward
+pass's own draws are those of a step without checkpointing). The run's records count each GEMM
+once, as its first forward ran it (`accounting.recomputation`).
 
 The input a checkpointed layer keeps is float32, a layer's width of 4-byte values a token. Under
 ``stash_scope=all`` the rule ``quant.saved.checkpoint`` may hold it in a format instead
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from collections.abc import Iterable
 
 import torch
@@ -55,21 +57,71 @@ def checkpoint_under_the_rules(checkpoint_function, function, *args, **kwargs):
     by the model's rules across its whole run, as the forward pass holds it without
     checkpointing, so the gradients are those of the step without checkpointing."""
     stash_all = open_stash_all()
+    run = function if stash_all is None else run_again_as_first(function, rules=stash_all)
     if stash_all is None:
-        return checkpoint_function(function, *args, **kwargs)
-
-    @functools.wraps(function)
-    def run(*run_args, **run_kwargs):
-        if torch._C._current_graph_task_id() == -1:  # the first run, in the forward pass
-            return function(*run_args, **run_kwargs)
-        with stash_all.recomputing():
-            return function(*run_args, **run_kwargs)
-
+        return checkpoint_function(run, *args, **kwargs)
     # what the checkpoint itself saves, the layer's inputs, is held as it is (the rule
     # quant.saved.checkpoint=keep): packed, the run again would compute on other inputs than
     # the forward pass did
     with torch.autograd.graph.saved_tensors_hooks(_as_it_is, _as_it_is):
         return checkpoint_function(run, *args, **kwargs)
+
+
+_ALL_STOCHASTIC_Q1 = (
+    "stash_scope=all with stochastic rounding at q1 under checkpointing: the checkpoint holds "
+    "nothing in a layer's first run, so the saved tensors' noise would be drawn in its run again "
+    "only, and every later draw would differ. Round q1 to nearest, use stash_scope=gemm, or turn "
+    "checkpointing off"
+)
+
+
+def run_again_as_first(function, *, cfg: QuantConfig | None = None, device=None, rules=None):
+    """``function`` for a checkpoint, whose run again in the backward pass (a backward pass is
+    running) repeats its first run: under ``cfg``'s stochastic rounding it draws the noise the
+    first run drew on ``device``, and under ``rules`` (a ``stash_scope=all`` model's entry,
+    `patch.open_stash_all`) it holds what it saves by them. Call it just before the first run:
+    the noise's state is taken here."""
+    noise = None
+    stochastic = [] if cfg is None else [p for p, m in cfg.rounding.items() if m == "stochastic"]
+    if stochastic:
+        if "q1" in stochastic and open_stash_all() is not None:
+            raise ValueError(_ALL_STOCHASTIC_Q1)
+        cfg.generator(device)  # made now (seeded as it would be at its first draw), so known
+        noise = cfg.noise_state()
+    if noise is None and rules is None:
+        return function
+
+    @functools.wraps(function)
+    def run(*run_args, **run_kwargs):
+        if torch._C._current_graph_task_id() == -1:  # the first run, in the forward pass
+            if noise is not None and not torch.is_grad_enabled():
+                raise ValueError(
+                    f"stochastic rounding at {stochastic} under a reentrant checkpoint: its "
+                    "first run has no gradients, so it would draw other noise than its run "
+                    "again (which stashes). Checkpoint with use_reentrant=False "
+                    '(gradient_checkpointing_enable({"use_reentrant": False})), or round to '
+                    "nearest"
+                )
+            return function(*run_args, **run_kwargs)
+        with contextlib.ExitStack() as stack:
+            if noise is not None:
+                stack.enter_context(_noise_replayed(cfg, noise))
+            if rules is not None:
+                stack.enter_context(rules.recomputing())
+            return function(*run_args, **run_kwargs)
+
+    return run
+
+
+@contextlib.contextmanager
+def _noise_replayed(cfg: QuantConfig, first: dict):
+    """``cfg``'s noise generators at ``first`` for the block, and as they were after it."""
+    now = cfg.noise_state()
+    cfg.load_noise_state(first)
+    try:
+        yield
+    finally:
+        cfg.load_noise_state(now)
 
 
 def _as_it_is(t: torch.Tensor) -> torch.Tensor:
@@ -79,16 +131,12 @@ def _as_it_is(t: torch.Tensor) -> torch.Tensor:
 def checkpoint_layers(layers: Iterable[nn.Module], cfg: QuantConfig | None = None) -> int:
     """Run each of ``layers`` under non-reentrant activation checkpointing from now on (its
     ``forward`` replaced on the instance), where a gradient can follow; return how many. ``cfg``,
-    the model's QuantConfig if it is patched: stochastic rounding at any point is refused, and
-    a ``quant.saved.checkpoint`` format holds each layer's input (`held_input_checkpoint`)."""
-    if cfg is not None:
-        stochastic = [p for p, mode in cfg.rounding.items() if mode == "stochastic"]
-        if stochastic:
-            raise ValueError(
-                f"activation checkpointing runs a layer's forward twice; stochastic rounding at "
-                f"{stochastic} would draw other noise the second time. Round to nearest, or "
-                "turn checkpointing off"
-            )
+    the model's QuantConfig if it is patched: the run again draws the first run's stochastic
+    rounding noise, and a ``quant.saved.checkpoint`` format holds each layer's input
+    (`held_input_checkpoint`). ``stash_scope=all`` with a stochastic q1 is refused here, before
+    training, as `run_again_as_first` would refuse it at the first step."""
+    if cfg is not None and cfg.stash_scope == "all" and cfg.rounding["q1"] == "stochastic":
+        raise ValueError(_ALL_STOCHASTIC_Q1)
     count = 0
     for layer in layers:
         forward = layer.forward
@@ -96,16 +144,33 @@ def checkpoint_layers(layers: Iterable[nn.Module], cfg: QuantConfig | None = Non
         def checkpointed(*args, _forward=forward, **kwargs):
             if not torch.is_grad_enabled():
                 return _forward(*args, **kwargs)
-            # the rule's format at this call: `q1` follows the stash's schedule
-            held = None if cfg is None else cfg.saved_format("checkpoint")
-            if held is not None:
-                return held_input_checkpoint(held, _forward, *args, **kwargs)
             own = functools.partial(checkpoint, use_reentrant=False, context_fn=_contexts)
-            return checkpoint_under_the_rules(own, _forward, *args, **kwargs)
+            return checkpoint_as_first_run(own, cfg, _forward, *args, **kwargs)
 
         layer.forward = checkpointed
         count += 1
     return count
+
+
+def checkpoint_as_first_run(own, cfg: QuantConfig | None, function, *args, **kwargs):
+    """``function(*args, **kwargs)`` checkpointed by ``own`` (``torch.utils.checkpoint`` or a
+    model's own checkpointing function), its run again in the backward pass repeating its first
+    run under ``cfg``, the model's QuantConfig if it is patched: the first run's stochastic
+    rounding noise, a ``stash_scope=all`` model's rules (`checkpoint_under_the_rules`), and a
+    ``quant.saved.checkpoint`` format holding the layer's input (`held_input_checkpoint`, which
+    takes ``own``'s place; the rule's format at this call: ``q1`` follows the schedule)."""
+    if cfg is None:
+        return checkpoint_under_the_rules(own, function, *args, **kwargs)
+    run = run_again_as_first(function, cfg=cfg, device=_first_device(args))
+    held = cfg.saved_format("checkpoint")
+    if held is not None:
+        return held_input_checkpoint(held, run, *args, **kwargs)
+    return checkpoint_under_the_rules(own, run, *args, **kwargs)
+
+
+def _first_device(args) -> torch.device:
+    """The device of the first tensor among ``args`` (the CPU if none)."""
+    return next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
 
 
 # -- a checkpointed layer's input held in a format ------------------------------------------------
@@ -141,7 +206,8 @@ def held_input_checkpoint(fmt: Format, function, *args, **kwargs):
             "enable_input_require_grads()), or set quant.saved.checkpoint=keep"
         )
     # keyword arguments bound beforehand (transformers passes partial(forward, **kwargs)) too
-    bound = dict(function.keywords) if isinstance(function, functools.partial) else {}
+    inner = inspect.unwrap(function)  # through `run_again_as_first`
+    bound = dict(inner.keywords) if isinstance(inner, functools.partial) else {}
     needing = sorted(k for k, v in (bound | kwargs).items() if _needs_grad(v))
     needing += [f"positional {i}" for i, a in enumerate(args[1:], 1)
                 if not isinstance(a, torch.Tensor) and _needs_grad(a)]  # fmt: skip

@@ -45,7 +45,7 @@ from transformers.pytorch_utils import Conv1D
 from dsq import cost
 from dsq.atomic_files import atomic_path, write_atomic
 from dsq.engine.attention import dsq_attention, explicit_attention
-from dsq.engine.checkpointing import checkpoint_under_the_rules, held_input_checkpoint
+from dsq.engine.checkpointing import checkpoint_as_first_run
 from dsq.engine.config import POINTS, QuantConfig
 from dsq.engine.functions import dsq_linear
 from dsq.engine.history import PrecisionHistory
@@ -193,13 +193,10 @@ class TransformersPatcher:
         report.linears.append(name)
 
     def finish(self, model, cfg, report, excluded) -> None:
-        stochastic = [p for p, mode in cfg.rounding.items() if mode == "stochastic"]
+        stochastic = any(mode == "stochastic" for mode in cfg.rounding.values())
         for prefix, inner in outermost_transformers_models(model):
-            if stochastic:
-                hook = inner.register_forward_pre_hook(_RefuseCheckpointing(stochastic))
-                on_unpatch(inner, "remove", hook)
-            if cfg.stash_scope == "all":
-                _checkpoint_under_the_rules(inner, cfg, report, prefix)
+            if cfg.stash_scope == "all" or stochastic:
+                _checkpoint_as_first_run(inner, cfg, report, prefix)
             where = f" of {prefix}" if prefix else ""
             try:
                 routed, excluded_names, note = route_attention(
@@ -213,34 +210,14 @@ class TransformersPatcher:
             report.notes.append(note + where)
 
 
-class _RefuseCheckpointing:
-    """A forward pre-hook refusing a training forward under the model's gradient checkpointing
-    (``gradient_checkpointing_enable``), which runs each layer's forward again in the backward
-    pass: stochastic rounding would draw other noise there (docs/dsq.md, "Rounding")."""
-
-    def __init__(self, stochastic: list[str]):
-        self.stochastic = stochastic
-
-    def __call__(self, model, args):
-        if (
-            model.training
-            and torch.is_grad_enabled()
-            and any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
-        ):
-            raise ValueError(
-                f"gradient checkpointing runs a layer's forward twice; stochastic rounding at "
-                f"{self.stochastic} would draw other noise the second time. Round to nearest, "
-                "or call gradient_checkpointing_disable()"
-            )
-
-
-class _CheckpointUnderTheRules:
+class _CheckpointAsFirstRun:
     """Forward pre-hook and hook of a ``transformers`` layer that checkpoints
-    (``gradient_checkpointing_enable``) in a ``stash_scope=all`` model: for the length of its
-    call its checkpointing function is `held_input_checkpoint` in the
-    ``quant.saved.checkpoint`` format, or, with the rule ``keep``, the model's own with the layer
-    run again under the rules (`checkpoint_under_the_rules`); after the call the model's own is
-    back in place, so that unpatching, or a later ``gradient_checkpointing_enable``, finds it."""
+    (``gradient_checkpointing_enable``) in a model with stochastic rounding or
+    ``stash_scope=all``: for the length of its call its checkpointing function is the model's own
+    with the layer's run again repeating its first run (`checkpoint_as_first_run`: its noise,
+    the model's rules, and a ``quant.saved.checkpoint`` format, which replaces the model's own
+    by `held_input_checkpoint`); after the call the model's own is back in place, so that
+    unpatching, or a later ``gradient_checkpointing_enable``, finds it."""
 
     def __init__(self, cfg: QuantConfig):
         self.cfg = cfg
@@ -255,16 +232,12 @@ class _CheckpointUnderTheRules:
             module._gradient_checkpointing_func = own
         if module.gradient_checkpointing:
             own = module._gradient_checkpointing_func
-            # the rule's format at this call: `q1` follows the stash's schedule
-            held = self.cfg.saved_format("checkpoint")
-            if held is None:
-                replacement = functools.partial(checkpoint_under_the_rules, own)
-            else:
-                if module.training:
-                    _refuse_what_holding_drops(own)
-                replacement = functools.partial(held_input_checkpoint, held)
+            if module.training and self.cfg.saved_format("checkpoint") is not None:
+                _refuse_what_holding_drops(own)
             module.dsq_own_checkpointing = own
-            module._gradient_checkpointing_func = replacement
+            module._gradient_checkpointing_func = functools.partial(
+                checkpoint_as_first_run, own, self.cfg
+            )
         return None
 
 
@@ -303,11 +276,11 @@ def _refuse_what_holding_drops(own) -> None:
         )
 
 
-def _checkpoint_under_the_rules(model, cfg: QuantConfig, report: PatchReport, prefix: str):
+def _checkpoint_as_first_run(model, cfg: QuantConfig, report: PatchReport, prefix: str):
     """Every layer of ``model`` that ``transformers`` checkpoints runs under
-    `_CheckpointUnderTheRules` when checkpointing is on; a ``quant.saved.checkpoint`` rule no
-    layer would apply is refused."""
-    what = cfg.spec.saved["checkpoint"]
+    `_CheckpointAsFirstRun` when checkpointing is on; a ``quant.saved.checkpoint`` rule no layer
+    would apply is refused."""
+    what = cfg.spec.saved.get("checkpoint", "keep") if cfg.stash_scope == "all" else "keep"
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     if not layers and what != "keep":
         raise ValueError(
@@ -315,7 +288,7 @@ def _checkpoint_under_the_rules(model, cfg: QuantConfig, report: PatchReport, pr
             "transformers checkpoints (GradientCheckpointingLayer); set quant.saved.checkpoint="
             "keep"
         )
-    hook = _CheckpointUnderTheRules(cfg)
+    hook = _CheckpointAsFirstRun(cfg)
     for layer in layers:
         on_unpatch(layer, "remove", layer.register_forward_pre_hook(hook))
         on_unpatch(layer, "remove", layer.register_forward_hook(hook, always_call=True))

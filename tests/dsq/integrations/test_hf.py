@@ -228,20 +228,98 @@ def test_a_wrapped_model_has_its_attention_routed_as_the_bare_model(monkeypatch)
     assert excluded.dsq_report.attention == ["inner.model.layers.1.self_attn"]
 
 
-@pytest.mark.parametrize("point", ["q0", "q1", "q2", "q3"])
-def test_stochastic_rounding_under_the_models_gradient_checkpointing_is_refused(point):
-    cfg = QuantConfig(q0="bfp8", q1="bfp4", q2="bfp8", q3="fixed16",
-                      rounding={point: "stochastic"})  # fmt: skip
+def stochastic_llama(points, scope="gemm", reentrant=False):
+    """A patched Llama rounding stochastically at ``points``, checkpointed (``reentrant``: the
+    form), recording the output of each attention and MLP at every run."""
+    cfg = QuantConfig(q0="bfp8", q1="bfp4", q2="bfp8", q3="fixed16", stash_scope=scope, seed=3,
+                      rounding={p: "stochastic" for p in points})  # fmt: skip
     model = quantize_model(build("llama", "sdpa"), cfg)
+    model.dsq_outputs = {}
+    for name, module in model.named_modules():
+        if name.endswith((".mlp", ".self_attn")):
+            module.register_forward_hook(
+                lambda m, a, out, name=name: model.dsq_outputs.setdefault(name, []).append(
+                    (out[0] if isinstance(out, tuple) else out).detach().clone()
+                )
+            )
+    if reentrant is not None:
+        model.gradient_checkpointing_enable({"use_reentrant": reentrant})
     model.train()
-    model(*batch())  # without checkpointing: trains
-    model.gradient_checkpointing_enable({"use_reentrant": False})
-    with pytest.raises(ValueError, match=rf"stochastic rounding at \['{point}'\] would draw"):
-        model(*batch())
+    return model
+
+
+def assert_each_run_again_equals_the_first(model):
+    # the non-reentrant checkpoint stops a run again once it has what the backward pass needs
+    pairs = {name: runs for name, runs in model.dsq_outputs.items() if len(runs) == 2}
+    assert len(pairs) >= 2  # each layer's attention at least
+    for name, (first, again) in pairs.items():
+        torch.testing.assert_close(again, first, rtol=0, atol=0, msg=name)
+
+
+def test_stochastic_rounding_under_the_models_gradient_checkpointing_replays_its_noise():
+    """Each layer run again in the backward pass draws the noise its first run drew, at every
+    point: every module's output in the run again is its first run's, bit for bit, and the
+    backward pass's own draws are those of a step without checkpointing, so every gradient is
+    the same bits with checkpointing and without."""
+    points = ("q0", "q1", "q2", "q3")
+    checkpointed = stochastic_llama(points)
+    grads = output_and_grads(checkpointed)[1]
+    assert_each_run_again_equals_the_first(checkpointed)
+    plain_grads = output_and_grads(stochastic_llama(points, reentrant=None))[1]
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, plain_grads[name], rtol=0, atol=0, msg=name)
+
+
+def test_stochastic_rounding_is_replayed_under_all_when_the_stash_rounds_to_nearest():
+    model = stochastic_llama(("q0", "q2", "q3"), scope="all")
+    output_and_grads(model)
+    assert_each_run_again_equals_the_first(model)
+
+
+@pytest.mark.parametrize(
+    "points, scope, reentrant, says",
+    [
+        (("q0",), "gemm", True, r"stochastic rounding at \['q0'\] under a reentrant checkpoint"),
+        (("q1",), "all", False, "stash_scope=all with stochastic rounding at q1"),
+    ],
+)
+def test_what_a_run_again_cannot_replay_is_refused(points, scope, reentrant, says):
+    """The reentrant checkpoint's first run has no gradients, so it stashes nothing and draws
+    less noise than its run again; under ``all`` the checkpoint holds nothing in the first run,
+    so a stochastic q1 would draw the saved tensors' noise in the run again only."""
+    model = stochastic_llama(points, scope, reentrant)
+    with pytest.raises(ValueError, match=says):
+        output_and_grads(model)
     with torch.no_grad():
         model(*batch())  # no backward pass, nothing run again: allowed
     model.eval()
     model(*batch())
+
+
+def test_a_layer_run_again_repeats_its_first_runs_noise_not_the_next_draws():
+    """`run_again_as_first` sets the noise back for the run again and forward after it: the run
+    again's quantized values are the first run's, and a draw after it continues where the
+    backward pass was."""
+    from dsq.engine.checkpointing import run_again_as_first
+
+    cfg = QuantConfig(q1="bfp4", rounding={"q1": "stochastic"}, seed=5)
+    draws = []
+
+    def layer(x):
+        draws.append(torch.rand(3, generator=cfg.generator(x.device)))
+        return x * x  # saves x: run again in the backward pass
+
+    x = torch.ones(2, requires_grad=True)
+    run = run_again_as_first(layer, cfg=cfg, device=x.device)
+    y = torch.utils.checkpoint.checkpoint(run, x, use_reentrant=False)
+    after_forward = torch.rand(3, generator=cfg.generator(x.device))
+    y.sum().backward()
+    after_backward = torch.rand(3, generator=cfg.generator(x.device))
+    assert torch.equal(draws[0], draws[1])  # the run again drew the first run's noise
+    fresh = QuantConfig(q1="bfp4", rounding={"q1": "stochastic"}, seed=5).generator(x.device)
+    stream = [torch.rand(3, generator=fresh) for _ in range(3)]
+    assert torch.equal(draws[0], stream[0]) and torch.equal(after_forward, stream[1])
+    assert torch.equal(after_backward, stream[2])  # as if nothing had run again
 
 
 HELD = QuantConfig(q0="bfp8", q1="bfp4", q2="bfp8", q3="fixed16", stash_scope="all",
@@ -275,7 +353,7 @@ def test_checkpointed_layers_hold_their_inputs_in_the_rule_s_format(monkeypatch,
         calls.append(fmt.spec)
         return real(fmt, function, *args, **kwargs)
 
-    monkeypatch.setattr("dsq.integrations.hf.held_input_checkpoint", spy)
+    monkeypatch.setattr(checkpointing, "held_input_checkpoint", spy)
     model = quantize_model(build("llama", "sdpa"), cfg)
     assert any("checkpointed layer inputs held in bfp8e8b16" in n for n in model.dsq_report.notes)
     model.train()

@@ -104,16 +104,30 @@ def test_the_chunked_criterion_gives_fairseqs_loss_and_gradients():
 
 
 @pytest.mark.parametrize("point", ["q0", "q1", "q2", "q3"])
-def test_checkpointing_refuses_stochastic_rounding(point):
+def test_checkpointing_replays_stochastic_rounding_at_each_point(point):
+    """fairseq's ``train.activation_checkpointing`` (`checkpoint_layers`) under stochastic
+    rounding at ``point``: each layer run again draws its first run's noise, so every gradient
+    is the same bits as without checkpointing, and another seed's differ (the noise is used)."""
     from dsq.engine.checkpointing import checkpoint_layers
+    from dsq.integrations import quantize_model
 
-    layer = torch.nn.Linear(4, 4)
-    with pytest.raises(ValueError, match=f"stochastic rounding at \\['{point}'\\]"):
-        checkpoint_layers([layer], QuantConfig(q1="bfp4", rounding={point: "stochastic"}))
-    assert checkpoint_layers([layer], QuantConfig(q1="bfp4")) == 1
-    x = torch.randn(3, 4, requires_grad=True)
-    layer(x).sum().backward()  # runs through torch.utils.checkpoint
-    assert x.grad is not None
+    def grads(checkpointed: bool, seed: int = 1) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        blocks = (torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU()) for _ in range(3))
+        layers = torch.nn.Sequential(*blocks)
+        cfg = QuantConfig(q0="bfp8", q1="bfp4", q2="bfp8", q3="fixed16",
+                          rounding={point: "stochastic"}, seed=seed)  # fmt: skip
+        model = quantize_model(layers, cfg)
+        if checkpointed:
+            assert checkpoint_layers(list(model), cfg) == 3
+        x = torch.randn(4, 32, generator=torch.Generator().manual_seed(2)).requires_grad_()
+        (model(x) ** 2).sum().backward()
+        return [p.grad for p in model.parameters()] + [x.grad]
+
+    checkpointed = grads(True)
+    for a, b in zip(checkpointed, grads(False), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert any(not torch.equal(a, b) for a, b in zip(checkpointed, grads(False, seed=2)))
 
 
 @pytest.mark.parametrize("preset", ["dsq", "amp_bf16"])
