@@ -326,10 +326,16 @@ def _check(cfg: DictConfig) -> None:
         value = train[key]
         if value != "auto" and (isinstance(value, str) or value < 0):
             raise ConfigError(f"train.{key} must be a non-negative integer or auto, got {value!r}")
-    if train.activation_checkpointing and "stochastic" in quant.rounding.values():
+    if (
+        train.activation_checkpointing
+        and quant.stash_scope == "all"
+        and quant.rounding["q1"] == "stochastic"
+    ):
         raise ConfigError(
-            "train.activation_checkpointing=true runs each layer's forward twice, and stochastic "
-            "rounding would draw other noise the second time: round to nearest, or turn it off"
+            "train.activation_checkpointing=true with quant.stash_scope=all and "
+            "quant.rounding.q1=stochastic: the checkpoint packs nothing in a layer's first run, "
+            "so the saved tensors' noise would be drawn in its run again only (docs/dsq.md, "
+            '"Rounding"): round q1 to nearest, use stash_scope=gemm, or turn checkpointing off'
         )
     if quant.saved_format("checkpoint") is not None and not train.activation_checkpointing:
         raise ConfigError(
