@@ -4,16 +4,21 @@ roberta_tiny's every Linear and attention product is patched."""
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
-import json
 import re
 import types
 
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers.encoders import HAS_MINILM, MODEL_CONF, SENTENCES, model_cfg, right_padded
+from helpers.encoders import (
+    HAS_MINILM,
+    MODEL_CONF,
+    SENTENCES,
+    model_cfg,
+    right_padded,
+    write_roberta_release,
+)
 from helpers.paths import REPO
 from omegaconf import OmegaConf
 
@@ -194,51 +199,6 @@ def test_minilm_missing_package_says_how_to_install(monkeypatch):
 
 
 # -- roberta_base -------------------------------------------------------------------------------
-
-
-def write_roberta_release(folder, seed: int = 0, without: str | None = None) -> dict:
-    """A small random RoBERTa in the layout of fairseq's roberta.base release (2019 key names,
-    ``args`` Namespace, a fine-tuned head as roberta.large.mnli's), with dict.txt and a
-    byte-level GPT-2 BPE without merges; returns the state dict under today's names."""
-    from fairseq.data import Dictionary
-    from fairseq.data.encoders.gpt2_bpe_utils import bytes_to_unicode
-    from fairseq.models.roberta import RobertaModel, roberta_base_architecture
-
-    folder.mkdir(parents=True)
-    (folder / "encoder.json").write_text(
-        json.dumps({char: byte for byte, char in bytes_to_unicode().items()})
-    )
-    (folder / "vocab.bpe").write_text("#version: 0.2\n")
-    # reversed, so that no BPE id equals its dictionary index by accident
-    (folder / "dict.txt").write_text("".join(f"{i} {1000 + i}\n" for i in reversed(range(256))))
-    dictionary = Dictionary.load(str(folder / "dict.txt"))
-    dictionary.add_symbol("<mask>")
-    args = argparse.Namespace(
-        arch="roberta_base",
-        task="masked_lm",
-        criterion="masked_lm",
-        encoder_layers=2,
-        encoder_embed_dim=64,
-        encoder_ffn_embed_dim=128,
-        encoder_attention_heads=4,
-        max_positions=512,
-        tokens_per_sample=512,
-    )
-    roberta_base_architecture(args)
-    torch.manual_seed(seed)
-    model = RobertaModel.build_model(args, types.SimpleNamespace(source_dictionary=dictionary))
-    model.register_classification_head("mnli", num_classes=3)
-    state = {key: value for key, value in model.state_dict().items() if key != without}
-    # the release's names: the encoder was "decoder", its embedding LayerNorm "emb_layer_norm"
-    released = {
-        key.replace("encoder.", "decoder.", 1).replace("layernorm_embedding", "emb_layer_norm"): v
-        for key, v in state.items()
-    }
-    torch.save(
-        {"args": args, "model": released, "optimizer_history": [], "extra_state": {}},
-        folder / "model.pt",
-    )
-    return state
 
 
 @pytest.mark.slow  # trains

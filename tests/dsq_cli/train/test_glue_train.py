@@ -11,10 +11,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from helpers.encoders import write_roberta_release
 from helpers.paths import SHARED_DATA
 from helpers.runs import DSQ, only_run, read_jsonl, wait_for_update
-from test_encoders import write_roberta_release
-from test_table import result_json, write_run
+from helpers.table_runs import result_json, write_run
 from typer.testing import CliRunner
 
 from dsq_cli.cli import app
