@@ -25,7 +25,7 @@ help:
 	@echo "make setup  - create $(VENV) and install dsq, its suite (torch, fairseq, triton, ...) and dev tools"
 	@echo "make demo   - set up, then train DSQ on the embedded demo task (about 2 CPU minutes)"
 	@echo "make test   - set up, then run the test suite"
-	@echo "make test-fast - the suite without the tests marked slow (about a minute on 2 cores)"
+	@echo "make test-fast - the suite without the tests marked slow (under a minute on 2 cores)"
 	@echo "make bench  - run the benchmarks recorded in docs/benchmarks.md"
 	@echo "make lint   - ruff"
 	@echo "make check-install - a wheel installed in a fresh venv, as users install it, trains the demo"
@@ -57,9 +57,11 @@ test: setup
 
 # The quick tier for the edit-test loop: everything but the tests marked slow (training runs,
 # compiles, spawned processes, anything over about a second; the rule is the marker's, in
-# pyproject.toml). About a minute on 2 cores. CI runs the full `make test`.
+# pyproject.toml). Under a minute on 2 cores. A test file's tests go to one worker: most of
+# this tier's time is each file's first call (imports, kernels loaded, models built), which two
+# workers would each pay. CI runs the full `make test`.
 test-fast: setup
-	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow" $(PYTEST_ARGS)
 
 # The main job on the embedded offline default: DSQ training on the generated demo corpus, then
 # test BLEU beside the copy-the-source baseline. WANDB_MODE=offline unless you have a login.

@@ -62,6 +62,7 @@ def unfinished_run(run_dir, status="running"):
     (run_dir / "result.json").write_text(json.dumps({"status": status}))
 
 
+@pytest.mark.slow
 def test_a_held_run_is_in_use_for_other_processes_until_its_holder_ends(tmp_path, held_elsewhere):
     run_dir = tmp_path / "run"
     assert not runs.in_use(tmp_path)  # no lock file: never trained
@@ -130,6 +131,7 @@ def test_resuming_a_run_trained_elsewhere_is_refused(tmp_path, held_elsewhere):
     end(holder)
 
 
+@pytest.mark.slow
 def test_a_job_claimed_or_started_elsewhere_since_it_was_planned_is_left_alone(
     tmp_path, held_elsewhere
 ):

@@ -27,6 +27,7 @@ study_records = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(study_records)
 
 
+@pytest.mark.slow  # runs dsq table once per block of docs/results.md (about 30)
 def test_every_docs_table_is_dsq_table_of_the_committed_records(monkeypatch):
     """Table 1, and every other marked block (the ablations and their stash moves)."""
     records = sorted((REPO / "results" / "table1-cpu").rglob("result.json"))

@@ -243,6 +243,7 @@ def test_the_two_passes_are_custom_ops_whose_fakes_agree(preset, kind):
     torch.library.opcheck(torch.ops.dsq.attention_backward.default, backward)
 
 
+@pytest.mark.slow
 def test_torch_compile_traces_quantized_attention_as_one_graph():
     """Without a gradient, `dsq_attention` (its operands' quantizers, found through the format
     backends' lookups, and the forward op) traces as one graph with eager's output bit for bit:

@@ -124,6 +124,7 @@ def test_a_backend_that_cannot_run_here_is_refused_before_a_run_starts(monkeypat
     assert result.exit_code == 2 and "DSQ_BACKEND=triton cannot run on cpu" in result.output
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", [None, "c"])  # compile: its own compiled kernels
 def test_torch_compile_traces_a_stash_round_trip_as_one_graph(backend):
     """A BFP stash packed and unpacked on the automatic backend (the C kernels here) or a named

@@ -256,6 +256,7 @@ def assert_each_run_again_equals_the_first(model):
         torch.testing.assert_close(again, first, rtol=0, atol=0, msg=name)
 
 
+@pytest.mark.slow
 def test_stochastic_rounding_under_the_models_gradient_checkpointing_replays_its_noise():
     """Each layer run again in the backward pass draws the noise its first run drew, at every
     point: every module's output in the run again is its first run's, bit for bit, and the
@@ -270,12 +271,14 @@ def test_stochastic_rounding_under_the_models_gradient_checkpointing_replays_its
         torch.testing.assert_close(grad, plain_grads[name], rtol=0, atol=0, msg=name)
 
 
+@pytest.mark.slow
 def test_stochastic_rounding_is_replayed_under_all_when_the_stash_rounds_to_nearest():
     model = stochastic_llama(("q0", "q2", "q3"), scope="all")
     output_and_grads(model)
     assert_each_run_again_equals_the_first(model)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "points, scope, reentrant, says",
     [

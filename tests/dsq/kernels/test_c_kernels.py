@@ -328,6 +328,7 @@ def test_a_compiler_error_is_quoted_for_each_variant(monkeypatch, tmp_path, capl
     _falls_back(caplog)
 
 
+@pytest.mark.slow
 def test_the_build_lock_waits_for_its_holder_and_outlives_a_killed_build(tmp_path, caplog,
                                                                          monkeypatch):  # fmt: skip
     """A build waits, with one warning, while another process holds its folder's lock; once that

@@ -25,6 +25,7 @@ def quantize_twice(x: torch.Tensor) -> torch.Tensor:
     return c_kernels.fixed_quantize(q * 3.0, 8, 8).reshape(x.shape)
 
 
+@pytest.mark.slow
 def test_torch_compile_traces_the_op_without_a_graph_break():
     x = torch.randn(8, 32, generator=torch.Generator().manual_seed(0))
     explained = torch._dynamo.explain(quantize_twice)(x)

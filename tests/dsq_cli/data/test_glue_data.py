@@ -175,6 +175,7 @@ def test_real_files_have_the_documented_sizes(name, n_train, n_dev, train_counts
         assert manifest["sha256"][file_name] == digest
 
 
+@pytest.mark.slow
 @needs_glue
 def test_real_files_spot_checks():
     sst2 = load_glue(make_cfg("sst2", GLUE_DATA / "SST-2"))

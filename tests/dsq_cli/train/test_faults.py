@@ -160,6 +160,7 @@ def test_resume_from_outside_a_resume_or_unknown_is_a_usage_error(tmp_path, args
     assert not root.exists()
 
 
+@pytest.mark.slow
 def test_a_sweep_reports_a_run_with_an_unreadable_checkpoint_failed_and_tries_it_once(
     tmp_path, family, monkeypatch
 ):
