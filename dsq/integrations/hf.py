@@ -39,7 +39,9 @@ import torch
 import transformers
 from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
+from transformers.activations import SiLUActivation
 from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.models.llama.modeling_llama import LlamaMLP
 from transformers.pytorch_utils import Conv1D
 
 from dsq import cost
@@ -49,8 +51,9 @@ from dsq.engine.checkpointing import checkpoint_as_first_run
 from dsq.engine.config import POINTS, QuantConfig
 from dsq.engine.functions import dsq_linear
 from dsq.engine.history import PrecisionHistory
-from dsq.engine.patch import PatchReport, make_dsq_linear, on_unpatch
+from dsq.engine.patch import PatchReport, dsq_subclass, make_dsq_linear, on_unpatch, reclass
 from dsq.engine.policies import POLICIES
+from dsq.engine.swiglu import silu_product
 from dsq.presets import COST_BASELINE, preset_differences
 from dsq.records import check_metric
 
@@ -208,6 +211,51 @@ class TransformersPatcher:
             report.attention += [_joined(prefix, name) for name in routed]
             report.excluded += [_joined(prefix, name) for name in excluded_names]
             report.notes.append(note + where)
+            if cfg.stash_scope == "gemm":
+                inner_excluded = functools.partial(_excluded_inside, excluded, prefix)
+                _hold_two_in_swiglu(inner, report, where, inner_excluded)
+
+
+class DSQSwiGLUMLP(nn.Module):
+    """The mixin of a Llama-style MLP, ``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` with a
+    SiLU: the same computation, its product holding two tensors for the backward pass where
+    autograd holds three (`silu_product`), bit for bit the same values and gradients."""
+
+    def forward(self, x):
+        return self.down_proj(silu_product(self.gate_proj(x), self.up_proj(x)))
+
+
+def _is_swiglu_mlp(module: nn.Module) -> bool:
+    """Whether ``module``'s forward is Llama's MLP (the same code: Mistral's, Qwen2's and others
+    copy it) with a plain SiLU: the computation `DSQSwiGLUMLP` repeats."""
+    forward, act = getattr(type(module), "forward", None), getattr(module, "act_fn", None)
+    if forward is None or not hasattr(forward, "__code__") or not isinstance(act, nn.Module):
+        return False
+    code, llama = forward.__code__, LlamaMLP.forward.__code__
+    act_code = getattr(type(act).forward, "__code__", None)
+    return (
+        (code.co_code, code.co_names, code.co_consts)
+        == (llama.co_code, llama.co_names, llama.co_consts)
+        and act_code in (SiLUActivation.forward.__code__, nn.SiLU.forward.__code__)
+        and all(isinstance(getattr(module, n, None), nn.Linear)
+                for n in ("gate_proj", "up_proj", "down_proj"))
+    )  # fmt: skip
+
+
+def _excluded_inside(excluded, prefix: str, name: str) -> bool:
+    return excluded(_joined(prefix, name))
+
+
+def _hold_two_in_swiglu(model: nn.Module, report: PatchReport, where: str, excluded) -> None:
+    """Every Llama-style MLP of ``model`` not excluded becomes `DSQSwiGLUMLP` (under
+    ``stash_scope=gemm``; the rules of ``all`` decide there what each saved tensor holds)."""
+    count = 0
+    for name, module in model.named_modules():
+        if _is_swiglu_mlp(module) and not excluded(name):
+            reclass(module, dsq_subclass(module, DSQSwiGLUMLP))
+            count += 1
+    if count:
+        report.notes.append(f"SwiGLU products holding 2 tensors, not 3, in {count} MLPs{where}")
 
 
 class _CheckpointAsFirstRun:

@@ -648,3 +648,41 @@ def test_a_patched_model_pickles_whole_and_its_copy_names_no_layer_as_added_late
         warnings.filterwarnings("error", message="dsq: ")
         twin(ids, attention_mask=mask)
     assert twin.dsq_report.unquantized == []
+
+
+def test_a_swiglu_mlp_holds_two_tensors_and_trains_bit_for_bit_as_before():
+    """Under ``stash_scope=gemm`` each Llama MLP's product saves its two operands, not silu's
+    input too (`DSQSwiGLUMLP`): the loss and every gradient are those of the same patched model
+    with its MLPs as transformers wrote them, and the backward pass holds one tensor of the
+    MLP's width fewer per layer. Under ``all`` the MLPs stay as they are (its rules decide)."""
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    from dsq.integrations.hf import DSQSwiGLUMLP
+
+    fused = quantize_model(build("llama", "sdpa"), DSQ)
+    assert any("SwiGLU products holding 2 tensors, not 3, in 2 MLPs" in n
+               for n in fused.dsq_report.notes)  # fmt: skip
+    plain = quantize_model(build("llama", "sdpa"), DSQ)
+    mlps = [m for m in plain.modules() if isinstance(m, DSQSwiGLUMLP)]
+    assert len(mlps) == 2
+    for mlp in mlps:
+        mlp.__class__ = LlamaMLP  # as transformers wrote it, its Linear layers still dsq's
+
+    def run(model):
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t,
+                                                      lambda t: t):  # fmt: skip
+            out, grads = output_and_grads(model)
+        return out, grads, sum(shape[-1:] == (128,) for shape in saved)
+
+    out, grads, wide = run(fused)
+    plain_out, plain_grads, plain_wide = run(plain)
+    torch.testing.assert_close(out, plain_out, rtol=0, atol=0)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, plain_grads[name], rtol=0, atol=0, msg=name)
+    assert plain_wide - wide == 2  # silu's input, one a layer
+    dsq.unpatch(fused)
+    assert not any(isinstance(m, DSQSwiGLUMLP) for m in fused.modules())
+    every_kind = QuantConfig(q0="bfp8", q1="bfp4", q2="bfp8", q3="fixed16", stash_scope="all")
+    kept = quantize_model(build("llama", "sdpa"), every_kind)
+    assert not any(isinstance(m, DSQSwiGLUMLP) for m in kept.modules())

@@ -1,0 +1,40 @@
+"""SwiGLU's product ``silu(g) * u``, holding two tensors for the backward pass instead of three
+(docs/dsq.md, "What the backward pass holds").
+
+The MLP of Llama-style models is ``down(silu(gate(x)) * up(x))``. Autograd saves three tensors
+of the MLP's width for it: silu's input ``g`` for silu's derivative, and the product's operands
+``silu(g)`` and ``u`` for the product's. ``silu(g)`` is a function of ``g``: `silu_product`
+saves ``g`` and ``u`` only and computes ``silu(g)`` again in the backward pass with the kernel
+the forward pass used, so its values, and every gradient, are bit for bit autograd's
+(tests/dsq/engine/test_swiglu.py). Under dsq (``stash_scope=gemm``) these tensors are float32,
+4 bytes a value, where autocast saves bf16: a third of them is 8 KiB a token for an MLP 2,048
+wide.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class _SiluProduct(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, g, u):
+        ctx.save_for_backward(g, u)
+        return F.silu(g) * u
+
+    @staticmethod
+    def backward(ctx, d_out):
+        g, u = ctx.saved_tensors
+        # the product's gradients as autograd's mul gives them (each the other operand times
+        # d_out), then silu's own backward kernel
+        d_g = torch.ops.aten.silu_backward(d_out * u, g) if ctx.needs_input_grad[0] else None
+        d_u = d_out * F.silu(g) if ctx.needs_input_grad[1] else None
+        return d_g, d_u
+
+
+def silu_product(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``F.silu(g) * u``, its backward pass holding ``g`` and ``u`` only (module docstring)."""
+    if not torch.is_grad_enabled() or not (g.requires_grad or u.requires_grad):
+        return F.silu(g) * u
+    return _SiluProduct.apply(g, u)
