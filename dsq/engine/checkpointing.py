@@ -86,7 +86,8 @@ def run_again_as_first(function, *, cfg: QuantConfig | None = None, device=None,
     if stochastic:
         if "q1" in stochastic and open_stash_all() is not None:
             raise ValueError(_ALL_STOCHASTIC_Q1)
-        cfg.generator(device)  # made now (seeded as it would be at its first draw), so known
+        for kind in {torch.device(device).type, "cpu"}:
+            cfg.generator(kind)  # made now (seeded as at their first draw), so their state is known
         noise = cfg.noise_state()
     if noise is None and rules is None:
         return function
@@ -94,13 +95,14 @@ def run_again_as_first(function, *, cfg: QuantConfig | None = None, device=None,
     @functools.wraps(function)
     def run(*run_args, **run_kwargs):
         if torch._C._current_graph_task_id() == -1:  # the first run, in the forward pass
-            if noise is not None and not torch.is_grad_enabled():
+            if noise is not None and not torch.is_grad_enabled() and "q1" in stochastic:
+                # the stash's noise is drawn only where a backward pass will read it
                 raise ValueError(
-                    f"stochastic rounding at {stochastic} under a reentrant checkpoint: its "
-                    "first run has no gradients, so it would draw other noise than its run "
-                    "again (which stashes). Checkpoint with use_reentrant=False "
-                    '(gradient_checkpointing_enable({"use_reentrant": False})), or round to '
-                    "nearest"
+                    "stochastic rounding at q1 under a reentrant checkpoint: its first run has "
+                    "no gradients, so it stashes nothing and draws less noise than its run "
+                    "again. Checkpoint with use_reentrant=False "
+                    '(gradient_checkpointing_enable({"use_reentrant": False})), or round q1 '
+                    "to nearest"
                 )
             return function(*run_args, **run_kwargs)
         with contextlib.ExitStack() as stack:

@@ -261,7 +261,7 @@ def on_unpatch(module: nn.Module, action: str, *data) -> None:
     """Book one step for `unpatch_model`, which takes a module's in the reverse order of
     booking: ``("remove", handle)`` removes a hook, ``("setattr", name, value)`` puts an
     attribute (the class included) back, ``("call", method, *args)`` calls
-    ``module.method(*args)``."""
+    ``module.method(*args)``, ``("apply", function)`` calls ``function(module)``."""
     if action not in _UNDO_ACTIONS:
         raise ValueError(f"unknown undo action {action!r}; one of {sorted(_UNDO_ACTIONS)}")
     module.__dict__.setdefault("dsq_undo", []).append((action, *data))
@@ -271,6 +271,7 @@ _UNDO_ACTIONS = {
     "remove": lambda module, handle: handle.remove(),
     "setattr": lambda module, name, value: setattr(module, name, value),
     "call": lambda module, method, *args: getattr(module, method)(*args),
+    "apply": lambda module, function: function(module),
 }
 
 
@@ -475,8 +476,9 @@ _RUN_AGAIN_UNWRAPPED = (
     "dsq: stash_scope=all: a module of the model runs in the backward pass, under a checkpoint "
     "dsq does not wrap (torch.utils.checkpoint called by your own code): its inputs and what it "
     "saves are not held as the forward pass held them, so its gradients differ from a step "
-    "without checkpointing. Use the model's gradient_checkpointing_enable(), or pass your "
-    "checkpoint function through dsq.engine.checkpointing.checkpoint_under_the_rules"
+    "without checkpointing. Use the model's gradient_checkpointing_enable(), or checkpoint "
+    "with dsq.engine.checkpointing.checkpoint_as_first_run(your_checkpoint, cfg, function, "
+    "*args)"
 )
 
 # the `_StashAllEntry` whose hooks this thread has open (a patched model's forward pass)

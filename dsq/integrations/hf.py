@@ -271,22 +271,41 @@ class _CheckpointAsFirstRun:
         self.cfg = cfg
 
     def __call__(self, module, args, *output):
-        own = module.__dict__.pop("dsq_own_checkpointing", None)
+        _put_back_own_checkpointing(module)
+        unused = module.__dict__.pop("dsq_checkpointing_unused", None)
         if output:  # after the call (or its exception)
-            if own is not None:
-                module._gradient_checkpointing_func = own
+            if unused is not None and unused.pending:
+                # transformers before it checkpointed `forward` read the function in the
+                # layer's __call__, before this hook swapped it: it did not apply
+                raise ValueError(
+                    f"{type(module).__name__} checkpoints its whole call (an older "
+                    "transformers), which dsq cannot wrap to repeat a layer's first run under "
+                    "stochastic rounding or stash_scope=all: upgrade transformers, or call "
+                    "gradient_checkpointing_disable()"
+                )
             return None
-        if own is not None:  # a call cut short before its hook ran
-            module._gradient_checkpointing_func = own
         if module.gradient_checkpointing:
             own = module._gradient_checkpointing_func
             if module.training and self.cfg.saved_format("checkpoint") is not None:
                 _refuse_what_holding_drops(own)
+            swapped = _AsFirstRun(own, self.cfg)
+            if module.training and torch.is_grad_enabled():
+                module.dsq_checkpointing_unused = swapped  # until transformers calls it
             module.dsq_own_checkpointing = own
-            module._gradient_checkpointing_func = functools.partial(
-                checkpoint_as_first_run, own, self.cfg
-            )
+            module._gradient_checkpointing_func = swapped
         return None
+
+
+class _AsFirstRun:
+    """A layer's checkpointing function for one call: `checkpoint_as_first_run` with the model's
+    own; ``pending`` until transformers calls it."""
+
+    def __init__(self, own, cfg: QuantConfig):
+        self.own, self.cfg, self.pending = own, cfg, True
+
+    def __call__(self, function, *args, **kwargs):
+        self.pending = False
+        return checkpoint_as_first_run(self.own, self.cfg, function, *args, **kwargs)
 
 
 # torch.utils.checkpoint's options the held checkpoint honours as it stands: it replays the RNG
@@ -324,6 +343,15 @@ def _refuse_what_holding_drops(own) -> None:
         )
 
 
+def _put_back_own_checkpointing(module: nn.Module):
+    """The layer's own checkpointing function back in place, if dsq's holds it (a call cut short
+    before its hook ran, or unpatching); returns it, or None."""
+    own = module.__dict__.pop("dsq_own_checkpointing", None)
+    if own is not None:
+        module._gradient_checkpointing_func = own
+    return own
+
+
 def _checkpoint_as_first_run(model, cfg: QuantConfig, report: PatchReport, prefix: str):
     """Every layer of ``model`` that ``transformers`` checkpoints runs under
     `_CheckpointAsFirstRun` when checkpointing is on; a ``quant.saved.checkpoint`` rule no layer
@@ -338,6 +366,7 @@ def _checkpoint_as_first_run(model, cfg: QuantConfig, report: PatchReport, prefi
         )
     hook = _CheckpointAsFirstRun(cfg)
     for layer in layers:
+        on_unpatch(layer, "apply", _put_back_own_checkpointing)  # undone last
         on_unpatch(layer, "remove", layer.register_forward_pre_hook(hook))
         on_unpatch(layer, "remove", layer.register_forward_hook(hook, always_call=True))
     if what != "keep":

@@ -257,13 +257,18 @@ def assert_each_run_again_equals_the_first(model):
 
 
 @pytest.mark.slow
-def test_stochastic_rounding_under_the_models_gradient_checkpointing_replays_its_noise():
-    """Each layer run again in the backward pass draws the noise its first run drew, at every
-    point: every module's output in the run again is its first run's, bit for bit, and the
-    backward pass's own draws are those of a step without checkpointing, so every gradient is
-    the same bits with checkpointing and without."""
-    points = ("q0", "q1", "q2", "q3")
-    checkpointed = stochastic_llama(points)
+@pytest.mark.parametrize(
+    "points, reentrant", [(("q0", "q1", "q2", "q3"), False), (("q0", "q2", "q3"), True)]
+)
+def test_stochastic_rounding_under_the_models_gradient_checkpointing_replays_its_noise(
+    points, reentrant
+):
+    """Each layer run again in the backward pass draws the noise its first run drew: every
+    module's output in the run again is its first run's, bit for bit, and the backward pass's
+    own draws are those of a step without checkpointing, so every gradient is the same bits
+    with checkpointing and without. The reentrant form too, where the stash rounds to nearest
+    (its first run, without gradients, stashes nothing)."""
+    checkpointed = stochastic_llama(points, reentrant=reentrant)
     grads = output_and_grads(checkpointed)[1]
     assert_each_run_again_equals_the_first(checkpointed)
     plain_grads = output_and_grads(stochastic_llama(points, reentrant=None))[1]
@@ -282,7 +287,7 @@ def test_stochastic_rounding_is_replayed_under_all_when_the_stash_rounds_to_near
 @pytest.mark.parametrize(
     "points, scope, reentrant, says",
     [
-        (("q0",), "gemm", True, r"stochastic rounding at \['q0'\] under a reentrant checkpoint"),
+        (("q1",), "gemm", True, "stochastic rounding at q1 under a reentrant checkpoint"),
         (("q1",), "all", False, "stash_scope=all with stochastic rounding at q1"),
     ],
 )
@@ -686,3 +691,34 @@ def test_a_swiglu_mlp_holds_two_tensors_and_trains_bit_for_bit_as_before():
     every_kind = QuantConfig(q0="bfp8", q1="bfp4", q2="bfp8", q3="fixed16", stash_scope="all")
     kept = quantize_model(build("llama", "sdpa"), every_kind)
     assert not any(isinstance(m, DSQSwiGLUMLP) for m in kept.modules())
+
+
+def test_a_layer_checkpointing_its_whole_call_is_refused_where_dsq_would_swap_its_function(
+    monkeypatch,
+):
+    """transformers before it checkpointed a layer's ``forward`` read the checkpointing function
+    in the layer's ``__call__``, before its hooks: dsq's swap would come too late and silently
+    not apply, so a training call under stochastic rounding is refused there (simulated by the
+    layer class's forward without transformers' checkpointing wrapper)."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    model = stochastic_llama(("q0",))
+    monkeypatch.setattr(LlamaDecoderLayer, "forward", LlamaDecoderLayer.forward.__wrapped__)
+    with pytest.raises(ValueError, match="checkpoints its whole call .* upgrade transformers"):
+        output_and_grads(model)
+    with torch.no_grad():
+        model(*batch())  # nothing run again: allowed
+
+
+def test_unpatching_after_a_call_cut_short_puts_the_models_checkpointing_back():
+    """A call whose forward hook never ran (KeyboardInterrupt skips it) leaves dsq's
+    checkpointing function on the layer: unpatching puts the model's own back."""
+    model = stochastic_llama(("q0",))
+    layer = model.model.layers[0]
+    own = layer._gradient_checkpointing_func
+    for hook in layer._forward_pre_hooks.values():
+        hook(layer, ())  # the pre-hooks ran, the call was cut short
+    assert layer._gradient_checkpointing_func is not own
+    dsq.unpatch(model)
+    assert layer._gradient_checkpointing_func is own
+    assert "dsq_own_checkpointing" not in vars(layer)

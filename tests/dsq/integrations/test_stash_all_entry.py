@@ -197,7 +197,7 @@ def test_a_checkpoint_of_the_users_own_is_warned_of(caplog):
     model = quantize_model(Body(), ALL)
     with caplog.at_level("WARNING", logger="dsq.engine.patch"):
         model(torch.randn(2, 8, 32, requires_grad=True)).sum().backward()
-    assert "checkpoint_under_the_rules" in caplog.text and not hooks_pushed()
+    assert "checkpoint_as_first_run" in caplog.text and not hooks_pushed()
 
 
 def hooks_pushed() -> bool:
