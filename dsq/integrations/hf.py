@@ -56,6 +56,7 @@ from dsq.engine.policies import POLICIES
 from dsq.engine.swiglu import silu_product
 from dsq.presets import COST_BASELINE, preset_differences
 from dsq.records import check_metric
+from dsq.warn_once import warn_once
 
 from . import register_patcher
 
@@ -222,7 +223,29 @@ class DSQSwiGLUMLP(nn.Module):
     autograd holds three (`silu_product`), bit for bit the same values and gradients."""
 
     def forward(self, x):
+        if _hooked(self.act_fn):
+            # the activation's hooks must see its call: the product as transformers wrote it,
+            # holding three tensors
+            warn_once(__name__, _ACT_FN_HOOKED)
+            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
         return self.down_proj(silu_product(self.gate_proj(x), self.up_proj(x)))
+
+
+_ACT_FN_HOOKED = (
+    "dsq: a SwiGLU MLP's act_fn has hooks, so that MLP runs as transformers wrote it and its "
+    "product holds 3 tensors, not 2"
+)
+
+
+def _hooked(module: nn.Module) -> bool:
+    """Whether a call of ``module`` runs hooks: its own or every module's (nn.Module globals)."""
+    own = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks,
+           module._backward_pre_hooks)  # fmt: skip
+    every = (nn.modules.module._global_forward_hooks,
+             nn.modules.module._global_forward_pre_hooks,
+             nn.modules.module._global_backward_hooks,
+             nn.modules.module._global_backward_pre_hooks)  # fmt: skip
+    return any(own) or any(every)
 
 
 def _is_swiglu_mlp(module: nn.Module) -> bool:

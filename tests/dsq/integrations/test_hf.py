@@ -693,6 +693,36 @@ def test_a_swiglu_mlp_holds_two_tensors_and_trains_bit_for_bit_as_before():
     assert not any(isinstance(m, DSQSwiGLUMLP) for m in kept.modules())
 
 
+def test_a_hook_on_a_swiglu_activation_runs_and_its_mlp_holds_three_tensors(caplog):
+    """A hook on a SwiGLU MLP's ``act_fn`` (the user's, or every module's) is not skipped:
+    that MLP runs as transformers wrote it, with the same values, and says so once."""
+    from dsq.integrations.hf import DSQSwiGLUMLP
+    from dsq.warn_once import warn_once
+
+    warn_once.cache_clear()
+    want, want_grads = output_and_grads(quantize_model(build("llama", "sdpa"), DSQ))
+    model = quantize_model(build("llama", "sdpa"), DSQ)
+    mlp = next(m for m in model.modules() if isinstance(m, DSQSwiGLUMLP))
+    seen = []
+    mlp.act_fn.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    with caplog.at_level("WARNING"):
+        out, grads = output_and_grads(model)
+    assert seen == [(2, 9, 128)]
+    assert "act_fn has hooks" in caplog.text
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, want_grads[name], rtol=0, atol=0, msg=name)
+    calls = []
+    handle = nn.modules.module.register_module_forward_hook(
+        lambda module, args, out: calls.append(type(module).__name__)
+    )
+    try:
+        model(batch()[0])
+    finally:
+        handle.remove()
+    assert calls.count("SiLUActivation") == 2  # each layer's act_fn, not skipped
+
+
 def test_a_layer_checkpointing_its_whole_call_is_refused_where_dsq_would_swap_its_function(
     monkeypatch,
 ):
