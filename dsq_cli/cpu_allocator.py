@@ -1,16 +1,25 @@
-"""Keep freed memory inside the process on CPU (glibc's malloc), so that a training step does not
-fault its pages in again every update.
+"""How glibc's malloc serves a CPU training step's large blocks: kept for reuse (the default),
+glibc's own settings, or given back to the system as each is freed.
 
 A step allocates and frees the same large tensors every update (activations, their gradients,
-the quantizers' outputs). By default glibc maps large blocks afresh and hands the freed top of
-its heap back to the system, so each update touches new pages and the kernel faults every one
-in: about 76,000 page faults a step of `dsq bench step`'s model. With large blocks served from
-the heap, freed memory kept and the heap grown 256 MiB at a time, 1,000 to 3,000 remain. Multi30k
-trains 14% faster with it, fp32 and dsq alike (the bench step: fp32 5% to 8%, dsq 0.5% to 3.5%),
-for 11% (fp32) to 23% (dsq) more peak resident memory (docs/benchmarks.md). CUDA tensors have
-their own caching allocator and are unaffected. ``DSQ_CPU_ALLOCATOR=default`` leaves glibc's
-settings alone (``keep``, or unset: the setting above; any other value is an error, so that a
-typo cannot silently keep it on). Imports only the standard library.
+the quantizers' outputs). Three settings, chosen by ``DSQ_CPU_ALLOCATOR`` (docs/benchmarks.md,
+"The CPU allocator setting", measures them):
+
+- ``keep`` (unset: this one): large blocks are served from the heap, up to 1 GiB freed is kept
+  and the heap grows 256 MiB at a time, so an update reuses the pages of the last instead of
+  faulting them in again (by default about 76,000 page faults a step of `dsq bench step`'s
+  model; kept, 1,000 to 3,000). Multi30k trains 14% faster with it, fp32 and dsq alike, for 11%
+  (fp32) to 23% (dsq) more peak resident memory.
+- ``default``: glibc's own settings. glibc maps a large block on its own until the first such
+  block is freed, then raises its threshold to that block's size (up to 32 MiB), so later blocks
+  come from the heap, whose freed pieces of differing sizes it cannot always reuse: the process
+  holds more than its tensors, and more the more temporaries of differing sizes a step makes.
+- ``release``: every block of 256 KiB or more is mapped on its own and given back when freed
+  (a fixed threshold, which glibc then never raises): the process's peak is its tensors' peak
+  plus the libraries, at the price of faulting every large block in afresh.
+
+CUDA tensors have their own caching allocator and are unaffected. Any other value is an error,
+so that a typo cannot silently leave a setting on. Imports only the standard library.
 """
 
 from __future__ import annotations
@@ -32,38 +41,45 @@ TOP_PAD = 256 << 20  # grow the heap 256 MiB at a time
 # serve blocks up to this size from the heap; glibc documents 32 MiB as the most it accepts on
 # 64-bit machines, and newer versions take more, so the larger is tried first
 MMAP_THRESHOLDS = (1 << 30, 32 << 20)
-OPT_OUT = "DSQ_CPU_ALLOCATOR"
-CHOICES = ("keep", "default")
+RELEASE_THRESHOLD = 256 << 10  # `release`: blocks from this size up are mapped on their own
+SETTING = "DSQ_CPU_ALLOCATOR"
+CHOICES = ("keep", "default", "release")
 
 
 def chosen_setting() -> str:
-    """``keep`` or ``default``, from DSQ_CPU_ALLOCATOR (unset: ``keep``); ValueError, naming the
-    choices, for any other value."""
-    value = os.environ.get(OPT_OUT) or "keep"
+    """``keep``, ``default`` or ``release``, from DSQ_CPU_ALLOCATOR (unset: ``keep``); ValueError,
+    naming the choices, for any other value."""
+    value = os.environ.get(SETTING) or "keep"
     if value not in CHOICES:
         raise ValueError(
-            f"{OPT_OUT} must be 'keep' or 'default' (glibc's own settings), got {value!r}; "
-            "unset it to keep freed memory"
+            f"{SETTING} must be 'keep', 'default' (glibc's own settings) or 'release' (large "
+            f"blocks given back when freed), got {value!r}; unset it to keep freed memory"
         )
     return value
 
 
-def keep_freed_memory() -> bool:
-    """Set glibc's malloc to keep freed memory and serve large blocks from its heap (see the
-    module's text). True when applied; False, with nothing changed, off glibc or when
-    ``DSQ_CPU_ALLOCATOR=default``; ValueError for a value that is neither."""
-    if chosen_setting() == "default":
-        return False
+def set_cpu_allocator() -> str | None:
+    """Apply the chosen setting to glibc's malloc (see the module's text): the setting applied,
+    ``keep`` or ``release``; None, with nothing changed, for ``default`` or off glibc (or where
+    glibc refuses part of it, logged); ValueError for a value that is not a setting."""
+    setting = chosen_setting()
+    if setting == "default":
+        return None
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return False
+        return None
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     except OSError:
-        return False
+        return None
+    if setting == "release":
+        applied = libc.mallopt(M_MMAP_THRESHOLD, RELEASE_THRESHOLD) == 1
+        if not applied:
+            log.info("glibc refused the mmap threshold of %d bytes", RELEASE_THRESHOLD)
+        return setting if applied else None
     kept = libc.mallopt(M_TRIM_THRESHOLD, KEEP_FREED) == 1
     padded = libc.mallopt(M_TOP_PAD, TOP_PAD) == 1
     served = any(libc.mallopt(M_MMAP_THRESHOLD, size) == 1 for size in MMAP_THRESHOLDS)
     if not (kept and padded and served):
         log.info("glibc refused part of the allocator setting: trim %s, top pad %s, mmap %s",
                  kept, padded, served)  # fmt: skip
-    return kept and padded and served
+    return setting if kept and padded and served else None

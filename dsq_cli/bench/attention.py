@@ -22,7 +22,7 @@ import torch
 from dsq.engine import QuantConfig
 from dsq.engine.attention import dsq_attention, explicit_attention
 from dsq.presets import get_preset
-from dsq_cli.cpu_allocator import keep_freed_memory
+from dsq_cli.cpu_allocator import set_cpu_allocator
 
 from .quant import machine_description
 
@@ -84,7 +84,7 @@ def run(seq_lens=(1024, 2048), batch: int = 1, heads: int = 8, kv_heads: int = 4
     if cfg.engine != "dsq":
         raise ValueError(f"--preset {preset} runs no DSQ attention; choose a DSQ preset (dsq)")
     if dev.type == "cpu":
-        keep_freed_memory()  # as `dsq train` runs on CPU: passes reuse their pages
+        set_cpu_allocator()  # as `dsq train` runs on CPU (DSQ_CPU_ALLOCATOR)
     rows = []
     for n in seq_lens:
         q, k, v, d_out = _inputs(batch, heads, kv_heads, n, head_dim, dev)

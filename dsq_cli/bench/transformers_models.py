@@ -15,7 +15,9 @@ once; the optimizer step's own peak, which does not grow with the batch, beside 
 per token is the difference of two batch sizes' peaks over the difference of their tokens, so
 that what does not grow with the batch (the model, the optimizer, the libraries) cancels; tokens
 at a budget extrapolate that line. Both peaks are reported: they differ where the allocator's
-tensors are not all the process holds (the C library's heap, freed memory kept for reuse).
+tensors are not all the process holds (the C library's heap, freed memory kept for reuse), so
+the process's figure depends on the malloc setting (``DSQ_CPU_ALLOCATOR``, named in the
+result): ``release`` gives each large block back when freed, and there the two agree.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import time
 
 import torch
 
+from dsq_cli.cpu_allocator import chosen_setting, set_cpu_allocator
 from dsq_cli.models.causal_lm import KINDS, build_causal_lm
 
 MODELS = ("llama", "gpt2", "bert")
@@ -103,12 +106,11 @@ def measure(shape: ModelShape, row: Row, seq_len: int, batch: int, repeats: int,
     0: the model's own loss."""
     from dsq.engine import QuantConfig
     from dsq.integrations import quantize_model
-    from dsq_cli.cpu_allocator import keep_freed_memory
     from dsq_cli.presets import at_first_level, load_quant_preset
 
     from .step import allocated_during, scope_points
 
-    keep_freed_memory()  # as `dsq train` and `dsq bench step` run on CPU
+    set_cpu_allocator()  # as `dsq train` runs on CPU (DSQ_CPU_ALLOCATOR)
     points = at_first_level(load_quant_preset(row.preset)) | scope_points(row.scope)
     cfg = QuantConfig.from_dict(points)
     model = shape.build(seq_len)
@@ -153,6 +155,10 @@ def measure(shape: ModelShape, row: Row, seq_len: int, batch: int, repeats: int,
     # the forward and backward passes, whose peak grows with the tokens, and the optimizer step
     # after them, whose peak (the gradients, Adam's temporaries) does not: a slope through whole
     # steps' peaks would mix the two where a small batch peaks in the optimizer step
+    # the process's peak of the steps, read before the profiler runs: its records of every
+    # allocation are the process's memory too, and dsq's many small operations made them tens
+    # of KiB a token of the figure
+    rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * KIB
     cpu = torch.device("cpu")
     passes = allocated_during(forward_backward, cpu)
     update = allocated_during(optimizer.step, cpu)
@@ -160,7 +166,7 @@ def measure(shape: ModelShape, row: Row, seq_len: int, batch: int, repeats: int,
         "step_s": statistics.median(times),
         "allocator_bytes": state + passes.peak,
         "optimizer_step_bytes": state + passes.held + update.peak,
-        "rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * KIB,
+        "rss_bytes": rss_bytes,
         "first_loss": losses[0],
     }
 
@@ -262,6 +268,7 @@ def run(shape: ModelShape, rows: list[Row], seq_lens, budget: int, repeats: int 
         "rounds": rounds,
         "threads": threads,
         "loss_chunk": loss_chunk,
+        "cpu_allocator": chosen_setting(),
         "machine": machine_description(torch.device("cpu")).rsplit(",", 1)[0],
         "torch": torch.__version__,
         "rows": results,
@@ -312,13 +319,14 @@ def format_memory(result: dict) -> str:
     gib = result["budget_bytes"] / 2**30
     header = ["row", "seq", "KiB/token (allocator)", "KiB/token (process)",
               f"tokens in {gib:g} GiB (allocator)", "x amp_bf16", "x amp_bf16 ckpt",
-              "tokens (process)", "x amp_bf16 ckpt"]  # fmt: skip
+              "tokens (process)", "x amp_bf16", "x amp_bf16 ckpt"]  # fmt: skip
     return _grid(result, header, lambda r: [
         f"{r['allocator_kib_per_token']:.1f}", f"{r['rss_kib_per_token']:.1f}",
         _tokens(r["allocator_tokens_at_budget"]),
         _x(r.get("allocator_tokens_at_budget_x_amp_bf16")),
         _x(r.get("allocator_tokens_at_budget_x_amp_bf16_ckpt")),
-        _tokens(r["rss_tokens_at_budget"]), _x(r.get("rss_tokens_at_budget_x_amp_bf16_ckpt")),
+        _tokens(r["rss_tokens_at_budget"]), _x(r.get("rss_tokens_at_budget_x_amp_bf16")),
+        _x(r.get("rss_tokens_at_budget_x_amp_bf16_ckpt")),
     ])  # fmt: skip
 
 
@@ -336,7 +344,8 @@ def _footer(result: dict) -> str:
         f"{m['kind']}: {m['layers']} layers, width {m['width']}, {m['heads']} heads "
         f"({m['kv_heads']} key/value), vocabulary {m['vocab']}; Adam, {_loss_words(result)}; "
         f"each row and batch a fresh process; {result['machine']}, {result['threads']} threads, "
-        f"torch {result['torch']}; median of {result['repeats']} steps"
+        f"torch {result['torch']}; median of {result['repeats']} steps; the process's peak "
+        f"with DSQ_CPU_ALLOCATOR={result.get('cpu_allocator', 'keep')}"
         + _rounds_words(result.get("rounds", 1))
     )
 

@@ -159,3 +159,49 @@ def test_the_loss_in_chunks_is_the_models_own_loss_and_reaches_the_runs_footer(k
     monkeypatch.setattr(tm, "measure_in_fresh_process", fake)
     result = tm.run(shape, [tm.Row("amp_bf16")], [24], budget=10**6, loss_chunk=16)
     assert "the loss in chunks of 16 tokens" in tm.format_memory(result)
+
+
+# a fresh process, as the bench measures one: the process's peak is a high-water mark
+GROWING_PROFILER = """
+import json, resource, numpy as np
+from dsq_cli.bench import step, transformers_models as tm
+grown, measured = [], step.allocated_during
+def growing(fn, dev):
+    grown.append(np.ones(2**25))  # 256 MiB, written, so resident
+    return measured(fn, dev)
+step.allocated_during = growing
+shape = tm.ModelShape("llama", layers=1, width=64, heads=2, kv_heads=1, vocab=64)
+out = tm.measure(shape, tm.Row("amp_bf16"), seq_len=16, batch=1, repeats=1)
+print(json.dumps([len(grown), out["rss_bytes"], resource.getrusage(0).ru_maxrss * tm.KIB]))
+"""
+
+
+@pytest.mark.slow  # spawns a process
+def test_the_process_peak_is_the_steps_not_the_profilers():
+    """The allocator's measurement (torch.profiler's records of every allocation) comes after the
+    timed steps and grows the process too: the process's peak is read before it. A spy in its
+    place makes the process 512 MiB larger; the reported peak does not see them."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = os.environ | {"DSQ_CPU_ALLOCATOR": "default"}
+    done = subprocess.run([sys.executable, "-c", GROWING_PROFILER], capture_output=True,
+                          text=True, env=env)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    calls, reported, peak = json.loads(done.stdout.splitlines()[-1])
+    assert calls == 2
+    assert reported < peak - 2**29 * 0.9
+
+
+def test_the_footer_names_the_allocator_setting_the_process_ran_with(monkeypatch):
+    def fake(shape, row, seq_len, batch, repeats, threads, loss_chunk=0):
+        return {"step_s": 1.0, "allocator_bytes": 100 * batch, "rss_bytes": 100 * batch,
+                "first_loss": 1.0}  # fmt: skip
+
+    monkeypatch.setattr(tm, "measure_in_fresh_process", fake)
+    monkeypatch.setenv("DSQ_CPU_ALLOCATOR", "release")
+    result = tm.run(tm.ModelShape(), [tm.Row("amp_bf16")], [24], budget=10**6)
+    assert result["cpu_allocator"] == "release"
+    assert "the process's peak with DSQ_CPU_ALLOCATOR=release" in tm.format_memory(result)
