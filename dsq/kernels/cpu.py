@@ -55,7 +55,6 @@ import hashlib
 import logging
 import os
 import platform
-import shutil
 import sysconfig
 import time
 from collections.abc import Sequence
@@ -210,15 +209,17 @@ def _quiet(logger):
 
 @contextlib.contextmanager
 def _ninja_on_path():
-    """Within the block, ``ninja`` (the builder runs it from PATH) is on PATH: the ``ninja``
-    package's binary where the system has none, as when the package sits in a virtualenv that
-    was not activated."""
+    """Within the block, the ``ninja`` package's binary (a dependency) first on PATH, where the
+    builder looks for ``ninja``: found there whether or not its virtualenv is activated, and the
+    same binary for every process of this environment. Two ninja versions hash a build command
+    differently (1.12 changed the hash), so a system ninja and the package's, taking turns on one
+    cached build, would each rebuild it every time the other ran (two runs at once, one started
+    from an activated virtualenv, did). Without the package, PATH's own ninja."""
     path = os.environ.get("PATH")
     try:
         import ninja  # the PyPI package: a binary and the folder holding it
 
-        if shutil.which("ninja") is None:
-            os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, *([path] if path else [])])
+        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, *([path] if path else [])])
     except ImportError:
         pass
     try:

@@ -422,6 +422,28 @@ def test_another_checkout_with_the_same_sources_shares_the_build(tmp_path, built
 
 
 @pytest.mark.slow  # builds the kernels (once per module, in a new process)
+def test_the_build_runs_the_ninja_packages_binary_whatever_ninja_path_finds_first(
+    monkeypatch, tmp_path, built
+):
+    """Two ninja versions hash a build command differently, and each rebuilds what the other
+    logged: the builder runs the `ninja` package's binary, not the first `ninja` on PATH (here
+    one that records its call and fails), so processes started with and without an activated
+    virtualenv share the build."""
+    pytest.importorskip("ninja")
+    cache, path = built
+    fake = tmp_path / "bin" / "ninja"
+    fake.parent.mkdir()
+    fake.write_text(f"#!/bin/sh\ntouch {tmp_path / 'called'}\nexit 1\n")
+    fake.chmod(0o755)
+    stamp = path.stat().st_mtime_ns
+    # _load's process inherits it
+    monkeypatch.setenv("PATH", os.pathsep.join([str(fake.parent), os.environ.get("PATH", "")]))
+    assert _load(cache)[1] == str(path)
+    assert not (tmp_path / "called").exists()
+    assert path.stat().st_mtime_ns == stamp
+
+
+@pytest.mark.slow  # builds the kernels (once per module, in a new process)
 def test_a_killed_builds_lock_file_does_not_block_a_load(built):
     """torch's builder waits forever on a lock file left by a build killed midway; the next load
     deletes it (it holds the folder's flock, so no live builder owns it) and goes on."""
