@@ -344,8 +344,8 @@ def _footer(result: dict) -> str:
         f"{m['kind']}: {m['layers']} layers, width {m['width']}, {m['heads']} heads "
         f"({m['kv_heads']} key/value), vocabulary {m['vocab']}; Adam, {_loss_words(result)}; "
         f"each row and batch a fresh process; {result['machine']}, {result['threads']} threads, "
-        f"torch {result['torch']}; median of {result['repeats']} steps; the process's peak "
-        f"with DSQ_CPU_ALLOCATOR={result.get('cpu_allocator', 'keep')}"
+        f"torch {result['torch']}; median of {result['repeats']} steps; malloc setting "
+        f"DSQ_CPU_ALLOCATOR={result.get('cpu_allocator', 'keep')}"
         + _rounds_words(result.get("rounds", 1))
     )
 

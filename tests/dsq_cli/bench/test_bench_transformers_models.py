@@ -204,4 +204,4 @@ def test_the_footer_names_the_allocator_setting_the_process_ran_with(monkeypatch
     monkeypatch.setenv("DSQ_CPU_ALLOCATOR", "release")
     result = tm.run(tm.ModelShape(), [tm.Row("amp_bf16")], [24], budget=10**6)
     assert result["cpu_allocator"] == "release"
-    assert "the process's peak with DSQ_CPU_ALLOCATOR=release" in tm.format_memory(result)
+    assert "malloc setting DSQ_CPU_ALLOCATOR=release" in tm.format_memory(result)
