@@ -14,12 +14,14 @@ the quantizers' outputs). Three settings, chosen by ``DSQ_CPU_ALLOCATOR`` (docs/
   block is freed, then raises its threshold to that block's size (up to 32 MiB), so later blocks
   come from the heap, whose freed pieces of differing sizes it cannot always reuse: the process
   holds more than its tensors, and more the more temporaries of differing sizes a step makes.
-- ``release``: every block of 256 KiB or more is mapped on its own and given back when freed
-  (a fixed threshold, which glibc then never raises): the process's peak is its tensors' peak
-  plus the libraries, at the price of faulting every large block in afresh.
+- ``release``: a block of 256 KiB or more is, as a rule, mapped on its own and given back when
+  freed (a fixed mmap threshold, which glibc then never raises; a free piece of the heap that
+  fits may still serve one): the process's peak is its tensors' peak plus the libraries, at the
+  price of faulting every large block in afresh.
 
 CUDA tensors have their own caching allocator and are unaffected. Any other value is an error,
-so that a typo cannot silently leave a setting on. Imports only the standard library.
+so that a typo cannot silently leave a setting on. Imports only the standard library (and
+`dsq.warn_once`, which does too).
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ import ctypes.util
 import logging
 import os
 import platform
+
+from dsq.warn_once import warn_once
 
 log = logging.getLogger(__name__)
 
@@ -58,28 +62,40 @@ def chosen_setting() -> str:
     return value
 
 
-def set_cpu_allocator() -> str | None:
-    """Apply the chosen setting to glibc's malloc (see the module's text): the setting applied,
-    ``keep`` or ``release``; None, with nothing changed, for ``default`` or off glibc (or where
-    glibc refuses part of it, logged); ValueError for a value that is not a setting."""
+def apply_malloc_setting() -> str | None:
+    """Apply the chosen setting to glibc's malloc (see the module's text). Returns the setting in
+    force: ``keep`` or ``release`` as applied, ``default`` (nothing changed); None where the
+    chosen one could not be applied (off glibc, or glibc refused part of it), with a warning
+    when DSQ_CPU_ALLOCATOR asked for it by name. ValueError for a value that is not a setting."""
     setting = chosen_setting()
     if setting == "default":
-        return None
+        return setting
+    refused = _applied(setting)
+    if refused is None:
+        return setting
+    if os.environ.get(SETTING):  # asked for by name: say that it does not hold
+        warn_once(__name__, f"dsq: {SETTING}={setting} does not apply here ({refused}); the "
+                            "process runs with its C library's malloc settings")  # fmt: skip
+    else:
+        log.info("the CPU allocator setting %s does not apply here (%s)", setting, refused)
+    return None
+
+
+def _applied(setting: str) -> str | None:
+    """Apply ``keep`` or ``release`` with mallopt: None when applied, else why not."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return None
+        return "not glibc's malloc"
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    except OSError:
-        return None
+    except OSError as err:
+        return f"the C library did not load: {err}"
     if setting == "release":
-        applied = libc.mallopt(M_MMAP_THRESHOLD, RELEASE_THRESHOLD) == 1
-        if not applied:
-            log.info("glibc refused the mmap threshold of %d bytes", RELEASE_THRESHOLD)
-        return setting if applied else None
+        if libc.mallopt(M_MMAP_THRESHOLD, RELEASE_THRESHOLD) == 1:
+            return None
+        return f"glibc refused an mmap threshold of {RELEASE_THRESHOLD} bytes"
     kept = libc.mallopt(M_TRIM_THRESHOLD, KEEP_FREED) == 1
     padded = libc.mallopt(M_TOP_PAD, TOP_PAD) == 1
     served = any(libc.mallopt(M_MMAP_THRESHOLD, size) == 1 for size in MMAP_THRESHOLDS)
-    if not (kept and padded and served):
-        log.info("glibc refused part of the allocator setting: trim %s, top pad %s, mmap %s",
-                 kept, padded, served)  # fmt: skip
-    return setting if kept and padded and served else None
+    if kept and padded and served:
+        return None
+    return f"glibc refused part of it: trim {kept}, top pad {padded}, mmap threshold {served}"

@@ -210,18 +210,17 @@ def _quiet(logger):
 @contextlib.contextmanager
 def _ninja_on_path():
     """Within the block, the ``ninja`` package's binary (a dependency) first on PATH, where the
-    builder looks for ``ninja``: found there whether or not its virtualenv is activated, and the
-    same binary for every process of this environment. Two ninja versions hash a build command
-    differently (1.12 changed the hash), so a system ninja and the package's, taking turns on one
-    cached build, would each rebuild it every time the other ran (two runs at once, one started
-    from an activated virtualenv, did). Without the package, PATH's own ninja."""
+    builder looks for ``ninja``, by a folder of its own that holds nothing else (the package's
+    folder may be a virtualenv's ``bin`` or ``/usr/bin``, whose compilers would then shadow the
+    user's): found whether or not its virtualenv is activated, and the same binary for every
+    process of this environment. Two ninja versions may hash a build command differently (1.13
+    changed the hash), so a system ninja and the package's taking turns on one cached build
+    rebuild it every time the other ran (two runs at once, one started from an activated
+    virtualenv, did). Without the package's binary, PATH's own ninja."""
     path = os.environ.get("PATH")
-    try:
-        import ninja  # the PyPI package: a binary and the folder holding it
-
-        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, *([path] if path else [])])
-    except ImportError:
-        pass
+    folder = _ninja_folder()
+    if folder is not None:
+        os.environ["PATH"] = os.pathsep.join([str(folder), *([path] if path else [])])
     try:
         yield
     finally:
@@ -229,6 +228,31 @@ def _ninja_on_path():
             os.environ.pop("PATH", None)
         else:
             os.environ["PATH"] = path
+
+
+def _ninja_folder() -> Path | None:
+    """A folder beside the kernels' cache holding only ``ninja``, a link to the ``ninja``
+    package's binary (a folder per binary, so that environments sharing the cache do not take
+    turns on it); None where the package or its binary is missing or the link cannot be made."""
+    try:
+        import ninja  # the PyPI package: a binary and the folder holding it
+    except ImportError:
+        return None
+    binary = Path(ninja.BIN_DIR, "ninja") if ninja.BIN_DIR else None
+    if binary is None or not binary.is_file() or not os.access(binary, os.X_OK):
+        return None
+    folder = cache_dir().parent / "ninja" / hashlib.sha256(str(binary).encode()).hexdigest()[:16]
+    link = folder / "ninja"
+    try:
+        if not (link.is_symlink() and os.readlink(link) == str(binary)):
+            folder.mkdir(parents=True, exist_ok=True)
+            temporary = folder / f".ninja.{os.getpid()}.tmp"
+            temporary.unlink(missing_ok=True)
+            temporary.symlink_to(binary)
+            os.replace(temporary, link)  # atomic: a process beside this one sees one or the other
+    except OSError:
+        return None
+    return folder
 
 
 def build(

@@ -7,9 +7,9 @@ formats. Rows, run one after the other within each repetition: SDPA under
 ``torch.autocast(bf16)`` (what a user runs instead: the fused kernel), the tiled kernel, and the
 explicit path up to ``explicit_up_to`` tokens (its probabilities are ``batch x heads x N x N``).
 A row's time is the median over repetitions of one forward and backward pass; its ratio to
-SDPA is the median of the ratios within each repetition. On the CPU the process keeps freed
-memory, as ``dsq train`` runs (``dsq_cli/cpu_allocator.py``); on CUDA each row also reports the
-allocator's peak above the inputs.
+SDPA is the median of the ratios within each repetition. On the CPU the process applies the
+malloc setting ``dsq train`` runs with (``DSQ_CPU_ALLOCATOR``, ``dsq_cli/cpu_allocator.py``);
+on CUDA each row also reports the allocator's peak above the inputs.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 from dsq.engine import QuantConfig
 from dsq.engine.attention import dsq_attention, explicit_attention
 from dsq.presets import get_preset
-from dsq_cli.cpu_allocator import set_cpu_allocator
+from dsq_cli.cpu_allocator import apply_malloc_setting
 
 from .quant import machine_description
 
@@ -84,7 +84,7 @@ def run(seq_lens=(1024, 2048), batch: int = 1, heads: int = 8, kv_heads: int = 4
     if cfg.engine != "dsq":
         raise ValueError(f"--preset {preset} runs no DSQ attention; choose a DSQ preset (dsq)")
     if dev.type == "cpu":
-        set_cpu_allocator()  # as `dsq train` runs on CPU (DSQ_CPU_ALLOCATOR)
+        apply_malloc_setting()  # as `dsq train` runs on CPU (DSQ_CPU_ALLOCATOR)
     rows = []
     for n in seq_lens:
         q, k, v, d_out = _inputs(batch, heads, kv_heads, n, head_dim, dev)

@@ -36,7 +36,7 @@ from dsq.engine.checkpointing import checkpoint_layers
 from dsq.engine.chunked_output import DEFAULT_CHUNK_TOKENS, chunked_output_loss
 from dsq.engine.spec import SAVED_KINDS
 from dsq.integrations import quantize_model
-from dsq_cli.cpu_allocator import set_cpu_allocator
+from dsq_cli.cpu_allocator import apply_malloc_setting
 from dsq_cli.presets import at_first_level, load_quant_preset
 
 from .breakdown import format_breakdown, profile_step, unit_peaks
@@ -385,7 +385,7 @@ def run(
 ) -> dict:
     dev = torch.device(device)
     if dev.type == "cpu":
-        set_cpu_allocator()  # as `dsq train` runs on CPU (DSQ_CPU_ALLOCATOR)
+        apply_malloc_setting()  # as `dsq train` runs on CPU (DSQ_CPU_ALLOCATOR)
     batch = Batch.random(max(1, tokens // src_len), src_len, vocab, dev)
     setups: dict[tuple[str, Variant], Setup] = {}
     for name in presets:

@@ -16,8 +16,9 @@ per token is the difference of two batch sizes' peaks over the difference of the
 that what does not grow with the batch (the model, the optimizer, the libraries) cancels; tokens
 at a budget extrapolate that line. Both peaks are reported: they differ where the allocator's
 tensors are not all the process holds (the C library's heap, freed memory kept for reuse), so
-the process's figure depends on the malloc setting (``DSQ_CPU_ALLOCATOR``, named in the
-result): ``release`` gives each large block back when freed, and there the two agree.
+the process's figure depends on the malloc setting (``DSQ_CPU_ALLOCATOR``; the result names
+the one each row's process had in force): ``release`` gives each large block back when freed,
+and there the two agree.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import time
 
 import torch
 
-from dsq_cli.cpu_allocator import chosen_setting, set_cpu_allocator
+from dsq_cli.cpu_allocator import apply_malloc_setting
 from dsq_cli.models.causal_lm import KINDS, build_causal_lm
 
 MODELS = ("llama", "gpt2", "bert")
@@ -110,7 +111,7 @@ def measure(shape: ModelShape, row: Row, seq_len: int, batch: int, repeats: int,
 
     from .step import allocated_during, scope_points
 
-    set_cpu_allocator()  # as `dsq train` runs on CPU (DSQ_CPU_ALLOCATOR)
+    malloc = apply_malloc_setting() or "none applied"  # as `dsq train` runs (DSQ_CPU_ALLOCATOR)
     points = at_first_level(load_quant_preset(row.preset)) | scope_points(row.scope)
     cfg = QuantConfig.from_dict(points)
     model = shape.build(seq_len)
@@ -167,6 +168,7 @@ def measure(shape: ModelShape, row: Row, seq_len: int, batch: int, repeats: int,
         "allocator_bytes": state + passes.peak,
         "optimizer_step_bytes": state + passes.held + update.peak,
         "rss_bytes": rss_bytes,
+        "cpu_allocator": malloc,
         "first_loss": losses[0],
     }
 
@@ -221,7 +223,7 @@ def run(shape: ModelShape, rows: list[Row], seq_lens, budget: int, repeats: int 
     the time a token is the median over the rounds, each ratio to a baseline the median of the
     rounds' ratios; the bytes are the first round's."""
     threads = threads or torch.get_num_threads()
-    results = []
+    results, settings = [], set()
     for seq_len in seq_lens:
         small, large = batches or ((4, 8) if seq_len < 512 else (2, 3))
         measured: dict[Row, list] = {row: [] for row in rows}
@@ -232,6 +234,8 @@ def run(shape: ModelShape, rows: list[Row], seq_lens, budget: int, repeats: int 
                                              loss_chunk)
                     for batch in (small, large)
                 ))  # fmt: skip
+        settings |= {m.get("cpu_allocator", "?") for pairs in measured.values()
+                     for pair in pairs for m in pair if "error" not in m}  # fmt: skip
         for row in rows:
             entry = {"row": row.label, "seq_len": seq_len, "batches": [small, large]}
             errors = [m["error"] for pair in measured[row] for m in pair if "error" in m]
@@ -268,7 +272,8 @@ def run(shape: ModelShape, rows: list[Row], seq_lens, budget: int, repeats: int 
         "rounds": rounds,
         "threads": threads,
         "loss_chunk": loss_chunk,
-        "cpu_allocator": chosen_setting(),
+        # the malloc setting the rows' processes had in force (one, or each that occurred)
+        "cpu_allocator": ", ".join(sorted(settings)),
         "machine": machine_description(torch.device("cpu")).rsplit(",", 1)[0],
         "torch": torch.__version__,
         "rows": results,
@@ -344,8 +349,8 @@ def _footer(result: dict) -> str:
         f"{m['kind']}: {m['layers']} layers, width {m['width']}, {m['heads']} heads "
         f"({m['kv_heads']} key/value), vocabulary {m['vocab']}; Adam, {_loss_words(result)}; "
         f"each row and batch a fresh process; {result['machine']}, {result['threads']} threads, "
-        f"torch {result['torch']}; median of {result['repeats']} steps; malloc setting "
-        f"DSQ_CPU_ALLOCATOR={result.get('cpu_allocator', 'keep')}"
+        f"torch {result['torch']}; median of {result['repeats']} steps"
+        + (f"; malloc setting {result['cpu_allocator']}" if result.get("cpu_allocator") else "")
         + _rounds_words(result.get("rounds", 1))
     )
 

@@ -25,7 +25,7 @@ from dsq.presets import COST_BASELINE, preset_differences
 from dsq_cli import runs
 from dsq_cli.config import to_plain
 from dsq_cli.cost.run_cost import run_cost
-from dsq_cli.cpu_allocator import set_cpu_allocator
+from dsq_cli.cpu_allocator import apply_malloc_setting
 from dsq_cli.loggers import make_logger
 from dsq_cli.run_config import RunConfig
 from dsq_cli.run_result import RunResult, memory_record, unpriced
@@ -66,7 +66,7 @@ def run_rank(
     """Train in this process, as ``rank`` of the data-parallel group: a new run, or one resumed
     from the checkpoint ``resume_from`` (``state``: its contents, when already loaded)."""
     if device == "cpu":
-        set_cpu_allocator()  # DSQ_CPU_ALLOCATOR, by default reusing freed pages (cpu_allocator.py)
+        apply_malloc_setting()  # DSQ_CPU_ALLOCATOR (by default: reuse freed pages)
     if data is None:  # a spawned worker: the parent prepared the data; this reads the cache
         data = family_of(cfg).prepare(cfg)
     if state is None and resume_from is not None:

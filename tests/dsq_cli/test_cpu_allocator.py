@@ -1,4 +1,4 @@
-"""`set_cpu_allocator`: with ``keep`` a large block freed and allocated again is not faulted in
+"""`apply_malloc_setting`: with ``keep`` a large block freed and allocated again is not faulted in
 again; with ``release`` it is given back to the system as it is freed."""
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ pytestmark = pytest.mark.skipif(
 # over the resident memory before the first (in pages; /proc/self/statm's second field)
 PROBE = """
 import os, resource, sys, torch
-from dsq_cli.cpu_allocator import set_cpu_allocator
+from dsq_cli.cpu_allocator import apply_malloc_setting
 os.environ["DSQ_CPU_ALLOCATOR"] = sys.argv[1]
-applied = set_cpu_allocator()
+applied = apply_malloc_setting()
 resident = lambda: int(open("/proc/self/statm").read().split()[1])
 start = resident()
 blocks = [torch.ones(2**20) for _ in range(64)]; del blocks
@@ -41,10 +41,33 @@ def probe(setting: str) -> tuple[str, int, int]:
 
 
 def test_the_default_setting_leaves_glibc_alone(monkeypatch):
-    from dsq_cli.cpu_allocator import set_cpu_allocator
+    from dsq_cli import cpu_allocator
 
+    def no_mallopt(setting):
+        raise AssertionError(f"{setting} applied")
+
+    monkeypatch.setattr(cpu_allocator, "_applied", no_mallopt)
     monkeypatch.setenv("DSQ_CPU_ALLOCATOR", "default")
-    assert set_cpu_allocator() is None
+    assert cpu_allocator.apply_malloc_setting() == "default"
+
+
+def test_a_setting_asked_for_by_name_that_cannot_apply_says_so(monkeypatch, caplog):
+    """Off glibc (here: glibc said to be musl) nothing is applied: None, and a warning where
+    DSQ_CPU_ALLOCATOR named the setting; unset, the default's absence is no news."""
+    from dsq.warn_once import warn_once
+    from dsq_cli import cpu_allocator
+
+    warn_once.cache_clear()
+    monkeypatch.setattr(cpu_allocator.platform, "libc_ver", lambda: ("musl", "1.2"))
+    monkeypatch.setenv("DSQ_CPU_ALLOCATOR", "release")
+    with caplog.at_level("WARNING"):
+        assert cpu_allocator.apply_malloc_setting() is None
+    assert "DSQ_CPU_ALLOCATOR=release does not apply here (not glibc's malloc)" in caplog.text
+    caplog.clear()
+    monkeypatch.delenv("DSQ_CPU_ALLOCATOR")
+    with caplog.at_level("WARNING"):
+        assert cpu_allocator.apply_malloc_setting() is None
+    assert not caplog.records
 
 
 @pytest.mark.slow  # spawns processes
@@ -77,11 +100,11 @@ def test_a_mistyped_setting_is_an_error_not_a_silent_keep(monkeypatch):
     from typer.testing import CliRunner
 
     from dsq_cli.cli import app
-    from dsq_cli.cpu_allocator import set_cpu_allocator
+    from dsq_cli.cpu_allocator import apply_malloc_setting
 
     monkeypatch.setenv("DSQ_CPU_ALLOCATOR", "defualt")
     with pytest.raises(ValueError, match="must be 'keep', 'default'.*or 'release'.*'defualt'"):
-        set_cpu_allocator()
+        apply_malloc_setting()
     result = CliRunner().invoke(app, ["version"])
     assert result.exit_code == 2
     assert "DSQ_CPU_ALLOCATOR must be 'keep', 'default'" in result.output

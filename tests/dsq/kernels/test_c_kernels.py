@@ -441,6 +441,13 @@ def test_the_build_runs_the_ninja_packages_binary_whatever_ninja_path_finds_firs
     assert _load(cache)[1] == str(path)
     assert not (tmp_path / "called").exists()
     assert path.stat().st_mtime_ns == stamp
+    # by a folder of its own: nothing else of the package's folder (a virtualenv's bin, or
+    # /usr/bin with its compilers) comes before the user's PATH
+    import ninja
+
+    (folder,) = (cache / "ninja").iterdir()
+    assert [p.name for p in folder.iterdir()] == ["ninja"]
+    assert (folder / "ninja").resolve() == (Path(ninja.BIN_DIR) / "ninja").resolve()
 
 
 @pytest.mark.slow  # builds the kernels (once per module, in a new process)
