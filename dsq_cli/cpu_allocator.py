@@ -70,7 +70,7 @@ def apply_malloc_setting() -> str | None:
     setting = chosen_setting()
     if setting == "default":
         return setting
-    refused = _applied(setting)
+    refused = _apply(setting)
     if refused is None:
         return setting
     if os.environ.get(SETTING):  # asked for by name: say that it does not hold
@@ -81,8 +81,8 @@ def apply_malloc_setting() -> str | None:
     return None
 
 
-def _applied(setting: str) -> str | None:
-    """Apply ``keep`` or ``release`` with mallopt: None when applied, else why not."""
+def _apply(setting: str) -> str | None:
+    """Apply ``keep`` or ``release`` with mallopt: None when it took, else why it did not."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return "not glibc's malloc"
     try:

@@ -153,13 +153,13 @@ def measure(shape: ModelShape, row: Row, seq_len: int, batch: int, repeats: int,
         for t in s.values()
         if isinstance(t, torch.Tensor)
     )
-    # the forward and backward passes, whose peak grows with the tokens, and the optimizer step
-    # after them, whose peak (the gradients, Adam's temporaries) does not: a slope through whole
-    # steps' peaks would mix the two where a small batch peaks in the optimizer step
     # the process's peak of the steps, read before the profiler runs: its records of every
     # allocation are the process's memory too, and dsq's many small operations made them tens
     # of KiB a token of the figure
     rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * KIB
+    # the forward and backward passes, whose peak grows with the tokens, and the optimizer step
+    # after them, whose peak (the gradients, Adam's temporaries) does not: a slope through whole
+    # steps' peaks would mix the two where a small batch peaks in the optimizer step
     cpu = torch.device("cpu")
     passes = allocated_during(forward_backward, cpu)
     update = allocated_during(optimizer.step, cpu)

@@ -46,7 +46,7 @@ def test_the_default_setting_leaves_glibc_alone(monkeypatch):
     def no_mallopt(setting):
         raise AssertionError(f"{setting} applied")
 
-    monkeypatch.setattr(cpu_allocator, "_applied", no_mallopt)
+    monkeypatch.setattr(cpu_allocator, "_apply", no_mallopt)
     monkeypatch.setenv("DSQ_CPU_ALLOCATOR", "default")
     assert cpu_allocator.apply_malloc_setting() == "default"
 
