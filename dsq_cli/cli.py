@@ -320,8 +320,10 @@ SCOPES_OPTION = typer.Option(
     "gemm,all",
     help="Comma-separated stash scopes of every patched preset: gemm (GEMM inputs only, the "
     "paper's), all (every saved activation, each kind by quant.saved's defaults), all-q1 "
-    "(every saved activation in the stash, q1) and all-held (all, and under checkpointing each "
-    "checkpointed layer's input held in bfp8: quant.saved.checkpoint=bfp8).",
+    "(every saved activation in the stash, q1), all-held (all, and under checkpointing each "
+    "checkpointed layer's input held in bfp8: quant.saved.checkpoint=bfp8) and all-derivative3 "
+    "(all, SiLU and GELU modules holding 3-bit derivative codes: "
+    "quant.saved.activation=derivative3).",
 )
 
 

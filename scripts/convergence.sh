@@ -30,7 +30,11 @@
 #   lm-stash-all  the rows whose memory docs/benchmarks.md sets against autocast with
 #                 checkpointing, trained on the language model for 300 updates, seed 1:
 #                 amp_bf16 without and with checkpointing, dsq with stash_scope gemm and all, and
-#                 all with checkpointing holding the layer inputs in bfp8 (results/lm-stash-all)
+#                 all with checkpointing holding the layer inputs in bfp8, and all with SiLU
+#                 holding 3-bit derivative codes (results/lm-stash-all)
+#   lm-derivative3  all with 3-bit derivative codes, the row holding least without
+#                 checkpointing, on seeds 1-3 for the language-model budget
+#                 (results/lm-stash-all-derivative3/seedN, set against results/lm/seedN)
 #   all           every stage above, in that order
 #
 # STUDY_LANES (default 2) runs the stages in that many processes at once, one thread each
@@ -102,14 +106,15 @@ en_de_rows_of() {  # en_de_rows_of SEED [ROWS [ROOT]]: en->de rows on one seed, 
     dsq sweep --resume-unfinished "seed=$1" "${task[@]}" "${en_de[@]}" \
         "train.max_updates=$budget" "run.root=$root" "quant=$rows"
 }
-lm_rows_of() {  # lm_rows_of SEED: the language-model rows on one seed, once their budget is known
-    local budget
+lm_for_budget() {  # lm_for_budget SEED ROOT ARG...: a language-model sweep for the budget, once known
+    local budget seed=$1 root=$2
+    shift 2
     if ! budget=$(budget_of results/lm-budget cap 2>/dev/null); then
-        echo "convergence.sh: the language-model seed $1 waits for its budget run" >&2
+        echo "convergence.sh: the language-model seed $seed ($root) waits for its budget run" >&2
         return 0
     fi
-    dsq sweep --resume-unfinished "seed=$1" "${lm_task[@]}" "train.max_updates=$budget" \
-        "run.root=results/lm/seed$1" "quant=$lm_rows"
+    dsq sweep --resume-unfinished "seed=$seed" "${lm_task[@]}" "train.max_updates=$budget" \
+        "run.root=$root/seed$seed" "$@"
 }
 first_rows() {  # first_rows SEED: the study's first nine rows
     de_en "$1" fp32,dsq,bfp6,bfp6_rising_stash,dsq_bfp3,stash_bfp,bf16
@@ -121,11 +126,11 @@ stages=("$@")
 for stage in "${stages[@]}"; do
     case $stage in
     budget | seed1 | seed2 | controls | en-de-budget | more-seeds | clean-control | dsq-rerun | \
-        lm-budget | lm | lm-stash-all | all) ;;
+        lm-budget | lm | lm-stash-all | lm-derivative3 | all) ;;
     *)
         echo "convergence.sh: unknown stage '$stage'; choose budget, seed1, seed2, controls," \
-            "en-de-budget, more-seeds, clean-control, dsq-rerun, lm-budget, lm, lm-stash-all or" \
-            "all" >&2
+            "en-de-budget, more-seeds, clean-control, dsq-rerun, lm-budget, lm, lm-stash-all," \
+            "lm-derivative3 or all" >&2
         exit 2
         ;;
     esac
@@ -172,7 +177,7 @@ lane() {  # every stage asked for, in order
     fi
     if wants lm-budget; then find_budget results/lm-budget 5000 "${lm_task[@]}"; fi
     if wants lm; then
-        for seed in 1 2 3 4 5; do lm_rows_of "$seed"; done
+        for seed in 1 2 3 4 5; do lm_for_budget "$seed" results/lm "quant=$lm_rows"; done
     fi
     if wants lm-stash-all; then
         local short=(seed=1 "${lm_task[@]}" train.max_updates=300 run.root=results/lm-stash-all)
@@ -183,6 +188,15 @@ lane() {  # every stage asked for, in order
         dsq sweep --resume-unfinished "${short[@]}" "quant=choice(dsq)" \
             "quant.stash_scope=choice(all)" "quant.saved.checkpoint=choice(bfp8)" \
             "train.activation_checkpointing=choice(true)"
+        dsq sweep --resume-unfinished "${short[@]}" "quant=choice(dsq)" \
+            "quant.stash_scope=choice(all)" "quant.saved.activation=choice(derivative3)"
+    fi
+    if wants lm-derivative3; then
+        # all with 3-bit derivative codes, the row holding least without checkpointing
+        for seed in 1 2 3; do
+            lm_for_budget "$seed" results/lm-stash-all-derivative3 "quant=choice(dsq)" \
+                "quant.stash_scope=choice(all)" "quant.saved.activation=choice(derivative3)"
+        done
     fi
     return $failed
 }

@@ -21,9 +21,11 @@ from dsq.formats import Format, parse_format
 from .schedule import LevelChange, Schedule
 from .spec import (  # noqa: F401  (POINTS and the quant keys are defined in spec.py; named here too)
     AUTOCAST_DTYPES,
+    DERIVATIVE_HOLDS,
     ENGINES,
     POINTS,
     QUANT_KEYS,
+    SAVED_DEFAULT,
     STASH_SCOPES,
     QuantSpec,
 )
@@ -136,9 +138,18 @@ class QuantConfig:
         None: a GEMM's input, held in q1), or None where it is kept as autograd saved it (every
         kind under ``stash_scope="gemm"``, which has no rules)."""
         what = "q1" if kind is None else self.spec.saved.get(kind, "keep")
+        if what in DERIVATIVE_HOLDS:  # an activation module without a code of its derivative
+            what = SAVED_DEFAULT["activation"]
         if what == "keep":
             return None
         return self.format("q1") if what == "q1" else parse_format(what)
+
+    @property
+    def derivative_code_bits(self) -> int | None:
+        """The bits of the activations' derivative codes (``quant.saved.activation=derivative3``:
+        3), None where activations hold no codes."""
+        what = self.spec.saved.get("activation", "")
+        return int(what.removeprefix("derivative")) if what in DERIVATIVE_HOLDS else None
 
     def rounding_of(self, point: str, device: torch.device) -> tuple[str, torch.Generator | None]:
         """(rounding, generator) for a quantizer at ``point`` on ``device``: the generator draws

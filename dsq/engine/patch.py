@@ -22,9 +22,10 @@ from torch import nn
 from dsq.warn_once import warn_once
 
 from .config import QuantConfig
+from .derivative_codes import DerivativeCode, coded_activation, derivative_code
 from .functions import dsq_linear
 from .masks import dsq_dropout, dsq_relu
-from .spec import QuantSpec
+from .spec import SAVED_DEFAULT, QuantSpec
 
 
 class DSQLinear(nn.Linear):
@@ -51,6 +52,28 @@ class DSQDropout(nn.Dropout):
 
     def forward(self, x):
         return dsq_dropout(x, self.p, self.training, self.inplace)
+
+
+class DSQCodedActivation(nn.Module):
+    """The mixin of a SiLU or GELU module whose backward pass holds a few-bit code of its
+    derivative (`dsq.engine.derivative_codes`; ``quant.saved.activation=derivative<k>``): its
+    own forward, the same outputs bit for bit, each input's gradient through the level nearest
+    its derivative."""
+
+    dsq_derivative_code: DerivativeCode
+
+    def forward(self, x):
+        return coded_activation(x, self.dsq_derivative_code, super().forward)
+
+
+def torch_activation_function(module: nn.Module) -> str | None:
+    """The function (`derivative_codes.FUNCTIONS`) that ``module``, of one of torch's own
+    activation classes, computes; None for any other module and for one working in place."""
+    if type(module) is nn.SiLU and not module.inplace:
+        return "silu"
+    if type(module) is nn.GELU:
+        return {"none": "gelu", "tanh": "gelu_tanh"}[module.approximate]
+    return None
 
 
 # Modules re-classed to save bit masks (exact types: Dropout1d/2d drop whole channels).
@@ -134,6 +157,12 @@ class Patcher(Protocol):
         """After the walk: what the patcher does model-wide (may do nothing)."""
         ...
 
+    def activation_function(self, module: nn.Module) -> str | None:
+        """The function (`derivative_codes.FUNCTIONS`) an activation module of this framework
+        computes, its forward a function of its input alone: such a module holds a code of that
+        function's derivative where the rules ask for one. None for any other module."""
+        ...
+
 
 def patch_model(
     model: nn.Module,
@@ -199,6 +228,8 @@ def patch_model(
     except BaseException:
         _undo(model)  # a refused model is left as it came, not half patched
         raise
+    if cfg.derivative_code_bits is not None:
+        _code_activations(model, cfg, patchers, excluded, report)
     if cfg.stash_scope == "all":
         enter_stash_all_on_call(model, cfg)
         held = ", ".join(f"{kind} {what}" for kind, what in cfg.spec.saved.items())
@@ -234,6 +265,36 @@ def _walk(model: nn.Module, cfg: QuantConfig, patchers, excluded, report: PatchR
             report.left[kind] = report.left.get(kind, 0) + 1
             if _does_gemm(module) and not excluded(name):
                 report.unquantized.append(f"{name} ({kind}: not a layer dsq knows)")
+
+
+def _code_activations(model: nn.Module, cfg: QuantConfig, patchers, excluded,
+                      report: PatchReport) -> None:  # fmt: skip
+    """Under ``quant.saved.activation=derivative<k>``: each SiLU and GELU module (torch's, or a
+    framework's its patcher knows) holds a ``k``-bit code of its derivative; the report counts
+    them and names every other activation module, which holds the activation default."""
+    bits = cfg.derivative_code_bits
+    recognizers = [torch_activation_function] + [
+        p.activation_function for p in patchers if hasattr(p, "activation_function")
+    ]
+    coded: dict[str, int] = {}
+    uncoded = []
+    for name, module in model.named_modules():
+        if not name or "Norm" in type(module).__name__ or not _is_activation_module(module):
+            continue
+        function = next((f for f in map(lambda r: r(module), recognizers) if f), None)
+        if function is None or excluded(name):
+            why = "excluded" if function else "no code for its function"
+            uncoded.append(f"{name} ({type(module).__name__}: {why})")
+            continue
+        reclass(module, dsq_subclass(module, DSQCodedActivation))
+        module.dsq_derivative_code = derivative_code(function, bits)
+        coded[function] = coded.get(function, 0) + 1
+    counts = ", ".join(f"{function} x{n}" for function, n in sorted(coded.items())) or "none"
+    held = SAVED_DEFAULT["activation"]
+    report.notes.append(
+        f"activations holding {bits}-bit derivative codes: {counts}; activation modules "
+        f"holding {held} instead: {'; '.join(uncoded) or 'none'}"
+    )
 
 
 def name_layers_added_later(model: nn.Module, args) -> None:
@@ -383,16 +444,20 @@ def saved_kind(module: nn.Module | None, t: torch.Tensor) -> str | None:
         return "constant"
     if module is None:
         return "elementwise"
-    name = type(module).__name__
-    if "Norm" in name:
+    if "Norm" in type(module).__name__:
         return "norm"
-    if isinstance(module, _ACTIVATIONS) or name.endswith("Activation"):
-        return "activation"
-    if any(mark in name for mark in _ACTIVATION_MARKS):
+    if _is_activation_module(module):
         return "activation"
     if getattr(module, "dsq_cfg", None) is not None and _does_gemm(module):
         return None
     return "elementwise"
+
+
+def _is_activation_module(module: nn.Module) -> bool:
+    """A pointwise activation module, by its class (`_ACTIVATIONS`) or its class's name."""
+    name = type(module).__name__
+    return (isinstance(module, _ACTIVATIONS) or name.endswith("Activation")
+            or any(mark in name for mark in _ACTIVATION_MARKS))  # fmt: skip
 
 
 def stash_all_hooks(cfg: QuantConfig, innermost=lambda: None, packed_once=None):

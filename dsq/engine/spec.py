@@ -25,6 +25,7 @@ import torch
 from dsq.formats import Format, parse_format
 from dsq.formats.base import ROUNDINGS
 
+from .derivative_codes import BITS as DERIVATIVE_BITS
 from .policies import DEFAULT_POLICY
 from .schedule import Schedule
 from .units import SETTINGS as GEMM_UNIT_SETTINGS
@@ -48,6 +49,10 @@ QUANT_KEYS = (*POINTS, "stash_scope", "rounding", "gemm_unit", "engine", "attent
 # held in q1.
 SAVED_KINDS = ("norm", "activation", "elementwise", "constant", "checkpoint")
 SAVED_HOLDS = ("q1", "keep")
+# An activation may also hold "derivative<k>": SiLU's and GELU's modules hold a k-bit code of
+# their derivative instead of their input (docs/dsq.md, "Derivative codes"); any other activation
+# module holds the activation default below, and the patch report names it.
+DERIVATIVE_HOLDS = tuple(f"derivative{bits}" for bits in DERIVATIVE_BITS)
 # Eight-bit blocks for what the derivatives read: the 2-bit stash everywhere did not train (a
 # Llama LM and the demo barely learned); GEMM inputs, whose errors the DSQ schedule manages, stay
 # in q1.
@@ -352,12 +357,19 @@ def saved_rules(saved: Mapping | None, stash_scope: str) -> Mapping[str, str]:
         )
     held = dict(SAVED_DEFAULT) | {k: str(v) for k, v in saved.items()}
     for kind, what in held.items():
-        if what not in SAVED_HOLDS:
+        if what in DERIVATIVE_HOLDS:
+            if kind != "activation":
+                raise ValueError(
+                    f"quant.saved.{kind}={what}: derivative codes are held by activation "
+                    f"modules only; set quant.saved.activation={what}"
+                )
+        elif what not in SAVED_HOLDS:
             try:
                 held[kind] = parse_format(what).spec  # bfp8 and bfp8e8b16: one rule
             except ValueError as err:
                 raise ValueError(
                     f"quant.saved.{kind}={what!r}: {err}; or one of {SAVED_HOLDS}"
+                    + (f" or {', '.join(DERIVATIVE_HOLDS)}" if kind == "activation" else "")
                 ) from None
     return MappingProxyType(held)
 

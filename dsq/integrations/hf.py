@@ -39,7 +39,12 @@ import torch
 import transformers
 from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
-from transformers.activations import SiLUActivation
+from transformers.activations import (
+    ACT2CLS,
+    GELUActivation,
+    NewGELUActivation,
+    SiLUActivation,
+)
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.models.llama.modeling_llama import LlamaMLP
 from transformers.pytorch_utils import Conv1D
@@ -215,6 +220,29 @@ class TransformersPatcher:
             if cfg.stash_scope == "gemm":
                 inner_excluded = functools.partial(_excluded_inside, excluded, prefix)
                 _hold_two_in_swiglu(inner, report, where, inner_excluded)
+
+    def activation_function(self, module: nn.Module) -> str | None:
+        """``transformers``' SiLU and GELU modules: the function whose derivative code they may
+        hold (`dsq.engine.patch.Patcher.activation_function`). GELU's tanh form written out
+        (GPT-2's NewGELUActivation) is that function up to float32 rounding."""
+        if type(module) is SiLUActivation:
+            return "silu"
+        if type(module) is NewGELUActivation:
+            return "gelu_tanh"
+        act = getattr(module, "act", None)
+        if type(module) is GELUActivation and act is nn.functional.gelu:
+            return "gelu"
+        if (type(module) is _GELU_TANH and isinstance(act, functools.partial)
+                and act.func is nn.functional.gelu and act.args == ()
+                and act.keywords == {"approximate": "tanh"}):  # fmt: skip
+            return "gelu_tanh"
+        return None
+
+
+# transformers' "gelu_pytorch_tanh" (named PytorchGELUTanh, then GELUTanh); an entry of ACT2CLS
+# is a class or (class, keyword arguments)
+_GELU_TANH = ACT2CLS["gelu_pytorch_tanh"]
+_GELU_TANH = _GELU_TANH[0] if isinstance(_GELU_TANH, tuple) else _GELU_TANH
 
 
 class DSQSwiGLUMLP(nn.Module):

@@ -214,6 +214,8 @@ SCOPES = {
     },
     # all, and a checkpointed layer's input held in eight-bit blocks
     "all-held": {"stash_scope": "all", "saved": {"checkpoint": "bfp8e8b16"}},
+    # all, SiLU's and GELU's modules holding 3-bit codes of their derivatives
+    "all-derivative3": {"stash_scope": "all", "saved": {"activation": "derivative3"}},
 }
 
 
