@@ -17,14 +17,17 @@ import types
 
 import torch
 from fairseq.modules import fairseq_dropout, multihead_attention, transformer_layer
+from fairseq.modules.gelu import gelu as fairseq_gelu
 from torch import nn
 
 from dsq.engine.accounting import note
 from dsq.engine.attention import dsq_attention
 from dsq.engine.config import QuantConfig
+from dsq.engine.derivative_codes import DerivativeCode, coded_activation, derivative_code
 from dsq.engine.functions import dsq_matmul
 from dsq.engine.masks import dsq_dropout, dsq_relu
 from dsq.engine.patch import PatchReport, dsq_subclass, on_unpatch, reclass
+from dsq.engine.spec import SAVED_DEFAULT
 
 from . import register_patcher
 
@@ -198,7 +201,38 @@ class MaskPatcher:
         report.masks.append(name)
 
     def finish(self, model, cfg, report, excluded) -> None:
-        pass
+        """Under ``quant.saved.activation=derivative<k>``: the layers' ``gelu`` (a function,
+        which the engine's pass over activation modules does not see) holds derivative codes;
+        the report counts them and names the layers whose activation is neither."""
+        bits = cfg.derivative_code_bits
+        if bits is None:
+            return
+        coded, other = 0, []
+        for name, module in model.named_modules():
+            if not isinstance(module, _LAYERS) or module.activation_fn is dsq_relu:
+                continue
+            if module.activation_fn is fairseq_gelu and not excluded(name):
+                on_unpatch(module, "setattr", "activation_fn", module.activation_fn)
+                module.activation_fn = CodedFairseqGelu(derivative_code("gelu", bits))
+                coded += 1
+            else:
+                other.append(name)
+        held = SAVED_DEFAULT["elementwise"]
+        report.notes.append(
+            f"fairseq layers whose gelu holds {bits}-bit derivative codes: {coded}; layers "
+            f"whose activation_fn is held as elementwise ({held}): {', '.join(other) or 'none'}"
+        )
+
+
+class CodedFairseqGelu:
+    """fairseq's ``gelu`` (``F.gelu`` of the input in float32, cast back), its backward pass
+    holding derivative codes (`dsq.engine.derivative_codes`): the same outputs."""
+
+    def __init__(self, code: DerivativeCode):
+        self.code = code
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return coded_activation(x.float(), self.code).type_as(x)
 
 
 register_patcher("fairseq", MultiheadAttentionPatcher())

@@ -212,3 +212,40 @@ def test_with_checkpointing_the_gradients_are_those_without():
 
     for a, b in zip(gradients(True), gradients(False), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_fairseq_layers_gelu_is_coded_and_other_activations_named():
+    """fairseq's layers call their activation as a function (``activation_fn``): its gelu holds
+    the codes, a ReLU its bit mask as always, and any other function is named in the report;
+    the outputs are those of fairseq's own gelu."""
+    pytest.importorskip("fairseq")
+    from fairseq.modules.gelu import gelu
+    from fairseq.utils import get_activation_fn
+
+    from dsq.integrations.fairseq import CodedFairseqGelu
+    from dsq_cli.bench.step import Batch, build_model
+
+    def run(activation: str):
+        torch.manual_seed(0)
+        model = build_model(2, 64, 100)
+        layers = [m for m in model.modules() if hasattr(m, "activation_fn")]
+        layers[0].activation_fn = layers[1].activation_fn = gelu
+        layers[2].activation_fn = get_activation_fn("tanh")
+        quantize_model(model, config(activation))
+        model.train()
+        batch = Batch.random(4, 16, 100, torch.device("cpu"))
+        logits, _ = model(batch.src, batch.lengths, batch.prev)
+        logits.sum().backward()
+        return model, logits, layers
+
+    model, logits, layers = run("derivative3")
+    note = next(n for n in model.dsq_report.notes if "fairseq layers" in n)
+    assert note == (
+        "fairseq layers whose gelu holds 3-bit derivative codes: 2; layers whose activation_fn "
+        "is held as elementwise (bfp8e8b16): decoder.layers.0"
+    )
+    assert all(isinstance(layer.activation_fn, CodedFairseqGelu) for layer in layers[:2])
+    _, reference, _ = run("bfp8")
+    torch.testing.assert_close(logits, reference, rtol=0, atol=0)
+    unpatch(model)
+    assert layers[0].activation_fn is gelu
