@@ -44,6 +44,9 @@ FUNCTIONS = {
     ),
 }
 BITS = (1, 2, 3, 4)
+# values coded or decoded at once (a multiple of 8, so that a slice packs into whole bytes): the
+# temporaries of a slice, about 20 bytes a value, do not grow with the tensor
+SLICE = 2**20
 # the grid the levels are fitted on: f' there is within 1e-12 of its limits (0 and 1) at both
 # ends, and the step resolves the derivative's turns
 _GRID = (-12.0, 12.0, 480_001)
@@ -65,16 +68,37 @@ class DerivativeCode:
         return FUNCTIONS[self.function][0](x)
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
-        """The packed codes of ``f'(x)`` (`pack_codes`), f' computed in float32."""
-        derivative = FUNCTIONS[self.function][1](x.detach().float())
+        """The packed codes of ``f'(x)`` (`pack_codes`), f' computed in float32, a slice of
+        `SLICE` values at a time (so that the float32 derivative and the integer codes exist
+        for one slice only, not for the whole tensor)."""
+        flat = x.detach().reshape(-1)
         bounds = torch.tensor(self.bounds, dtype=torch.float32, device=x.device)
-        codes = torch.bucketize(derivative, bounds, out_int32=True)
-        return pack_codes(codes, self.bits)
+        packed = torch.empty(-(-flat.numel() // 8), self.bits, dtype=torch.uint8, device=x.device)
+        for start in range(0, flat.numel(), SLICE):
+            derivative = FUNCTIONS[self.function][1](flat[start : start + SLICE].float())
+            codes = torch.bucketize(derivative, bounds, out_int32=True)
+            group = start // 8
+            packed[group : group + -(-codes.numel() // 8)] = pack_codes(codes, self.bits)
+        return packed
 
     def decode(self, packed: torch.Tensor, shape: torch.Size, dtype) -> torch.Tensor:
         """The level of each value that `encode` coded, of ``shape`` and ``dtype``."""
         levels = torch.tensor(self.levels, dtype=torch.float32, device=packed.device)
         return levels[unpack_codes(packed, self.bits, shape)].to(dtype)
+
+    def times_levels(self, grad: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+        """``grad * decode(packed)``, a slice of `SLICE` values at a time: only the product is
+        as large as ``grad``."""
+        levels = torch.tensor(self.levels, dtype=torch.float32, device=grad.device)
+        flat = grad.reshape(-1)
+        out = torch.empty_like(flat)
+        for start in range(0, flat.numel(), SLICE):
+            part = flat[start : start + SLICE]
+            group = start // 8
+            codes = unpack_codes(packed[group : group + -(-part.numel() // 8)], self.bits,
+                                 part.shape)  # fmt: skip
+            torch.mul(part, levels[codes].to(grad.dtype), out=out[start : start + SLICE])
+        return out.view(grad.shape)
 
 
 @functools.cache
@@ -141,14 +165,14 @@ def unpack_codes(packed: torch.Tensor, bits: int, shape: torch.Size) -> torch.Te
 class _CodedActivation(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, code: DerivativeCode, function):
-        ctx.code, ctx.shape = code, x.shape
+        ctx.code = code
         ctx.save_for_backward(code.encode(x))
         return function(x)  # autograd records nothing inside: the function saves nothing
 
     @staticmethod
     def backward(ctx, grad):
         (packed,) = ctx.saved_tensors
-        return grad * ctx.code.decode(packed, ctx.shape, grad.dtype), None, None
+        return ctx.code.times_levels(grad.contiguous(), packed), None, None
 
 
 def coded_activation(x: torch.Tensor, code: DerivativeCode, function=None) -> torch.Tensor:

@@ -249,3 +249,20 @@ def test_fairseq_layers_gelu_is_coded_and_other_activations_named():
     torch.testing.assert_close(logits, reference, rtol=0, atol=0)
     unpatch(model)
     assert layers[0].activation_fn is gelu
+
+
+def test_coding_a_slice_at_a_time_gives_the_codes_and_gradients_of_the_whole(monkeypatch):
+    from dsq.engine import derivative_codes
+
+    code = derivative_code("silu", 3)
+    x = torch.randn(7, 301, requires_grad=True)
+    dy = torch.randn(7, 301)
+    whole = code.encode(x), coded_activation(x, code)
+    whole[1].backward(dy)
+    expected = x.grad.clone()
+    x.grad = None
+    monkeypatch.setattr(derivative_codes, "SLICE", 64)
+    assert torch.equal(code.encode(x), whole[0])
+    coded_activation(x, code).backward(dy)
+    assert torch.equal(x.grad, expected)
+    assert torch.equal(expected, dy * code.decode(whole[0], x.shape, torch.float32))
