@@ -15,8 +15,17 @@ it serves: half the widest gap between two neighbouring levels, or the distance 
 (highest) level to the least (greatest) value ``f'`` takes. It depends on the function and the
 bits, not on the data (`DerivativeCode.error_bound`; SiLU at 3 bits: 0.077, of a derivative
 ranging over [-0.10, 1.10]). The forward pass is the activation's own kernel, so outputs are
-unchanged; only ``dx`` changes, by at most ``|dy| * error_bound`` a value. A NaN input gets a
-level, not NaN, as its derivative (its output is NaN still).
+unchanged; only ``dx`` changes, by at most ``|dy| * error_bound`` a value (in float32; a bf16
+gradient adds its own rounding of the product). A NaN input gets a level, not NaN, as its
+derivative (its output is NaN still).
+
+The error is not unbiased where the data sit far out: the outermost levels lie beyond the
+derivative's limits (SiLU at 3 bits: -0.041 and 1.041, where f' tends to 0 and 1), so a
+strongly positive input's gradient is scaled by 1.041 and a strongly negative one passes
+-0.041 of ``dy`` where the exact gradient is 0; both within the bound.
+
+Each code is fitted on first use, once per process (a few seconds for each function and bit
+width).
 
 The codes are packed: eight ``k``-bit codes in ``k`` bytes (`pack_codes`), so 3 bits hold 0.375
 bytes a value, against 1.06 for ``bfp8`` and 4 for float32.
@@ -45,7 +54,8 @@ FUNCTIONS = {
 }
 BITS = (1, 2, 3, 4)
 # values coded or decoded at once (a multiple of 8, so that a slice packs into whole bytes): the
-# temporaries of a slice, about 20 bytes a value, do not grow with the tensor
+# temporaries of a slice, about 30 bytes a value, do not grow with the tensor (an input or
+# gradient that is not contiguous is copied whole first)
 SLICE = 2**20
 # the grid the levels are fitted on: f' there is within 1e-12 of its limits (0 and 1) at both
 # ends, and the step resolves the derivative's turns
@@ -72,7 +82,7 @@ class DerivativeCode:
         `SLICE` values at a time (so that the float32 derivative and the integer codes exist
         for one slice only, not for the whole tensor)."""
         flat = x.detach().reshape(-1)
-        bounds = torch.tensor(self.bounds, dtype=torch.float32, device=x.device)
+        bounds = _float32(self.bounds, x.device)
         packed = torch.empty(-(-flat.numel() // 8), self.bits, dtype=torch.uint8, device=x.device)
         for start in range(0, flat.numel(), SLICE):
             derivative = FUNCTIONS[self.function][1](flat[start : start + SLICE].float())
@@ -83,13 +93,14 @@ class DerivativeCode:
 
     def decode(self, packed: torch.Tensor, shape: torch.Size, dtype) -> torch.Tensor:
         """The level of each value that `encode` coded, of ``shape`` and ``dtype``."""
-        levels = torch.tensor(self.levels, dtype=torch.float32, device=packed.device)
+        levels = _float32(self.levels, packed.device)
         return levels[unpack_codes(packed, self.bits, shape)].to(dtype)
 
     def times_levels(self, grad: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
         """``grad * decode(packed)``, a slice of `SLICE` values at a time: only the product is
-        as large as ``grad``."""
-        levels = torch.tensor(self.levels, dtype=torch.float32, device=grad.device)
+        as large as ``grad``. The product is taken in float32 and rounded once to ``grad``'s
+        dtype (a level rounded to bf16 first would move it by up to 0.004)."""
+        levels = _float32(self.levels, grad.device)
         flat = grad.reshape(-1)
         out = torch.empty_like(flat)
         for start in range(0, flat.numel(), SLICE):
@@ -97,8 +108,15 @@ class DerivativeCode:
             group = start // 8
             codes = unpack_codes(packed[group : group + -(-part.numel() // 8)], self.bits,
                                  part.shape)  # fmt: skip
-            torch.mul(part, levels[codes].to(grad.dtype), out=out[start : start + SLICE])
+            out[start : start + SLICE] = part.float() * levels[codes]
         return out.view(grad.shape)
+
+
+@functools.lru_cache(maxsize=64)
+def _float32(values: tuple[float, ...], device: torch.device) -> torch.Tensor:
+    """``values`` as a float32 tensor on ``device``, made once (a copy to an accelerator waits
+    for it)."""
+    return torch.tensor(values, dtype=torch.float32, device=device)
 
 
 @functools.cache

@@ -72,12 +72,13 @@ def torch_activation_function(module: nn.Module) -> str | None:
     if type(module) is nn.SiLU and not module.inplace:
         return "silu"
     if type(module) is nn.GELU:
-        return {"none": "gelu", "tanh": "gelu_tanh"}[module.approximate]
+        return {"none": "gelu", "tanh": "gelu_tanh"}.get(module.approximate)
     return None
 
 
 # Modules re-classed to save bit masks (exact types: Dropout1d/2d drop whole channels).
 MASK_MODULES = {nn.ReLU: DSQReLU, nn.Dropout: DSQDropout}
+_MASKED = tuple(MASK_MODULES.values())
 
 
 @dataclasses.dataclass
@@ -215,6 +216,8 @@ def patch_model(
         _walk(model, cfg, patchers, excluded, report)
         for patcher in patchers:
             patcher.finish(model, cfg, report, excluded)
+        if cfg.derivative_code_bits is not None:
+            _code_activations(model, cfg, patchers, excluded, report)
         if strict and report.unquantized:
             raise ValueError(
                 "quantize_model(strict=True): GEMMs would run unquantized: "
@@ -228,8 +231,6 @@ def patch_model(
     except BaseException:
         _undo(model)  # a refused model is left as it came, not half patched
         raise
-    if cfg.derivative_code_bits is not None:
-        _code_activations(model, cfg, patchers, excluded, report)
     if cfg.stash_scope == "all":
         enter_stash_all_on_call(model, cfg)
         held = ", ".join(f"{kind} {what}" for kind, what in cfg.spec.saved.items())
@@ -279,8 +280,9 @@ def _code_activations(model: nn.Module, cfg: QuantConfig, patchers, excluded,
     coded: dict[str, int] = {}
     uncoded = []
     for name, module in model.named_modules():
-        if not name or "Norm" in type(module).__name__ or not _is_activation_module(module):
-            continue
+        if (not name or "Norm" in type(module).__name__ or not _is_activation_module(module)
+                or type(module) in _MASKED):  # fmt: skip
+            continue  # a ReLU holding its bit mask (`MASK_MODULES`), counted in the report
         function = next((f for f in map(lambda r: r(module), recognizers) if f), None)
         if function is None or excluded(name):
             why = "excluded" if function else "no code for its function"

@@ -211,12 +211,14 @@ class MaskPatcher:
         for name, module in model.named_modules():
             if not isinstance(module, _LAYERS) or module.activation_fn is dsq_relu:
                 continue
-            if module.activation_fn is fairseq_gelu and not excluded(name):
+            if module.activation_fn is not fairseq_gelu:
+                other.append(name)
+            elif excluded(name):
+                other.append(f"{name} (excluded)")
+            else:
                 on_unpatch(module, "setattr", "activation_fn", module.activation_fn)
                 module.activation_fn = CodedFairseqGelu(derivative_code("gelu", bits))
                 coded += 1
-            else:
-                other.append(name)
         held = SAVED_DEFAULT["elementwise"]
         report.notes.append(
             f"fairseq layers whose gelu holds {bits}-bit derivative codes: {coded}; layers "

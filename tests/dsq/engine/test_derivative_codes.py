@@ -151,11 +151,45 @@ class Net(nn.Module):
         super().__init__()
         self.fc1, self.fc2 = nn.Linear(32, 64), nn.Linear(64, 32)
         self.silu, self.gelu = nn.SiLU(), nn.GELU(approximate="tanh")
-        self.inplace, self.tanh = nn.SiLU(inplace=True), nn.Tanh()
+        self.inplace, self.tanh, self.relu = nn.SiLU(inplace=True), nn.Tanh(), nn.ReLU()
 
     def forward(self, x):
         h = self.tanh(self.inplace(self.gelu(self.silu(self.fc1(x))) + 0))
-        return self.fc2(h)
+        return self.fc2(self.relu(h))
+
+
+def test_bf16_inputs_and_gradients_stay_within_the_bound_and_the_products_rounding():
+    code = derivative_code("silu", 3)
+    x = (3 * torch.randn(64, 64)).bfloat16().requires_grad_()
+    dy = torch.randn(64, 64).bfloat16()
+    y = coded_activation(x, code)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, F.silu(x.detach()))
+    y.backward(dy)
+    assert x.grad.dtype == torch.bfloat16
+    exact = dy.double() * exact_derivative("silu", x)
+    slack = dy.double().abs() * code.error_bound + exact.abs() * 2**-8 + 1e-6
+    assert bool(((x.grad.double() - exact).abs() <= slack).all())
+
+
+def test_a_patched_model_copies_saves_and_loads_with_its_codes(tmp_path):
+    import copy
+
+    torch.manual_seed(0)
+    model = quantize_model(Net(), config())
+    x = torch.randn(4, 32)
+
+    def gradients(m):
+        m.zero_grad()
+        m(x).sum().backward()
+        return [p.grad.clone() for p in m.parameters()]
+
+    expected = gradients(model)
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    for other in (copy.deepcopy(model), loaded):
+        assert other.silu.dsq_derivative_code == model.silu.dsq_derivative_code
+        for a, b in zip(gradients(other), expected, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def test_a_patched_model_codes_its_silu_and_gelu_and_names_the_rest():
@@ -172,37 +206,58 @@ def test_a_patched_model_codes_its_silu_and_gelu_and_names_the_rest():
     assert type(model.silu) is nn.SiLU and "dsq_derivative_code" not in model.silu.__dict__
 
 
-def test_transformers_activations_are_coded():
+@pytest.mark.parametrize(
+    "kind, counted", [("llama", "silu x2"), ("gpt2", "gelu_tanh x2"), ("bert", "gelu x3")]
+)
+def test_transformers_activations_are_coded_and_their_codes_are_what_the_step_holds(
+    monkeypatch, kind, counted
+):
+    """Each model's SiLU or GELU modules (BERT: two layers' and the masked-LM head's) hold the
+    codes: the report counts them, each codes its input once in the step, and the gradients
+    are not those of the same activations held in bfp8."""
     transformers = pytest.importorskip("transformers")
     warnings.filterwarnings("ignore", module="transformers")
+    from dsq.engine.derivative_codes import DerivativeCode
     from dsq_cli.models.causal_lm import build_causal_lm
 
-    def note(model):
-        return next(n for n in quantize_model(model, config()).dsq_report.notes
-                    if "derivative codes" in n)  # fmt: skip
+    def step(activation: str):
+        torch.manual_seed(0)
+        if kind == "bert":
+            bert = transformers.BertConfig(
+                vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                intermediate_size=128,
+            )  # fmt: skip
+            model = transformers.BertForMaskedLM._from_config(bert)
+        else:
+            model = build_causal_lm(kind, vocab=100, layers=2, width=64, heads=4, kv_heads=2,
+                                    seq_len=32)  # fmt: skip
+        quantize_model(model, config(activation))
+        ids = torch.randint(0, 100, (2, 32), generator=torch.Generator().manual_seed(1))
+        model(input_ids=ids, labels=ids).loss.backward()
+        return model, torch.cat([p.grad.flatten() for p in model.parameters()])
 
-    small = dict(vocab=100, layers=2, width=64, heads=4, kv_heads=2, seq_len=32)
-    assert "silu x2; activation modules holding bfp8e8b16 instead: none" in note(
-        build_causal_lm("llama", **small)
-    )
-    assert "gelu_tanh x2;" in note(build_causal_lm("gpt2", **small))
-    bert = transformers.BertConfig(vocab_size=100, hidden_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, intermediate_size=128)  # fmt: skip
-    # two layers' and the masked-LM head's GELU
-    assert "gelu x3;" in note(transformers.BertForMaskedLM._from_config(bert))
+    encoded = []
+    encode = DerivativeCode.encode
+    monkeypatch.setattr(DerivativeCode, "encode", lambda c, x: encoded.append(c) or encode(c, x))
+    model, coded = step("derivative3")
+    note = next(n for n in model.dsq_report.notes if "derivative codes" in n)
+    assert f"{counted}; activation modules holding bfp8e8b16 instead: none" in note
+    assert len(encoded) == int(counted.rsplit("x", 1)[1])
+    _, held_in_bfp8 = step("bfp8")
+    assert not torch.equal(coded, held_in_bfp8)
 
 
 def test_with_checkpointing_the_gradients_are_those_without():
     transformers = pytest.importorskip("transformers")
     warnings.filterwarnings("ignore", module="transformers")
 
-    def gradients(checkpointing: bool) -> list[torch.Tensor]:
+    def gradients(checkpointing: bool, activation: str = "derivative3") -> list[torch.Tensor]:
         torch.manual_seed(0)
         llama = transformers.LlamaConfig(
             vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, intermediate_size=128, attn_implementation="sdpa",
         )  # fmt: skip
-        model = quantize_model(transformers.LlamaForCausalLM(llama), config())
+        model = quantize_model(transformers.LlamaForCausalLM(llama), config(activation))
         if checkpointing:
             model.gradient_checkpointing_enable({"use_reentrant": False})
         model.train()
@@ -210,8 +265,11 @@ def test_with_checkpointing_the_gradients_are_those_without():
         model(ids, labels=ids).loss.backward()
         return [p.grad for p in model.parameters()]
 
-    for a, b in zip(gradients(True), gradients(False), strict=True):
+    without = gradients(False)
+    for a, b in zip(gradients(True), without, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # and the codes were used: the same activations held in bfp8 give other gradients
+    assert any(not torch.equal(a, b) for a, b in zip(gradients(False, "bfp8"), without))
 
 
 def test_fairseq_layers_gelu_is_coded_and_other_activations_named():
@@ -238,6 +296,9 @@ def test_fairseq_layers_gelu_is_coded_and_other_activations_named():
         logits.sum().backward()
         return model, logits, layers
 
+    def gradient(model):
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
+
     model, logits, layers = run("derivative3")
     note = next(n for n in model.dsq_report.notes if "fairseq layers" in n)
     assert note == (
@@ -245,8 +306,9 @@ def test_fairseq_layers_gelu_is_coded_and_other_activations_named():
         "is held as elementwise (bfp8e8b16): decoder.layers.0"
     )
     assert all(isinstance(layer.activation_fn, CodedFairseqGelu) for layer in layers[:2])
-    _, reference, _ = run("bfp8")
+    held_in_bfp8, reference, _ = run("bfp8")
     torch.testing.assert_close(logits, reference, rtol=0, atol=0)
+    assert not torch.equal(gradient(model), gradient(held_in_bfp8))
     unpatch(model)
     assert layers[0].activation_fn is gelu
 
