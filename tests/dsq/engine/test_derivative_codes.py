@@ -24,6 +24,7 @@ from dsq.engine.derivative_codes import (
     unpack_codes,
 )
 from dsq.engine.spec import QuantSpec
+from dsq.formats import exact
 from dsq.integrations import quantize_model, unpatch
 
 EXACT = {
@@ -53,11 +54,16 @@ def test_codes_pack_into_bits_bytes_per_eight_and_back(bits, numel):
     codes = torch.randint(0, 2**bits, (numel,), generator=gen)
     packed = pack_codes(codes, bits)
     assert packed.dtype == torch.uint8 and packed.numel() == -(-numel // 8) * bits
-    assert torch.equal(unpack_codes(packed, bits, codes.shape), codes)
+    # the stream of the formats' exact packing (code i at stream bits [i * bits, (i+1) * bits)),
+    # padded with zeros to a whole group of eight codes
+    stream = exact.pack_bits(codes, bits)
+    assert torch.equal(packed.reshape(-1)[: stream.numel()], stream)
+    assert not packed.reshape(-1)[stream.numel() :].any()
+    assert torch.equal(unpack_codes(packed, bits, codes.shape).long(), codes)
     # bits of one code never spill into another's: the largest code next to zeros
     lone = torch.zeros(16, dtype=torch.int64)
     lone[3] = 2**bits - 1
-    assert torch.equal(unpack_codes(pack_codes(lone, bits), bits, lone.shape), lone)
+    assert torch.equal(unpack_codes(pack_codes(lone, bits), bits, lone.shape).long(), lone)
 
 
 # fitting a code takes about a second or more (4 bits, GELU's forms): those cases are slow
@@ -103,6 +109,17 @@ def test_the_coded_activation_is_exact_forward_and_the_nearest_level_backward(fu
     assert bool(clear.float().mean() > 0.99)
     exact = dy.double() * derivative
     assert bool(((x.grad.double() - exact).abs() <= dy.abs() * code.error_bound + 1e-6).all())
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_the_nearest_level_is_bucketizes_answer_bounds_nan_and_infinities_included(bits):
+    code = derivative_code("silu", bits)
+    bounds = torch.tensor(code.bounds)
+    edges = [float("nan"), float("inf"), -float("inf"), *code.bounds]
+    edges += [torch.nextafter(b, torch.tensor(v)).item() for b in bounds for v in (-2.0, 2.0)]
+    values = torch.cat([torch.tensor(edges), torch.randn(10_000) * 0.6 + 0.5])
+    expected = torch.bucketize(values, bounds)
+    assert torch.equal(code.nearest_levels(values).long(), expected)
 
 
 def test_the_backward_pass_holds_the_packed_codes_only():
