@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from dsq.engine.policies import DEFAULT_POLICY, policy_defaults
-from dsq.engine.spec import POINTS, QUANT_KEYS, Ladder, QuantSpec, upgraded
+from dsq.engine.spec import POINTS, QUANT_KEYS, SAVED_DEFAULT, Ladder, QuantSpec, upgraded
 from dsq.formats import parse_format
 
 PRESETS: dict[str, QuantSpec] = {}
@@ -169,7 +169,10 @@ def preset_differences(quant: Mapping) -> list[str] | None:
     """``point=value`` for each quant key of a run's record (``quant``: the preset's name under
     ``preset`` and the run's keys, as result.json's ``quant``) that differs from the preset;
     None when no preset has that name. Formats compare as formats (``bfp8`` is
-    ``bfp8e8b16``); a point's rounding not named is nearest."""
+    ``bfp8e8b16``); a point's rounding not named is nearest; a kind of saved tensor not named
+    holds its default, and each kind that differs is named on its own (``saved.norm=q1``, a
+    format by its full spec), in the rules' order, so that two records of one setting read
+    alike."""
     try:
         stored = get_preset(str(quant["preset"])).to_dict()
     except ValueError:
@@ -179,6 +182,9 @@ def preset_differences(quant: Mapping) -> list[str] | None:
         mine, theirs = quant.get(key), stored.get(key)
         if key == "rounding":  # a point not named rounds to nearest
             mine, theirs = _every_point_rounding(mine), _every_point_rounding(theirs)
+        elif key == "saved":
+            differences += _saved_differences(mine, theirs)
+            continue
         elif key in _DEFAULTS:  # a setting left out stands at its default (to_dict leaves it out)
             mine, theirs = quant.get(key, _DEFAULTS[key]), stored.get(key, _DEFAULTS[key])
         if _same(mine, theirs):
@@ -188,6 +194,13 @@ def preset_differences(quant: Mapping) -> list[str] | None:
         else:
             differences.append(f"{key}={_render_point(mine)}")
     return differences
+
+
+def _saved_differences(mine: Mapping | None, theirs: Mapping | None) -> list[str]:
+    mine, theirs = {**SAVED_DEFAULT, **(mine or {})}, {**SAVED_DEFAULT, **(theirs or {})}
+    kinds = [*SAVED_DEFAULT, *sorted(set(mine) - set(SAVED_DEFAULT))]
+    return [f"saved.{kind}={_canonical(mine.get(kind))}" for kind in kinds
+            if _canonical(mine.get(kind)) != _canonical(theirs.get(kind))]  # fmt: skip
 
 
 def _canonical(value):

@@ -183,3 +183,21 @@ def test_records_read_through_the_result_type_are_upgraded_and_new_ones_are_not_
     new = RunResult.read(new_path)
     written = yaml.safe_load(new_path.read_text())["quant"]
     assert new.quant == written | {"version": SPEC_VERSION, "engine": "dsq"}
+
+
+def test_a_rule_for_saved_tensors_is_named_alone_whatever_order_the_record_lists_the_rules():
+    """Each kind whose rule differs from the default is named on its own, in the rules' order:
+    two records of one setting, their rules listed in different orders, read alike."""
+    from dsq.engine.spec import SAVED_DEFAULT
+
+    base = {"preset": "dsq", **get_preset("dsq").to_dict(), "stash_scope": "all"}
+    listed = dict(SAVED_DEFAULT) | {"activation": "derivative3"}
+    for rules in (listed, dict(reversed(listed.items()))):
+        assert preset_differences(base | {"saved": rules}) == [
+            "stash_scope=all", "saved.activation=derivative3"]  # fmt: skip
+    assert preset_differences(base | {"saved": dict(SAVED_DEFAULT)}) == ["stash_scope=all"]
+    # a default written in another spelling is the default (bfp8 is bfp8e8b16)
+    assert preset_differences(base | {"saved": {"norm": "bfp8"}}) == ["stash_scope=all"]
+    every_q1 = dict.fromkeys(("norm", "activation", "elementwise", "constant"), "q1")
+    named = [f"saved.{kind}=q1" for kind in ("norm", "activation", "elementwise", "constant")]
+    assert preset_differences(base | {"saved": every_q1})[1:] == named

@@ -629,6 +629,21 @@ def test_saved_rules_compare_as_one_rule_however_spelled_and_with_defaults_fille
     assert _saved_rules({"stash_scope": "gemm"}) == {}
 
 
+def test_a_row_names_the_saved_rules_that_differ_one_by_one_in_one_order():
+    """Two records of one setting whose rules are listed in different orders are one row, named
+    by the rules that differ from the defaults (docs/dsq.md, "What stash_scope=all holds")."""
+    from dsq.engine.spec import SAVED_DEFAULT
+    from dsq.presets import get_preset, record_quant
+    from dsq_cli.table.collect import row_name
+
+    base = {"preset": "dsq", **get_preset("dsq").to_dict(), "stash_scope": "all"}
+    listed = dict(SAVED_DEFAULT) | {"checkpoint": "bfp8"}
+    names = {row_name(record_quant(base | {"saved": rules}))
+             for rules in (listed, dict(reversed(listed.items())))}  # fmt: skip
+    assert names == {"dsq* (stash_scope=all, saved.checkpoint=bfp8e8b16)"}
+    assert row_name(record_quant(base | {"saved": dict(SAVED_DEFAULT)})) == "dsq* (stash_scope=all)"
+
+
 def test_one_request_makes_the_table_the_command_prints(root):
     """`make_table` is the command's one call: a request in, the text the command prints out,
     the lists after the table included; a request no format can show is refused before any run
