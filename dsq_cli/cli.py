@@ -272,9 +272,10 @@ def _transformers_only(given: list[str]) -> None:
 
 def _transformers_bench(model, presets, layers, width, heads, kv_heads, vocab, seq_lens,
                         scopes, checkpointing, repeats, budget, threads, refused,
-                        loss_chunk=None, rounds=1):  # fmt: skip
+                        loss_chunk=None, rounds=1, where=False):  # fmt: skip
     """The rows of ``dsq bench memory|step --model llama|gpt2|bert``; ``refused`` lists the
-    fairseq-only options given, a usage error; ``loss_chunk`` None: the model's own loss."""
+    fairseq-only options given, a usage error; ``loss_chunk`` None: the model's own loss;
+    ``where``: what each row holds at its peak (`transformers_models.run`)."""
     from dsq_cli.bench import memory, transformers_models
     from dsq_cli.bench.step import SCOPES
 
@@ -304,7 +305,7 @@ def _transformers_bench(model, presets, layers, width, heads, kv_heads, vocab, s
         )
     return transformers_models.run(shape, rows, lengths, memory.parse_size(budget), repeats,
                                    threads=threads, loss_chunk=loss_chunk or 0,
-                                   rounds=rounds)  # fmt: skip
+                                   rounds=rounds, where=where)  # fmt: skip
 
 
 LOSS_CHUNK_OPTION = typer.Option(
@@ -489,6 +490,14 @@ def bench_memory(
     rounds: int = ROUNDS_OPTION,
     repeats: int = typer.Option(2, min=1, help="transformers models: timed steps a row."),
     device: str = typer.Option("cpu", help="cpu or cuda."),
+    where: bool = typer.Option(
+        False,
+        "--where",
+        help="transformers models: also what each row's larger batch holds at its allocator "
+        "peak, by the operators that allocated it, each holder's KiB a token, and the "
+        'operators running at the peak (docs/benchmarks.md, "What the checkpointed rows hold '
+        'at their peak").',
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ):
     """The largest batch (whole sentences) whose training step's peak memory fits the budget,
@@ -502,10 +511,10 @@ def bench_memory(
         refused = _given(ctx, "src_len", "fp32_head") + ["--device"] * (device != "cpu")
         result = _transformers_bench(model, presets, layers, width, heads, kv_heads, vocab,
                                      seq_lens, scopes, checkpointing, repeats, budget, threads,
-                                     refused, loss_chunk, rounds)  # fmt: skip
+                                     refused, loss_chunk, rounds, where)  # fmt: skip
         _print_bench(result, as_json, transformers_models.format_memory)
         return
-    _transformers_only(_given(ctx, *TRANSFORMERS_ONLY, "repeats"))
+    _transformers_only(_given(ctx, *TRANSFORMERS_ONLY, "repeats", "where"))
     size = memory.parse_size(budget)
     names = _preset_names(presets)
     scope_list = _choices("--scopes", scopes, tuple(SCOPES))

@@ -37,6 +37,8 @@ import torch
 from dsq_cli.cpu_allocator import apply_malloc_setting
 from dsq_cli.models.causal_lm import KINDS, build_causal_lm
 
+from .peak_holders import PeakHolders, per_token
+
 MODELS = ("llama", "gpt2", "bert")
 CAUSAL = KINDS  # the models whose output layer and loss `--loss-chunk` may take in chunks
 KIB = 2**10
@@ -100,15 +102,17 @@ def rows_of(presets, scopes, checkpointing) -> list[Row]:
 
 
 def measure(shape: ModelShape, row: Row, seq_len: int, batch: int, repeats: int,
-            loss_chunk: int = 0) -> dict:  # fmt: skip
+            loss_chunk: int = 0, where: bool = False) -> dict:  # fmt: skip
     """In this process: the step's median time, allocator peak and the process's peak resident
     memory (see the module docstring). ``loss_chunk`` tokens (a causal LM): the output layer and
     its next-token loss in chunks (`chunked_output_loss`), as ``dsq train task=lm`` takes them;
-    0: the model's own loss."""
+    0: the model's own loss. ``where``: also what the passes hold at their peak, by holder, and
+    the operators running then (`peak_holders`)."""
     from dsq.engine import QuantConfig
     from dsq.integrations import quantize_model
     from dsq_cli.presets import at_first_level, load_quant_preset
 
+    from .peak_holders import holders_at_peak
     from .step import allocated_during, scope_points
 
     malloc = apply_malloc_setting() or "none applied"  # as `dsq train` runs (DSQ_CPU_ALLOCATOR)
@@ -161,9 +165,12 @@ def measure(shape: ModelShape, row: Row, seq_len: int, batch: int, repeats: int,
     # after them, whose peak (the gradients, Adam's temporaries) does not: a slope through whole
     # steps' peaks would mix the two where a small batch peaks in the optimizer step
     cpu = torch.device("cpu")
-    passes = allocated_during(forward_backward, cpu)
+    passes = (holders_at_peak(forward_backward) if where
+              else allocated_during(forward_backward, cpu))  # fmt: skip
     update = allocated_during(optimizer.step, cpu)
-    return {
+    before = [("before the step: the parameters and Adam's state", state)]
+    found = {"held_at_peak": before + passes.holders, "peak_at": passes.at} if where else {}
+    return found | {
         "step_s": statistics.median(times),
         "allocator_bytes": state + passes.peak,
         "optimizer_step_bytes": state + passes.held + update.peak,
@@ -192,10 +199,10 @@ def _chunked_loss(model, ids, chunk_tokens: int) -> torch.Tensor:
 
 
 def measure_in_fresh_process(shape, row, seq_len, batch, repeats, threads,
-                             loss_chunk: int = 0) -> dict:  # fmt: skip
+                             loss_chunk: int = 0, where: bool = False) -> dict:  # fmt: skip
     spec = {"shape": dataclasses.asdict(shape), "row": dataclasses.asdict(row),
             "seq_len": seq_len, "batch": batch, "repeats": repeats,
-            "loss_chunk": loss_chunk}  # fmt: skip
+            "loss_chunk": loss_chunk, "where": where}  # fmt: skip
     env = os.environ | {"OMP_NUM_THREADS": str(threads)}
     done = subprocess.run(
         [sys.executable, "-m", "dsq_cli.bench.transformers_models", json.dumps(spec)],
@@ -209,7 +216,7 @@ def measure_in_fresh_process(shape, row, seq_len, batch, repeats, threads,
 
 def run(shape: ModelShape, rows: list[Row], seq_lens, budget: int, repeats: int = 2,
         batches=None, threads: int | None = None, loss_chunk: int = 0,
-        rounds: int = 1) -> dict:  # fmt: skip
+        rounds: int = 1, where: bool = False) -> dict:  # fmt: skip
     """Every row at every sequence length, each at two batch sizes (``batches``, default 2 and
     3 sequences, 4 and 8 below 512 tokens): per token, the allocator's and the process's bytes
     (the slope between the two), time (the larger batch's step over its tokens), and tokens at
@@ -221,7 +228,11 @@ def run(shape: ModelShape, rows: list[Row], seq_lens, budget: int, repeats: int 
     ``rounds`` > 1 measures every row that many times, the rows taking turns, because one row's
     processes run after another's and a row's time moves with the host's speed between them:
     the time a token is the median over the rounds, each ratio to a baseline the median of the
-    rounds' ratios; the bytes are the first round's."""
+    rounds' ratios; the bytes are the first round's.
+
+    ``where``: each row also says what its larger batch holds at the peak, by holder, each
+    holder's growth a token from the smaller batch, and the operators running at the peak (the
+    first round's; `peak_holders`)."""
     threads = threads or torch.get_num_threads()
     results, settings = [], set()
     for seq_len in seq_lens:
@@ -231,7 +242,7 @@ def run(shape: ModelShape, rows: list[Row], seq_lens, budget: int, repeats: int 
             for row in rows:
                 measured[row].append(tuple(
                     measure_in_fresh_process(shape, row, seq_len, batch, repeats, threads,
-                                             loss_chunk)
+                                             loss_chunk, where)
                     for batch in (small, large)
                 ))  # fmt: skip
         settings |= {m.get("cpu_allocator", "?") for pairs in measured.values()
@@ -261,6 +272,9 @@ def run(shape: ModelShape, rows: list[Row], seq_lens, budget: int, repeats: int 
             entry["ms_per_token"] = statistics.median(per_round)
             entry["ms_per_token_rounds"] = per_round
             entry["first_loss"] = b["first_loss"]
+            if where:
+                entry["peak_at"] = list(b["peak_at"])
+                entry["held_at_peak"] = per_token(_holders(a), _holders(b), tokens)
             results.append(entry)
     _ratios(results)
     from .quant import machine_description
@@ -278,6 +292,12 @@ def run(shape: ModelShape, rows: list[Row], seq_lens, budget: int, repeats: int 
         "torch": torch.__version__,
         "rows": results,
     }
+
+
+def _holders(measured: dict) -> PeakHolders:
+    holders = [(name, n) for name, n in measured["held_at_peak"]]
+    total = sum(n for _, n in holders)
+    return PeakHolders(total, 0, holders, tuple(measured["peak_at"]), None)
 
 
 BASELINES = ("amp_bf16", "amp_bf16 ckpt")
@@ -325,7 +345,7 @@ def format_memory(result: dict) -> str:
     header = ["row", "seq", "KiB/token (allocator)", "KiB/token (process)",
               f"tokens in {gib:g} GiB (allocator)", "x amp_bf16", "x amp_bf16 ckpt",
               "tokens (process)", "x amp_bf16", "x amp_bf16 ckpt"]  # fmt: skip
-    return _grid(result, header, lambda r: [
+    table = _grid(result, header, lambda r: [
         f"{r['allocator_kib_per_token']:.1f}", f"{r['rss_kib_per_token']:.1f}",
         _tokens(r["allocator_tokens_at_budget"]),
         _x(r.get("allocator_tokens_at_budget_x_amp_bf16")),
@@ -333,6 +353,21 @@ def format_memory(result: dict) -> str:
         _tokens(r["rss_tokens_at_budget"]), _x(r.get("rss_tokens_at_budget_x_amp_bf16")),
         _x(r.get("rss_tokens_at_budget_x_amp_bf16_ckpt")),
     ])  # fmt: skip
+    return "\n\n".join([table, *(_where(r) for r in result["rows"] if "held_at_peak" in r)])
+
+
+def _where(row: dict) -> str:
+    """A row's peak (`peak_holders`): where it is, and what its larger batch holds there."""
+    small, large = row["batches"]
+    lines = [f"{row['row']} at {row['seq_len']:,} tokens a sequence: the peak of {large} "
+             f"sequences is in {' > '.join(row['peak_at']) or 'the step'}",
+             "",
+             f"| held at the peak, by the operators that allocated it | MiB | KiB a token, "
+             f"{small} to {large} sequences |",
+             "|---|---:|---:|"]  # fmt: skip
+    lines += [f"| {h['held']} | {h['mib']:.1f} | {h['kib_per_token']:.2f} |"
+              for h in row["held_at_peak"]]  # fmt: skip
+    return "\n".join(lines)
 
 
 def format_step(result: dict) -> str:
@@ -371,5 +406,6 @@ if __name__ == "__main__":  # one measurement, as `measure_in_fresh_process` ask
     spec = json.loads(sys.argv[1])
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
     measured = measure(ModelShape(**spec["shape"]), Row(**spec["row"]), spec["seq_len"],
-                       spec["batch"], spec["repeats"], spec.get("loss_chunk", 0))  # fmt: skip
+                       spec["batch"], spec["repeats"], spec.get("loss_chunk", 0),
+                       spec.get("where", False))  # fmt: skip
     print(json.dumps(measured))

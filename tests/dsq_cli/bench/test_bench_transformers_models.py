@@ -23,7 +23,7 @@ def test_bytes_per_token_and_tokens_at_a_budget_come_from_the_line_through_two_b
     monkeypatch,
 ):
     # a row holding 1,000 fixed bytes plus 100 a token (the allocator) or 150 (the process)
-    def fake(shape, row, seq_len, batch, repeats, threads, loss_chunk=0):
+    def fake(shape, row, seq_len, batch, repeats, threads, loss_chunk=0, where=False):
         tokens = seq_len * batch
         return {"step_s": tokens * 1e-3, "allocator_bytes": 1000 + 100 * tokens,
                 "rss_bytes": 1000 + 150 * tokens, "first_loss": 1.0}  # fmt: skip
@@ -49,7 +49,7 @@ def test_rounds_take_turns_and_time_is_the_median_of_each_rounds_ratio(monkeypat
     where the ratio of the median times would say 5; bytes come from the first round."""
     order, speed = [], iter([1.0, 1.0, 1.0, 1.0, 3.0, 3.0, 3.0, 3.0, 1.0, 1.0, 2.5, 2.5])
 
-    def fake(shape, row, seq_len, batch, repeats, threads, loss_chunk=0):
+    def fake(shape, row, seq_len, batch, repeats, threads, loss_chunk=0, where=False):
         order.append(row.label)
         per_token = (2.0 if row.preset == "dsq" else 1.0) * next(speed) * 1e-3
         return {"step_s": per_token * seq_len * batch, "allocator_bytes": 100 * batch,
@@ -75,6 +75,7 @@ def test_rounds_take_turns_and_time_is_the_median_of_each_rounds_ratio(monkeypat
     # the default value given on the command line is refused too: given is given
     (["memory", "--budget", "1GiB"], ["--seq-lens", "256,1024"], "--seq-lens"),
     (["memory", "--budget", "1GiB"], ["--repeats", "3"], "--repeats"),
+    (["memory", "--budget", "1GiB"], ["--where"], "--where"),
 ])  # fmt: skip
 def test_fairseq_refuses_the_transformers_options_it_would_not_read(command, args, named):
     result = CliRunner().invoke(app, ["bench", *command, *args])
@@ -122,7 +123,7 @@ def test_step_of_a_transformers_model_refuses_the_fairseq_options_it_would_not_r
 
 
 def test_a_peak_that_does_not_grow_with_the_batch_gives_no_tokens_at_the_budget(monkeypatch):
-    def flat(shape, row, seq_len, batch, repeats, threads, loss_chunk=0):
+    def flat(shape, row, seq_len, batch, repeats, threads, loss_chunk=0, where=False):
         return {"step_s": 1.0, "allocator_bytes": 1000 + 100 * seq_len * batch,
                 "rss_bytes": 5000, "first_loss": 1.0}  # fmt: skip
 
@@ -151,7 +152,7 @@ def test_the_loss_in_chunks_is_the_models_own_loss_and_reaches_the_runs_footer(k
     for own, chunked in zip(*grads):
         torch.testing.assert_close(chunked, own, rtol=1e-5, atol=1e-7)
 
-    def fake(shape, row, seq_len, batch, repeats, threads, loss_chunk=0):
+    def fake(shape, row, seq_len, batch, repeats, threads, loss_chunk=0, where=False):
         assert loss_chunk == 16
         return {"step_s": 1.0, "allocator_bytes": 100 * batch, "rss_bytes": 100 * batch,
                 "first_loss": 1.0}  # fmt: skip
@@ -207,7 +208,7 @@ def test_the_footer_names_the_malloc_setting_the_rows_processes_had_in_force(mon
     """What each row's process applied, as it reports it (not what the parent asked for): one
     setting, or each that occurred; a result from before it was recorded names none."""
 
-    def fake(shape, row, seq_len, batch, repeats, threads, loss_chunk=0):
+    def fake(shape, row, seq_len, batch, repeats, threads, loss_chunk=0, where=False):
         return {"step_s": 1.0, "allocator_bytes": 100 * batch, "rss_bytes": 100 * batch,
                 "first_loss": 1.0, "cpu_allocator": applied[row.preset]}  # fmt: skip
 

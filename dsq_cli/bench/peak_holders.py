@@ -1,0 +1,119 @@
+"""What a step holds at its allocator peak, and where that peak is (``dsq bench memory --where``).
+
+torch.profiler records every allocation and free through PyTorch's CPU allocator with the
+operators it happened under (``profile_memory=True``; its event tree gives each record's
+address, size and enclosing operators). Replayed in time order, the records give the running
+total; at its maximum, the blocks still live are what the step holds at its peak. Each is named
+by the operators that allocated it (`holder`), so that "the attention's backward pass, its
+unpacked stashes" and "the linear layers' weight gradients" stand apart, and the peak's own
+instant by the operators running then (`peak_at`).
+
+The peak is the one ``step.allocated_during`` measures: the same records (tested). Blocks
+allocated before the profiler started (the parameters, Adam's state) are not among them; the
+caller knows their size.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+_BACKWARD = "autograd::engine::evaluate_function: "
+
+
+@dataclasses.dataclass(frozen=True)
+class PeakHolders:
+    """``peak`` and ``held`` as `step.Allocation`'s (the most bytes ``fn`` held at once above
+    what was live when it started, and what it left alive); ``holders``: the peak's bytes by
+    holder (`holder`), largest first; ``at``: the operators running at the peak, outermost
+    first; ``out``: what ``fn`` returned."""
+
+    peak: int
+    held: int
+    holders: list[tuple[str, int]]
+    at: tuple[str, ...]
+    out: Any
+
+
+def holders_at_peak(fn: Callable[[], Any]) -> PeakHolders:
+    """Run ``fn`` on the CPU under the profiler and say what was live at its allocator peak."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from .step import _native_stderr_muted
+
+    with _native_stderr_muted(), profile(activities=[ProfilerActivity.CPU],
+                                         profile_memory=True) as prof:  # fmt: skip
+        out = fn()
+    records, operators = [], []  # (time, address, bytes, path); (start, end, path)
+
+    def walk(node, path: tuple[str, ...]) -> None:
+        if node.name == "[memory]":
+            fields = node.extra_fields
+            records.append((node.start_time_ns, fields.ptr, fields.alloc_size, path))
+            return
+        inner = path + (node.name,)
+        operators.append((node.start_time_ns, node.end_time_ns, inner))
+        for child in node.children:
+            walk(child, inner)
+
+    for root in prof.profiler.kineto_results.experimental_event_tree():
+        walk(root, ())
+    records.sort(key=lambda record: record[0])  # stable: records of one instant keep their order
+    live: dict[int, tuple[int, tuple[str, ...]]] = {}
+    running = peak = 0
+    at_peak: dict[int, tuple[int, tuple[str, ...]]] = {}
+    peak_time = None
+    for time, address, nbytes, path in records:
+        if nbytes > 0:
+            live[address] = (nbytes, path)
+        else:
+            live.pop(address, None)  # a block from before the profiler started is not listed
+        running += nbytes
+        if running > peak:
+            peak, at_peak, peak_time = running, dict(live), time
+    by_holder: collections.Counter[str] = collections.Counter()
+    for nbytes, path in at_peak.values():
+        by_holder[holder(path)] += nbytes
+    running_then = [ops for start, end, ops in operators
+                    if peak_time is not None and start <= peak_time <= end]  # fmt: skip
+    at = max(running_then, key=len, default=())
+    return PeakHolders(peak, running, by_holder.most_common(), _named(at), out)
+
+
+def _named(path: tuple[str, ...]) -> tuple[str, ...]:
+    """The operators of ``path`` that name something: the autograd engine's wrapper of each
+    backward node left out (the node follows it under its own name)."""
+    return tuple(name for name in path if not name.startswith(_BACKWARD))
+
+
+def holder(path: tuple[str, ...]) -> str:
+    """A block's holder, from the operators it was allocated under (outermost first): the
+    pass, the two innermost operators that are not aten's (an autograd function, its backward
+    node, a dsq op) and the aten operator called first below them, e.g. ``backward:
+    DSQAttentionFunctionBackward > dsq::bfp_decode (aten::empty)``."""
+    names = _named(path)
+    phase = "backward" if any(name.startswith(_BACKWARD) for name in path) else "forward"
+    own = [i for i, name in enumerate(names) if not name.startswith("aten::")]
+    last = own[-1] if own else -1
+    words = " > ".join(names[i] for i in own[-2:]) or "the step"
+    below = next((name for name in names[last + 1 :] if name.startswith("aten::")), None)
+    return f"{phase}: {words}" + (f" ({below})" if below else "")
+
+
+def per_token(small: PeakHolders, large: PeakHolders, tokens: int, top: int = 10) -> list[dict]:
+    """``large``'s largest holders (``top``, then the rest as one), each with its bytes at that
+    batch and its growth a token from ``small``'s batch (``tokens`` more): which holders make
+    the bench's bytes a token."""
+    before = dict(small.holders)
+    shown, rest = large.holders[:top], large.holders[top:]
+    rows = [{"held": name, "mib": n / 2**20, "kib_per_token": (n - before.get(name, 0)) / tokens
+             / 2**10} for name, n in shown]  # fmt: skip
+    if rest:
+        named = {name for name, _ in shown}
+        rest_bytes = sum(n for _, n in rest)
+        rest_before = sum(n for name, n in small.holders if name not in named)
+        rows.append({"held": f"the other {len(rest)} holders", "mib": rest_bytes / 2**20,
+                     "kib_per_token": (rest_bytes - rest_before) / tokens / 2**10})  # fmt: skip
+    return rows
