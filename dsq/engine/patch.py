@@ -283,7 +283,10 @@ def _code_activations(model: nn.Module, cfg: QuantConfig, patchers, excluded,
         if (not name or "Norm" in type(module).__name__ or not _is_activation_module(module)
                 or type(module) in _MASKED):  # fmt: skip
             continue  # a ReLU holding its bit mask (`MASK_MODULES`), counted in the report
-        function = next((f for f in map(lambda r: r(module), recognizers) if f), None)
+        for recognize in recognizers:  # the first that knows the module's function
+            function = recognize(module)
+            if function:
+                break
         if function is None or excluded(name):
             why = "excluded" if function else "no code for its function"
             uncoded.append(f"{name} ({type(module).__name__}: {why})")

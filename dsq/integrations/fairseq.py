@@ -201,9 +201,24 @@ class MaskPatcher:
         report.masks.append(name)
 
     def finish(self, model, cfg, report, excluded) -> None:
-        """Under ``quant.saved.activation=derivative<k>``: the layers' ``gelu`` (a function,
-        which the engine's pass over activation modules does not see) holds derivative codes;
-        the report counts them and names the layers whose activation is neither."""
+        """Nothing model-wide: each module is patched as the walk meets it."""
+
+
+class GeluCodePatcher:
+    """fairseq's transformer layers' ``gelu`` (a function the layer holds, ``activation_fn``,
+    which the engine's pass over activation modules does not see): under
+    ``quant.saved.activation=derivative<k>`` it holds derivative codes
+    (`dsq.engine.derivative_codes`), with the same outputs."""
+
+    def claims(self, module: nn.Module) -> bool:
+        return False  # no module of its own: the layers are found after the walk (`finish`)
+
+    def patch(self, name: str, module: nn.Module, cfg: QuantConfig, report: PatchReport) -> None:
+        raise AssertionError("GeluCodePatcher claims no module")
+
+    def finish(self, model, cfg, report, excluded) -> None:
+        """Each layer's ``gelu`` holds ``k``-bit codes; the report counts them and names the
+        layers whose activation is neither ReLU (its bit mask, `MaskPatcher`) nor ``gelu``."""
         bits = cfg.derivative_code_bits
         if bits is None:
             return
@@ -239,3 +254,4 @@ class CodedFairseqGelu:
 
 register_patcher("fairseq", MultiheadAttentionPatcher())
 register_patcher("fairseq", MaskPatcher())
+register_patcher("fairseq", GeluCodePatcher())
