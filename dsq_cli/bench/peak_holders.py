@@ -102,18 +102,24 @@ def holder(path: tuple[str, ...]) -> str:
     return f"{phase}: {words}" + (f" ({below})" if below else "")
 
 
-def per_token(small: PeakHolders, large: PeakHolders, tokens: int, top: int = 10) -> list[dict]:
-    """``large``'s largest holders (``top``, then the rest as one), each with its bytes at that
-    batch and its growth a token from ``small``'s batch (``tokens`` more): which holders make
-    the bench's bytes a token."""
+def per_token(small: PeakHolders, large: PeakHolders, tokens: int, top: int = 8) -> list[dict]:
+    """``large``'s holders, each with its bytes at that batch and its growth a token from
+    ``small``'s batch (``tokens`` more): the ``top`` largest by either, most growth first, then
+    the rest as one. The growth is what makes the bench's bytes a token where both peaks lie at
+    the same place; where they do not, it compares two instants of the step."""
     before = dict(small.holders)
-    shown, rest = large.holders[:top], large.holders[top:]
-    rows = [{"held": name, "mib": n / 2**20, "kib_per_token": (n - before.get(name, 0)) / tokens
-             / 2**10} for name, n in shown]  # fmt: skip
+    rows = [{"held": name, "mib": n / 2**20,
+             "kib_per_token": (n - before.get(name, 0)) / tokens / 2**10}
+            for name, n in large.holders]  # fmt: skip
+    by_bytes = sorted(rows, key=lambda r: -r["mib"])[:top]
+    by_growth = sorted(rows, key=lambda r: -r["kib_per_token"])[:top]
+    shown = [r for r in rows if r in by_bytes or r in by_growth]
+    shown.sort(key=lambda r: (-r["kib_per_token"], -r["mib"]))
+    rest = [r for r in rows if r not in shown]
     if rest:
-        named = {name for name, _ in shown}
-        rest_bytes = sum(n for _, n in rest)
+        named = {r["held"] for r in shown}
         rest_before = sum(n for name, n in small.holders if name not in named)
-        rows.append({"held": f"the other {len(rest)} holders", "mib": rest_bytes / 2**20,
-                     "kib_per_token": (rest_bytes - rest_before) / tokens / 2**10})  # fmt: skip
-    return rows
+        rest_bytes = sum(r["mib"] for r in rest) * 2**20
+        shown.append({"held": f"the other {len(rest)} holders", "mib": rest_bytes / 2**20,
+                      "kib_per_token": (rest_bytes - rest_before) / tokens / 2**10})  # fmt: skip
+    return shown

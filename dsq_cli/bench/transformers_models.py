@@ -274,6 +274,7 @@ def run(shape: ModelShape, rows: list[Row], seq_lens, budget: int, repeats: int 
             entry["first_loss"] = b["first_loss"]
             if where:
                 entry["peak_at"] = list(b["peak_at"])
+                entry["peak_at_smaller_batch"] = list(a["peak_at"])
                 entry["held_at_peak"] = per_token(_holders(a), _holders(b), tokens)
             results.append(entry)
     _ratios(results)
@@ -367,6 +368,10 @@ def _where(row: dict) -> str:
              "|---|---:|---:|"]  # fmt: skip
     lines += [f"| {h['held']} | {h['mib']:.1f} | {h['kib_per_token']:.2f} |"
               for h in row["held_at_peak"]]  # fmt: skip
+    elsewhere = row.get("peak_at_smaller_batch", row["peak_at"])
+    if elsewhere != row["peak_at"]:
+        lines += ["", f"The peak of {small} sequences is elsewhere, in {' > '.join(elsewhere)}: "
+                      "a holder's KiB a token compares two instants of the step."]  # fmt: skip
     return "\n".join(lines)
 
 

@@ -69,12 +69,14 @@ def test_a_holder_is_its_pass_its_two_innermost_named_operators_and_the_aten_cal
 
 
 def test_each_holder_grows_by_its_bytes_a_token_between_the_two_batches():
-    small = PeakHolders(0, 0, [("a", 4 * MIB), ("b", MIB), ("c", MIB)], (), None)
-    large = PeakHolders(0, 0, [("a", 8 * MIB), ("b", 2 * MIB), ("c", MIB), ("d", MIB)], (), None)
+    """The largest by bytes and by growth are shown, most growth first, the rest as one."""
+    small = PeakHolders(0, 0, [("a", 4 * MIB), ("b", MIB), ("c", MIB), ("e", 9 * MIB)], (), None)
+    large = PeakHolders(0, 0, [("e", 9 * MIB), ("a", 8 * MIB), ("b", 3 * MIB), ("c", MIB),
+                               ("d", MIB)], (), None)  # fmt: skip
     rows = per_token(small, large, tokens=1024, top=2)
-    assert [r["held"] for r in rows] == ["a", "b", "the other 2 holders"]
-    assert [r["mib"] for r in rows] == [8, 2, 2]
-    assert [r["kib_per_token"] for r in rows] == [4, 1, 1]  # the rest: c 0, d 1 MiB new
+    assert [r["held"] for r in rows] == ["a", "b", "e", "the other 2 holders"]
+    assert [r["mib"] for r in rows] == [8, 3, 9, 2]
+    assert [r["kib_per_token"] for r in rows] == [4, 2, 0, 1]  # the rest: c 0, d 1 MiB new
 
 
 def test_where_reaches_the_table_with_each_rows_holders(monkeypatch):
@@ -94,10 +96,11 @@ def test_where_reaches_the_table_with_each_rows_holders(monkeypatch):
     result = tm.run(tm.ModelShape(), [tm.Row("amp_bf16")], [512], budget=2**30, where=True)
     (entry,) = result["rows"]
     assert entry["peak_at"] == ["X"]
-    assert entry["held_at_peak"][1] == {"held": "backward: X", "mib": 3, "kib_per_token": 2}
+    assert entry["held_at_peak"][0] == {"held": "backward: X", "mib": 3, "kib_per_token": 2}
     text = tm.format_memory(result)
     assert "amp_bf16 at 512 tokens a sequence: the peak of 3 sequences is in X" in text
     assert "| backward: X | 3.0 | 2.00 |" in text
+    assert "elsewhere" not in text
 
 
 @pytest.mark.slow  # spawns a process a row and batch
@@ -114,5 +117,18 @@ def test_a_tiny_llama_says_where_each_rows_peak_is():
     rows = json.loads(result.output)["rows"]
     assert [r["row"] for r in rows] == ["amp_bf16 ckpt", "dsq ckpt"]
     for row in rows:
-        assert row["peak_at"] and row["held_at_peak"][0]["held"].startswith("before the step")
+        assert row["peak_at"]
+        assert any(h["held"].startswith("before the step") for h in row["held_at_peak"])
     assert any("DSQ" in h["held"] for h in rows[1]["held_at_peak"])
+
+
+def test_a_peak_at_another_place_in_the_smaller_batch_is_said(monkeypatch):
+    def fake(shape, row, seq_len, batch, repeats, threads, loss_chunk=0, where=False):
+        return {"step_s": 1.0, "allocator_bytes": batch * MIB, "first_loss": 1.0,
+                "rss_bytes": batch * MIB, "held_at_peak": [["backward: X", batch * MIB]],
+                "peak_at": ["Y"] if batch == 3 else ["X", "x"]}  # fmt: skip
+
+    monkeypatch.setattr(tm, "measure_in_fresh_process", fake)
+    result = tm.run(tm.ModelShape(), [tm.Row("amp_bf16")], [512], budget=2**30, where=True)
+    assert result["rows"][0]["peak_at_smaller_batch"] == ["X", "x"]
+    assert "The peak of 2 sequences is elsewhere, in X > x" in tm.format_memory(result)
