@@ -41,9 +41,9 @@ def holders_at_peak(fn: Callable[[], Any]) -> PeakHolders:
     """Run ``fn`` on the CPU under the profiler and say what was live at its allocator peak."""
     from torch.profiler import ProfilerActivity, profile
 
-    from .step import _native_stderr_muted
+    from .step import native_stderr_muted
 
-    with _native_stderr_muted(), profile(activities=[ProfilerActivity.CPU],
+    with native_stderr_muted(), profile(activities=[ProfilerActivity.CPU],
                                          profile_memory=True) as prof:  # fmt: skip
         out = fn()
     records, operators = [], []  # (time, address, bytes, path); (start, end, path)

@@ -301,7 +301,7 @@ def allocated_during(fn: Callable[[], Any], dev: torch.device) -> Allocation:
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU]
-    with _native_stderr_muted(), profile(activities=activities, profile_memory=True) as prof:
+    with native_stderr_muted(), profile(activities=activities, profile_memory=True) as prof:
         out = fn()
     events = prof.profiler.kineto_results.events()
     records = [
@@ -315,7 +315,7 @@ def allocated_during(fn: Callable[[], Any], dev: torch.device) -> Allocation:
 
 
 @contextlib.contextmanager
-def _native_stderr_muted():
+def native_stderr_muted():
     """The process's stderr (file descriptor 2) sent to /dev/null: Kineto, the profiler's C++
     backend, writes two lines there at every start and stop, hundreds in one benchmark, and no
     setting turns them off. What the measured step itself prints to stderr is lost with them."""
