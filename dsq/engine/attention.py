@@ -404,6 +404,7 @@ def _forward(call: _Call, q0, k0, v0):
         pd0 = quantize_part(f0, pd, -1, amax)
         o = units.gemm(call.merged(pd0), v0[bs, :, keys], call.plans_pv[0], "matmul.forward")
         five[bs, :, :, rows] = o.view(o.shape[0], call.kv_heads, call.rep, -1, call.e)
+        del pd, pd0, o  # freed before the next tile makes its own (as in `_backward`)
     return out
 
 
@@ -442,6 +443,9 @@ def _backward(call: _Call, d_out, q0, k0, q1, k1, v1):
         q1_rows = call.rows_of(q1, bs, rows).transpose(-1, -2)
         dk_t[bs, :, :, keys] += units.gemm(q1_rows, call.merged(g), call.plans_qk[2],
                                            "matmul.db")  # fmt: skip
+        # this tile's temporaries freed before the next tile makes its own: two tiles' worth
+        # alive at once was the backward pass's peak
+        del dz, pd, pd1, g, g2, dq_tile, q1_rows
     return dq, dk_t.transpose(-1, -2), dv
 
 
