@@ -443,8 +443,8 @@ def _backward(call: _Call, d_out, q0, k0, q1, k1, v1):
         q1_rows = call.rows_of(q1, bs, rows).transpose(-1, -2)
         dk_t[bs, :, :, keys] += units.gemm(q1_rows, call.merged(g), call.plans_qk[2],
                                            "matmul.db")  # fmt: skip
-        # this tile's temporaries freed before the next tile makes its own: two tiles' worth
-        # alive at once was the backward pass's peak
+        # this tile's temporaries freed before the next tile makes its own, or two tiles' worth
+        # are alive at once
         del dz, pd, pd1, g, g2, dq_tile, q1_rows
     return dq, dk_t.transpose(-1, -2), dv
 

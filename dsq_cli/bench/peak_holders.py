@@ -8,9 +8,9 @@ by the operators that allocated it (`holder`), so that "the attention's backward
 unpacked stashes" and "the linear layers' weight gradients" stand apart, and the peak's own
 instant by the operators running then (`peak_at`).
 
-The peak is the one ``step.allocated_during`` measures: the same records (tested). Blocks
-allocated before the profiler started (the parameters, Adam's state) are not among them; the
-caller knows their size.
+The peak is the one ``step.allocated_during`` measures, from the same kind of records (the
+CPU's, in time order; equal on the tests' steps). Blocks allocated before the profiler started
+(the parameters, Adam's state) are not among them; the caller knows their size.
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ def holders_at_peak(fn: Callable[[], Any]) -> PeakHolders:
     def walk(node, path: tuple[str, ...]) -> None:
         if node.name == "[memory]":
             fields = node.extra_fields
-            records.append((node.start_time_ns, fields.ptr, fields.alloc_size, path))
+            if fields.device.type == "cpu":
+                records.append((node.start_time_ns, fields.ptr, fields.alloc_size, path))
             return
         inner = path + (node.name,)
         operators.append((node.start_time_ns, node.end_time_ns, inner))
@@ -60,7 +61,8 @@ def holders_at_peak(fn: Callable[[], Any]) -> PeakHolders:
 
     for root in prof.profiler.kineto_results.experimental_event_tree():
         walk(root, ())
-    records.sort(key=lambda record: record[0])  # stable: records of one instant keep their order
+    # stable: records of one instant keep the tree's order, which nests them as they ran
+    records.sort(key=lambda record: record[0])
     live: dict[int, tuple[int, tuple[str, ...]]] = {}
     running = peak = 0
     at_peak: dict[int, tuple[int, tuple[str, ...]]] = {}
@@ -102,24 +104,30 @@ def holder(path: tuple[str, ...]) -> str:
     return f"{phase}: {words}" + (f" ({below})" if below else "")
 
 
-def per_token(small: PeakHolders, large: PeakHolders, tokens: int, top: int = 8) -> list[dict]:
-    """``large``'s holders, each with its bytes at that batch and its growth a token from
-    ``small``'s batch (``tokens`` more): the ``top`` largest by either, most growth first, then
-    the rest as one. The growth is what makes the bench's bytes a token where both peaks lie at
-    the same place; where they do not, it compares two instants of the step."""
-    before = dict(small.holders)
+def per_token(small: list[tuple[str, int]], large: list[tuple[str, int]], tokens: int,
+              top: int = 8) -> list[dict]:  # fmt: skip
+    """The holders of the larger batch's peak (``large``, `PeakHolders.holders`), each with its
+    bytes there and its growth a token from the smaller batch's (``small``; ``tokens`` more):
+    the ``top`` largest by bytes and by growth either way, most growth first, then the rest as
+    one (holders of either batch not shown), so that the growths add up to the bench's bytes a
+    token. Where the two peaks lie at one place, that is what each holder adds a token; where
+    they do not, it compares two instants of the step."""
+    before = dict(small)
     rows = [{"held": name, "mib": n / 2**20,
              "kib_per_token": (n - before.get(name, 0)) / tokens / 2**10}
-            for name, n in large.holders]  # fmt: skip
+            for name, n in large]  # fmt: skip
     by_bytes = sorted(rows, key=lambda r: -r["mib"])[:top]
-    by_growth = sorted(rows, key=lambda r: -r["kib_per_token"])[:top]
+    by_growth = sorted(rows, key=lambda r: -abs(r["kib_per_token"]))[:top]
     shown = [r for r in rows if r in by_bytes or r in by_growth]
     shown.sort(key=lambda r: (-r["kib_per_token"], -r["mib"]))
-    rest = [r for r in rows if r not in shown]
-    if rest:
-        named = {r["held"] for r in shown}
-        rest_before = sum(n for name, n in small.holders if name not in named)
-        rest_bytes = sum(r["mib"] for r in rest) * 2**20
-        shown.append({"held": f"the other {len(rest)} holders", "mib": rest_bytes / 2**20,
+    named = {r["held"] for r in shown}
+    rest = [(name, n) for name, n in large if name not in named]
+    rest_bytes = sum(n for _, n in rest)
+    rest_before = sum(n for name, n in small if name not in named)
+    if rest or rest_before:
+        gone = len({name for name, _ in small} - {name for name, _ in large})
+        words = f"the other {len(rest)} holders" + (f" ({gone} only at the smaller batch)"
+                                                     if gone else "")  # fmt: skip
+        shown.append({"held": words, "mib": rest_bytes / 2**20,
                       "kib_per_token": (rest_bytes - rest_before) / tokens / 2**10})  # fmt: skip
     return shown

@@ -8,7 +8,7 @@ import torch
 from typer.testing import CliRunner
 
 from dsq_cli.bench import transformers_models as tm
-from dsq_cli.bench.peak_holders import PeakHolders, holder, holders_at_peak, per_token
+from dsq_cli.bench.peak_holders import holder, holders_at_peak, per_token
 from dsq_cli.bench.step import allocated_during
 from dsq_cli.cli import app
 
@@ -69,14 +69,24 @@ def test_a_holder_is_its_pass_its_two_innermost_named_operators_and_the_aten_cal
 
 
 def test_each_holder_grows_by_its_bytes_a_token_between_the_two_batches():
-    """The largest by bytes and by growth are shown, most growth first, the rest as one."""
-    small = PeakHolders(0, 0, [("a", 4 * MIB), ("b", MIB), ("c", MIB), ("e", 9 * MIB)], (), None)
-    large = PeakHolders(0, 0, [("e", 9 * MIB), ("a", 8 * MIB), ("b", 3 * MIB), ("c", MIB),
-                               ("d", MIB)], (), None)  # fmt: skip
+    """The largest by bytes and by growth either way are shown, most growth first, the rest as
+    one; the growths add up to the whole peak's."""
+    small = [("a", 4 * MIB), ("b", MIB), ("c", MIB), ("e", 9 * MIB), ("f", 3 * MIB)]
+    large = [("e", 9 * MIB), ("a", 8 * MIB), ("b", 3 * MIB), ("c", MIB), ("d", MIB)]
     rows = per_token(small, large, tokens=1024, top=2)
-    assert [r["held"] for r in rows] == ["a", "b", "e", "the other 2 holders"]
+    assert [r["held"] for r in rows] == [
+        "a", "b", "e", "the other 2 holders (1 only at the smaller batch)"]  # fmt: skip
     assert [r["mib"] for r in rows] == [8, 3, 9, 2]
-    assert [r["kib_per_token"] for r in rows] == [4, 2, 0, 1]  # the rest: c 0, d 1 MiB new
+    # the rest: c 0, d 1 MiB new, f 3 MiB gone
+    assert [r["kib_per_token"] for r in rows] == [4, 2, 0, -2]
+    growth = (sum(n for _, n in large) - sum(n for _, n in small)) / 1024 / 2**10
+    assert sum(r["kib_per_token"] for r in rows) == growth
+
+
+def test_a_holder_gone_at_the_larger_batch_still_counts_in_the_growth():
+    rows = per_token([("x", MIB)], [("y", MIB)], tokens=1024)
+    assert [(r["held"], r["kib_per_token"]) for r in rows] == [
+        ("y", 1), ("the other 0 holders (1 only at the smaller batch)", -1)]  # fmt: skip
 
 
 def test_where_reaches_the_table_with_each_rows_holders(monkeypatch):
