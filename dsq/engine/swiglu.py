@@ -27,9 +27,15 @@ class _SiluProduct(torch.autograd.Function):
     def backward(ctx, d_out):
         g, u = ctx.saved_tensors
         # the product's gradients as autograd's mul gives them (each the other operand times
-        # d_out), then silu's own backward kernel
-        d_g = torch.ops.aten.silu_backward(d_out * u, g) if ctx.needs_input_grad[0] else None
-        d_u = d_out * F.silu(g) if ctx.needs_input_grad[1] else None
+        # d_out), then silu's own backward kernel; d_g first, its temporary freed, then d_u
+        # made in silu(g)'s own memory (a product is the same either way round): five tensors
+        # of the MLP's width alive at once at most, not six
+        d_g = d_u = None
+        if ctx.needs_input_grad[0]:
+            d_g = torch.ops.aten.silu_backward(d_out * u, g)
+        if ctx.needs_input_grad[1]:
+            d_u = F.silu(g)
+            d_u = d_u.mul_(d_out) if d_u.dtype == torch.result_type(d_u, d_out) else d_out * d_u
         return d_g, d_u
 
 

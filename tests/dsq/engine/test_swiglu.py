@@ -29,6 +29,28 @@ def test_the_product_and_its_gradients_are_autograds_bit_for_bit(dtype):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+def test_its_backward_pass_has_five_tensors_of_the_width_alive_at_most():
+    """g and u (saved), the incoming gradient and the two gradients: the product's temporary
+    is freed before the second gradient is made, in silu(g)'s own memory."""
+    from torch.profiler import ProfilerActivity, profile
+
+    g, u = operands()
+    out = silu_product(g, u)
+    d_out = torch.randn(g.shape, generator=torch.Generator().manual_seed(1))
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        grads = torch.autograd.grad(out, (g, u), d_out)
+    running = peak = 0
+    records = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    for event in sorted(records, key=lambda e: e.start_ns()):
+        running += event.nbytes()
+        peak = max(peak, running)
+    width = g.numel() * g.element_size()
+    # beyond g, u and d_out, two at a time: d_out * u and d_g, then d_g and d_u (silu(g) and d_u
+    # beside d_g would be three)
+    assert 2 * width <= peak < 2.5 * width
+    assert running == 2 * width and len(grads) == 2  # what is left: the two gradients
+
+
 def test_it_holds_two_tensors_where_autograd_holds_three():
     def saved(function) -> int:
         count = 0
