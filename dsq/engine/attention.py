@@ -412,8 +412,11 @@ def _backward(call: _Call, d_out, q0, k0, q1, k1, v1):
     """(dQ, dK, dV) from the incoming gradient and the saved operands; ``q0`` is scaled in place
     unless it shares memory with another input."""
     f0, f1, f2, f3 = call.points
-    # g_O = q3(dO) along the queries and q2(g_O) along e: whole, as the explicit path
-    g_out, g2_out = f3.quantize_chain(d_out, -2, f2, -1)
+    # g_O = q3(dO) along the queries and q2(g_O) along e: whole, as the explicit path; a copy
+    # made contiguous for them is freed before the tiles
+    contiguous = d_out.contiguous()
+    g_out, g2_out = f3.quantize_chain(contiguous, -2, f2, -1)
+    del contiguous
     keep = (d_out, g_out, k0, q1, k1, v1)
     d_scores_of = _tile_gradients(call, q0, k0, v1, g2_out, keep)
     amax_dz = amax_g = None
@@ -572,7 +575,7 @@ def attention_backward(
             g_out, call.scaled(g2_out, keep), call.scaled(q0, keep), k0, q1, k1, v1,
             call.amax_pd, mask, key_padding, call.points, scaling, call.causal, call.folded,
         )  # fmt: skip
-    return _backward(call, d_out.contiguous(), q0, k0, q1, k1, v1)
+    return _backward(call, d_out, q0, k0, q1, k1, v1)
 
 
 @attention_backward.register_fake
