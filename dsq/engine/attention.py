@@ -635,7 +635,7 @@ class DSQAttentionFunction(torch.autograd.Function):
             ctx.headers.append(header)
             tensors += payload
         for t in tensors:  # already in their formats: a stash_scope=all hook leaves them be
-            t.dsq_packed = True
+            t.dsq_held_as_is = True
         ctx.save_for_backward(*tensors)  # the masks stay with ctx.arguments, shared by every layer
         stash_bytes = sum(t.numel() * t.element_size() for t in tensors)
         b, h, n, d = q.shape

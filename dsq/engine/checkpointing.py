@@ -257,7 +257,7 @@ class _HeldInputCheckpoint(torch.autograd.Function):
         held = packed.unpack()
         ctx.header, payload = _stash_header(packed)
         for t in payload:  # already in its format: a stash_scope=all hook leaves it be
-            t.dsq_packed = True
+            t.dsq_held_as_is = True
         ctx.save_for_backward(*payload)
         # the other arguments as given (not through saved-tensor hooks, which could change
         # their values for the second run)

@@ -67,9 +67,13 @@ class _ChunkedOutputLoss(torch.autograd.Function):
         ctx.feature_grad = feature_grad is not None
         ctx.params_count = params_count
         ctx.extra_count = len(extra_inputs)
-        # gradients, not activations: kept on ctx, out of reach of saved-tensor hooks, which
-        # would pack them in a stash format under stash_scope="all"
-        ctx.grads = ([feature_grad] if feature_grad is not None else []) + param_grads
+        # gradients, not activations: marked so that stash_scope="all"'s saved-tensor hook
+        # holds them as they are, and saved so that autograd frees them once the backward pass
+        # has read them (on ctx they stayed alive through the whole backward pass of the body)
+        grads = ([feature_grad] if feature_grad is not None else []) + param_grads
+        for grad in grads:
+            grad.dsq_held_as_is = True
+        ctx.save_for_backward(*grads)
         if total is None:  # no token: an empty sum
             total = features.new_zeros(())
         ctx.mark_non_differentiable(*(stats or []))
@@ -77,7 +81,7 @@ class _ChunkedOutputLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_total, *grad_stats):
-        saved = list(ctx.grads)
+        saved = list(ctx.saved_tensors)
         feature_grad = saved.pop(0) * grad_total if ctx.feature_grad else None
         param_grads = iter(saved)
         params = [next(param_grads) * grad_total if w else None for w in ctx.wanted]

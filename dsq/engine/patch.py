@@ -480,7 +480,8 @@ def stash_all_hooks(cfg: QuantConfig, innermost=lambda: None, packed_once=None):
             or t.dim() == 0
             or t.shape[-1] < STASH_ALL_MIN_ROW
             or _a_parameter(t)
-            or getattr(t, "dsq_packed", False)  # a stash already in its format (engine.attention)
+            # a stash already in its format (engine.attention), a gradient (chunked_output)
+            or getattr(t, "dsq_held_as_is", False)
         ):
             return t
         fmt = cfg.saved_format(saved_kind(innermost(), t))

@@ -3,6 +3,7 @@ under torch.no_grad runs each chunk forward only, with the same sums."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from dsq.engine.chunked_output import chunked_output_loss
@@ -56,3 +57,28 @@ def test_an_incoming_gradient_other_than_one_scales_every_gradient():
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
     assert got[1].abs().sum() > 0
+
+
+def test_the_chunks_gradients_are_freed_once_read_and_kept_under_retain_graph():
+    """The features' and the head's gradients, made in the forward pass, are saved tensors:
+    autograd frees them once the backward pass has read them (not at the end of the whole
+    backward pass), and keeps them for a second one under ``retain_graph``. A stash_scope=all
+    hook holds them as they are (they are gradients, not activations)."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 11)
+    features = torch.randn(37, 8, requires_grad=True)
+    target = torch.randint(0, 11, (37,))
+
+    def loss_fn(logits, t):
+        return torch.nn.functional.cross_entropy(logits, t, reduction="sum")
+
+    (loss,) = chunked_output_loss(features, head, loss_fn, target, list(head.parameters()), 16)
+    node = loss.grad_fn
+    saved = node.saved_tensors
+    assert len(saved) == 3 and all(t.dsq_held_as_is for t in saved)  # features, weight, bias
+    loss.backward(retain_graph=True)
+    first = features.grad.clone()
+    loss.backward()
+    torch.testing.assert_close(features.grad, 2 * first, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="freed"):
+        node.saved_tensors  # noqa: B018
