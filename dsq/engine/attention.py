@@ -412,19 +412,19 @@ def _backward(call: _Call, d_out, q0, k0, q1, k1, v1):
     """(dQ, dK, dV) from the incoming gradient and the saved operands; ``q0`` is scaled in place
     unless it shares memory with another input."""
     f0, f1, f2, f3 = call.points
-    # g_O = q3(dO) along the queries and q2(g_O) along e: whole, as the explicit path; a copy
-    # made contiguous for them is freed before the tiles
-    contiguous = d_out.contiguous()
-    g_out, g2_out = f3.quantize_chain(contiguous, -2, f2, -1)
-    del contiguous
-    keep = (d_out, g_out, k0, q1, k1, v1)
-    d_scores_of = _tile_gradients(call, q0, k0, v1, g2_out, keep)
+    g_out_of = _incoming_gradient(call, d_out, (k0, q1, k1, v1))
+    keep = (d_out, k0, q1, k1, v1, *g_out_of.whole)
+    d_scores_of = _tile_gradients(call, q0, k0, v1, keep)
+
+    def d_scores_alone(bs, rows, keys):
+        return d_scores_of(bs, rows, keys, g_out_of(bs, rows)[1])
+
     amax_dz = amax_g = None
     if _whole_scale(f3):
-        amax_dz = torch.stack([_amax(d_scores_of(*tile)[0]) for tile in call.tiles]).amax()
+        amax_dz = torch.stack([_amax(d_scores_alone(*tile)[0]) for tile in call.tiles]).amax()
     if _whole_scale(f2):
         amax_g = torch.stack([
-            _amax(quantize_part(f3, d_scores_of(*tile)[0], -2, amax_dz))
+            _amax(quantize_part(f3, d_scores_alone(*tile)[0], -2, amax_dz))
             for tile in call.tiles
         ]).amax()  # fmt: skip
     dq = torch.empty_like(q0)
@@ -433,11 +433,12 @@ def _backward(call: _Call, d_out, q0, k0, q1, k1, v1):
     dv = q0.new_zeros(call.batch, call.kv_heads, call.m, call.e)
     amax_pd = call.amax_pd if _whole_scale(f1) else None
     for bs, rows, keys in call.tiles:
-        dz, pd = d_scores_of(bs, rows, keys)
+        g_out, g2_out = g_out_of(bs, rows)
+        dz, pd = d_scores_of(bs, rows, keys, g2_out)
         # dV += q1(Pd)^T g_O: Pd's stash, blocks along the queries
         pd1 = call.merged(quantize_part(f1, pd, -2, amax_pd))
-        dv[bs, :, keys] += units.gemm(pd1.transpose(-1, -2), call.rows_of(g_out, bs, rows),
-                                      call.plans_pv[2], "matmul.db")  # fmt: skip
+        dv[bs, :, keys] += units.gemm(pd1.transpose(-1, -2), g_out, call.plans_pv[2],
+                                      "matmul.db")  # fmt: skip
         # g = q3(dZ) along the queries, then q2(g) along the keys
         g, g2 = quantize_chain_part(f3, f2, dz, amax_dz, amax_g)
         dq_tile = units.gemm(call.merged(g2), k1[bs, :, keys], call.plans_qk[1], "matmul.da")
@@ -448,23 +449,74 @@ def _backward(call: _Call, d_out, q0, k0, q1, k1, v1):
                                            "matmul.db")  # fmt: skip
         # this tile's temporaries freed before the next tile makes its own, or two tiles' worth
         # are alive at once
-        del dz, pd, pd1, g, g2, dq_tile, q1_rows
+        del g_out, g2_out, dz, pd, pd1, g, g2, dq_tile, q1_rows
     return dq, dk_t.transpose(-1, -2), dv
 
 
-def _tile_gradients(call: _Call, q0, k0, v1, g2_out, keep=()):
-    """A function of a tile: (dZ, Pd), dZ = dS * scaling the gradient of the scores' GEMM and
-    Pd the dropped-out probabilities, [bc, Hkv, rep, rows, M]. ``q0`` and ``g2_out`` are scaled
-    in place unless they share memory with a tensor of ``keep``."""
+def _incoming_gradient(call: _Call, d_out, keep):
+    """A function of a tile's sequences and rows: ``(g_O, q2(g_O) * scaling)`` there in the GEMM
+    layout [bc, Hkv, rep * rows, e], ``g_O = q3(dO)`` with blocks along the queries and
+    ``q2(g_O)`` along e, the scaling folded where it is (`_Call.folded`); its ``whole`` lists
+    the whole tensors it holds.
+
+    Where both points round to nearest, each tile's part is quantized on its own: its rows start
+    on every block's boundary and a scale spanning the tensor is given the whole tensor's largest
+    magnitude (`quantize_chain_part`), so each value is the whole tensor's, and nothing of dO's
+    size is made. Stochastic rounding draws its noise for the whole tensor, as the explicit path
+    does, so there both are made whole (dO made contiguous for them, that copy freed at once)."""
+    f2, f3 = call.points[2], call.points[3]
+    if f3.rounding != "nearest" or f2.rounding != "nearest":
+        contiguous = d_out.contiguous()
+        g_out, g2_out = f3.quantize_chain(contiguous, -2, f2, -1)
+        del contiguous
+        g2_out = call.scaled(g2_out, (d_out, g_out, *keep))
+
+        def of_whole(bs, rows):
+            return call.rows_of(g_out, bs, rows), call.rows_of(g2_out, bs, rows)
+
+        of_whole.whole = (g_out, g2_out)
+        return of_whole
+    amax_out = _amax(d_out) if _whole_scale(f3) else None
+    # [B, Hkv, rep, N, e]: each head's rows apart, so that a tile's blocks along the queries are
+    # the whole tensor's (a view where dO's strides allow it, as they do for a transposed
+    # [B, N, H, e]; else one copy)
+    shape = (call.batch, call.kv_heads, call.rep, call.n, call.e)
+    try:
+        five = d_out.view(shape)
+    except RuntimeError:
+        five = d_out.contiguous().view(shape)
+
+    def rows_of_d_out(bs, rows):
+        return five[bs, :, :, rows].clone()  # a copy: lending its first value writes into it
+
+    amax_g_out = None
+    if _whole_scale(f2):
+        amax_g_out = torch.stack([
+            _amax(quantize_part(f3, rows_of_d_out(bs, rows), -2, amax_out))
+            for bs, rows, _ in call.tiles
+        ]).amax()  # fmt: skip
+
+    def of_tile(bs, rows):
+        g, g2 = quantize_chain_part(f3, f2, rows_of_d_out(bs, rows), amax_out, amax_g_out)
+        return call.merged(g), call.merged(call.scaled(g2, (g,)))
+
+    of_tile.whole = ()
+    return of_tile
+
+
+def _tile_gradients(call: _Call, q0, k0, v1, keep=()):
+    """A function of a tile and its ``q2(g_O) * scaling`` rows (`_incoming_gradient`): (dZ, Pd),
+    dZ = dS * scaling the gradient of the scores' GEMM and Pd the dropped-out probabilities,
+    [bc, Hkv, rep, rows, M]. ``q0`` is scaled in place unless it shares memory with a tensor of
+    ``keep``."""
 
     k0_t, v1_t = k0.transpose(-1, -2), v1.transpose(-1, -2)
     # dPd scaled: dS scaled by linearity
-    q0, g2_out = call.scaled(q0, keep), call.scaled(g2_out, keep)
+    q0 = call.scaled(q0, keep)
 
-    def of(bs, rows, keys):
+    def of(bs, rows, keys, g2_out_rows):
         p, pd, noise, keep, nothing = call.probs(q0, k0_t, bs, rows, keys)
-        d_pd = units.gemm(call.rows_of(g2_out, bs, rows), v1_t[bs, :, :, keys],
-                          call.plans_pv[1], "matmul.da")  # fmt: skip
+        d_pd = units.gemm(g2_out_rows, v1_t[bs, :, :, keys], call.plans_pv[1], "matmul.da")
         d_p = d_pd.view_as(p) if noise is None else d_pd.view_as(p) * noise
         if nothing is not None:
             d_p = d_p.masked_fill(nothing, 0.0)
