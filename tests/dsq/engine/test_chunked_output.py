@@ -35,10 +35,9 @@ def test_without_gradients_the_chunks_run_forward_only_with_the_same_sums(monkey
     assert empty.item() == 0.0
 
 
-def test_an_incoming_gradient_other_than_one_scales_every_gradient():
-    """The chunks' gradients are taken for a gradient of 1 on the summed loss and scaled by the
-    one that reaches it (a loss divided by the token count, a loss scaler): equal, to float32
-    rounding, to the whole layer's gradients of the same scaled loss."""
+def _head_and_batch():
+    """A head of 11 classes, 37 tokens of 8 features needing a gradient, their targets and a
+    summed cross-entropy."""
     torch.manual_seed(0)
     head = torch.nn.Linear(8, 11)
     features = torch.randn(37, 8, requires_grad=True)
@@ -47,6 +46,14 @@ def test_an_incoming_gradient_other_than_one_scales_every_gradient():
     def loss_fn(logits, t):
         return torch.nn.functional.cross_entropy(logits, t, reduction="sum")
 
+    return head, features, target, loss_fn
+
+
+def test_an_incoming_gradient_other_than_one_scales_every_gradient():
+    """The chunks' gradients are taken for a gradient of 1 on the summed loss and scaled by the
+    one that reaches it (a loss divided by the token count, a loss scaler): equal, to float32
+    rounding, to the whole layer's gradients of the same scaled loss."""
+    head, features, target, loss_fn = _head_and_batch()
     (loss,) = chunked_output_loss(features, head, loss_fn, target, list(head.parameters()), 16)
     (loss * -2.5 / 37).backward()
     got = [features.grad.clone()] + [p.grad.clone() for p in head.parameters()]
@@ -64,14 +71,7 @@ def test_the_chunks_gradients_are_freed_once_read_and_kept_under_retain_graph():
     autograd frees them once the backward pass has read them (not at the end of the whole
     backward pass), and keeps them for a second one under ``retain_graph``. A stash_scope=all
     hook holds them as they are (they are gradients, not activations)."""
-    torch.manual_seed(0)
-    head = torch.nn.Linear(8, 11)
-    features = torch.randn(37, 8, requires_grad=True)
-    target = torch.randint(0, 11, (37,))
-
-    def loss_fn(logits, t):
-        return torch.nn.functional.cross_entropy(logits, t, reduction="sum")
-
+    head, features, target, loss_fn = _head_and_batch()
     (loss,) = chunked_output_loss(features, head, loss_fn, target, list(head.parameters()), 16)
     node = loss.grad_fn
     saved = node.saved_tensors
