@@ -236,6 +236,10 @@ def quantize_chain_part(first: _Point, second: _Point, x: torch.Tensor, amax, se
     return g, quantize_part(second, g, -1, second_amax)
 
 
+def _finite(*values: torch.Tensor) -> bool:
+    return all(bool(torch.isfinite(v)) for v in values)
+
+
 def _amax(x: torch.Tensor) -> torch.Tensor:
     """The largest finite magnitude of ``x`` (the whole-tensor scales leave out the rest)."""
     low, high = torch.aminmax(x)  # one read, and no |x| tensor
@@ -463,9 +467,15 @@ def _incoming_gradient(call: _Call, d_out, keep):
     on every block's boundary and a scale spanning the tensor is given the whole tensor's largest
     magnitude (`quantize_chain_part`), so each value is the whole tensor's, and nothing of dO's
     size is made. Stochastic rounding draws its noise for the whole tensor, as the explicit path
-    does, so there both are made whole (dO made contiguous for them, that copy freed at once)."""
+    does, so there both are made whole (dO made contiguous for them, that copy freed at once);
+    so are they where dO holds a NaN or an infinity, which a scale spanning the tensor spreads
+    to every value of it."""
     f2, f3 = call.points[2], call.points[3]
-    if f3.rounding != "nearest" or f2.rounding != "nearest":
+    whole = f3.rounding != "nearest" or f2.rounding != "nearest" or d_out.numel() == 0
+    if not whole:
+        low, high = torch.aminmax(d_out)
+        whole = not _finite(low, high)
+    if whole:
         contiguous = d_out.contiguous()
         g_out, g2_out = f3.quantize_chain(contiguous, -2, f2, -1)
         del contiguous
@@ -476,7 +486,7 @@ def _incoming_gradient(call: _Call, d_out, keep):
 
         of_whole.whole = (g_out, g2_out)
         return of_whole
-    amax_out = _amax(d_out) if _whole_scale(f3) else None
+    amax_out = torch.maximum(high, low.neg()) if _whole_scale(f3) else None
     # [B, Hkv, rep, N, e]: each head's rows apart, so that a tile's blocks along the queries are
     # the whole tensor's (a view where dO's strides allow it, as they do for a transposed
     # [B, N, H, e]; else one copy)

@@ -107,6 +107,9 @@ def chunked_output_loss(
     embedding or not, and bias): their gradients are added to whatever else reaches them.
     Returns ``(loss, *further sums)``. ``chunk_tokens`` of 0 or at least N: one chunk. With
     gradients disabled (a validation under ``torch.no_grad``) the chunks run forward only.
+    The gradients made in the forward pass are saved tensors, so saved-tensor hooks see them:
+    inside a checkpointed region (``torch.utils.checkpoint``) the backward pass runs the
+    chunks again to make them, so call it outside one, as `dsq train` does.
     """
     if features.dim() != 2 or target.shape[0] != features.shape[0]:
         raise ValueError(

@@ -35,7 +35,8 @@ class _SiluProduct(torch.autograd.Function):
             d_g = torch.ops.aten.silu_backward(d_out * u, g)
         if ctx.needs_input_grad[1]:
             d_u = F.silu(g)
-            d_u = d_u.mul_(d_out) if d_u.dtype == torch.result_type(d_u, d_out) else d_out * d_u
+            in_place = d_u.shape == d_out.shape and d_u.dtype == torch.result_type(d_u, d_out)
+            d_u = d_u.mul_(d_out) if in_place else d_out * d_u
         return d_g, d_u
 
 

@@ -115,6 +115,47 @@ def test_a_part_quantized_at_the_whole_tensors_scale_is_that_tensors_quantized_p
     assert same(part, before)
 
 
+@pytest.mark.parametrize("q3_q2", [
+    ("fixed16", "bfp8"), ("bfp8", "fixed16"), ("nvfp4", "bfp8"), ("mxfp8_e4m3", "nvfp4"),
+    ("fixed16", "fixed12"),
+])  # fmt: skip
+@pytest.mark.parametrize("spoil", [None, float("nan"), float("inf")])
+def test_the_incoming_gradient_a_tiles_rows_at_a_time_is_the_whole_tensors(q3_q2, spoil):
+    """The backward pass's g_O = q3(dO) and q2(g_O) taken a tile's rows at a time equal the
+    whole tensors' rows, bit for bit, for a scale spanning the tensor at either point and
+    blocks along the queries, the largest magnitude in one tile only, a last tile shorter than
+    the others, a transposed dO; and where dO holds a NaN or an infinity, which a whole-tensor
+    scale spreads everywhere."""
+    from dsq.engine.attention import _Call, _incoming_gradient
+    from dsq.engine.functions import _points
+
+    q3, q2 = q3_q2
+    cfg = QuantConfig("bfp8", "bfp2", q2, q3)
+    batch, heads, kv_heads, n, e = 3, 4, 2, 100, 64
+    q = torch.zeros(batch, heads, n, e)
+    kv = torch.zeros(batch, kv_heads, n, e)
+    call = _Call(q, kv, kv, _points(cfg, q.device), cfg.gemm_unit, e**-0.5, None, True, None,
+                 0.0, 0, 32)  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    d_out = torch.randn(batch, n, heads, e, generator=gen).transpose(1, 2)  # as o_proj gives it
+    d_out[1, 3, 70, 5] = 900.0  # the largest magnitude, in one tile
+    if spoil is not None:
+        d_out[2, 0, 10, 1] = spoil
+    before = d_out.clone()
+    f2, f3 = call.points[2], call.points[3]
+    g_whole, g2_whole = f3.quantize_chain(d_out.contiguous(), -2, f2, -1)
+    g2_whole = g2_whole * e**-0.5  # the folded scaling
+    g_of = _incoming_gradient(call, d_out, ())
+    same = functools.partial(torch.allclose, rtol=0, atol=0, equal_nan=True)
+    tiles = list(call.tiles)
+    assert len({rows.stop - rows.start for _, rows, _ in tiles}) == 2  # a shorter last tile
+    for bs, rows, _ in tiles:
+        g, g2 = g_of(bs, rows)
+        assert same(g, call.rows_of(g_whole, bs, rows))
+        assert same(g2, call.rows_of(g2_whole, bs, rows))
+    assert same(d_out, before)
+
+
 def test_without_grad_it_computes_the_same_output_and_keeps_nothing():
     cfg = cfg_of("dsq")
     q, k, v, _ = inputs()

@@ -35,12 +35,12 @@ def test_without_gradients_the_chunks_run_forward_only_with_the_same_sums(monkey
     assert empty.item() == 0.0
 
 
-def _head_and_batch():
-    """A head of 11 classes, 37 tokens of 8 features needing a gradient, their targets and a
-    summed cross-entropy."""
+def _head_and_batch(width=8):
+    """A head of 11 classes, 37 tokens of ``width`` features needing a gradient, their targets
+    and a summed cross-entropy."""
     torch.manual_seed(0)
-    head = torch.nn.Linear(8, 11)
-    features = torch.randn(37, 8, requires_grad=True)
+    head = torch.nn.Linear(width, 11)
+    features = torch.randn(37, width, requires_grad=True)
     target = torch.randint(0, 11, (37,))
 
     def loss_fn(logits, t):
@@ -82,3 +82,20 @@ def test_the_chunks_gradients_are_freed_once_read_and_kept_under_retain_graph():
     torch.testing.assert_close(features.grad, 2 * first, rtol=0, atol=0)
     with pytest.raises(RuntimeError, match="freed"):
         node.saved_tensors  # noqa: B018
+
+
+def test_a_stash_all_hook_holds_the_chunks_gradients_as_they_are():
+    """stash_scope=all's saved-tensor hook, with every kind of saved tensor packed, leaves a
+    gradient the chunks made (marked as held as it is) as it is, and packs the same tensor
+    unmarked."""
+    from dsq.engine import QuantConfig
+    from dsq.engine.patch import stash_all_hooks
+
+    head, features, target, loss_fn = _head_and_batch(width=64)
+    (loss,) = chunked_output_loss(features, head, loss_fn, target, list(head.parameters()), 16)
+    feature_grad = loss.grad_fn.saved_tensors[0]
+    kinds = ("norm", "activation", "elementwise", "constant")
+    cfg = QuantConfig(q1="bfp2", stash_scope="all", saved=dict.fromkeys(kinds, "bfp3"))
+    pack = stash_all_hooks(cfg).pack_hook
+    assert pack(feature_grad) is feature_grad
+    assert pack(feature_grad.clone()) is not feature_grad

@@ -51,6 +51,19 @@ def test_its_backward_pass_has_five_tensors_of_the_width_alive_at_most():
     assert running == 2 * width and len(grads) == 2  # what is left: the two gradients
 
 
+def test_operands_that_broadcast_get_autograds_gradients_to_rounding():
+    """A broadcast ``g`` gets its gradient summed over the broadcast rows after silu's
+    derivative, where autograd sums before it: the same to float32 rounding, not bit for bit."""
+    g = torch.randn(1, 8, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    u = torch.randn(4, 8, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    d_out = torch.randn(4, 8, generator=torch.Generator().manual_seed(2))
+    want = torch.autograd.grad(F.silu(g) * u, (g, u), d_out)
+    got = torch.autograd.grad(silu_product(g, u), (g, u), d_out)
+    for a, b in zip(got, want, strict=True):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
 def test_it_holds_two_tensors_where_autograd_holds_three():
     def saved(function) -> int:
         count = 0
