@@ -6,7 +6,7 @@ address, size and enclosing operators). Replayed in time order, the records give
 total; at its maximum, the blocks still live are what the step holds at its peak. Each is named
 by the operators that allocated it (`holder`), so that "the attention's backward pass, its
 unpacked stashes" and "the linear layers' weight gradients" stand apart, and the peak's own
-instant by the operators running then (`peak_at`).
+instant by the operators running then (`PeakHolders.at`).
 
 The peak is the one ``step.allocated_during`` measures, from the same kind of records (the
 CPU's, in time order; equal on the tests' steps). Blocks allocated before the profiler started
@@ -63,20 +63,21 @@ def holders_at_peak(fn: Callable[[], Any]) -> PeakHolders:
         walk(root, ())
     # stable: records of one instant keep the tree's order, which nests them as they ran
     records.sort(key=lambda record: record[0])
-    live: dict[int, tuple[int, tuple[str, ...]]] = {}
     running = peak = 0
-    at_peak: dict[int, tuple[int, tuple[str, ...]]] = {}
-    peak_time = None
-    for time, address, nbytes, path in records:
+    last = -1  # the record that reached the peak
+    for i, (_, _, nbytes, _) in enumerate(records):
+        running += nbytes
+        if running > peak:
+            peak, last = running, i
+    live: dict[int, tuple[int, tuple[str, ...]]] = {}
+    for _, address, nbytes, path in records[: last + 1]:  # the blocks alive at that record
         if nbytes > 0:
             live[address] = (nbytes, path)
         else:
             live.pop(address, None)  # a block from before the profiler started is not listed
-        running += nbytes
-        if running > peak:
-            peak, at_peak, peak_time = running, dict(live), time
+    peak_time = records[last][0] if last >= 0 else None
     by_holder: collections.Counter[str] = collections.Counter()
-    for nbytes, path in at_peak.values():
+    for nbytes, path in live.values():
         by_holder[holder(path)] += nbytes
     running_then = [ops for start, end, ops in operators
                     if peak_time is not None and start <= peak_time <= end]  # fmt: skip
