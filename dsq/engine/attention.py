@@ -236,10 +236,6 @@ def quantize_chain_part(first: _Point, second: _Point, x: torch.Tensor, amax, se
     return g, quantize_part(second, g, -1, second_amax)
 
 
-def _finite(*values: torch.Tensor) -> bool:
-    return all(bool(torch.isfinite(v)) for v in values)
-
-
 def _amax(x: torch.Tensor) -> torch.Tensor:
     """The largest finite magnitude of ``x`` (the whole-tensor scales leave out the rest)."""
     low, high = torch.aminmax(x)  # one read, and no |x| tensor
@@ -416,8 +412,8 @@ def _backward(call: _Call, d_out, q0, k0, q1, k1, v1):
     """(dQ, dK, dV) from the incoming gradient and the saved operands; ``q0`` is scaled in place
     unless it shares memory with another input."""
     f0, f1, f2, f3 = call.points
-    g_out_of = _incoming_gradient(call, d_out, (k0, q1, k1, v1))
-    keep = (d_out, k0, q1, k1, v1, *g_out_of.whole)
+    g_out_of, whole = _incoming_gradient(call, d_out, (k0, q1, k1, v1))
+    keep = (d_out, k0, q1, k1, v1, *whole)
     d_scores_of = _tile_gradients(call, q0, k0, v1, keep)
 
     def d_scores_alone(bs, rows, keys):
@@ -458,10 +454,10 @@ def _backward(call: _Call, d_out, q0, k0, q1, k1, v1):
 
 
 def _incoming_gradient(call: _Call, d_out, keep):
-    """A function of a tile's sequences and rows: ``(g_O, q2(g_O) * scaling)`` there in the GEMM
-    layout [bc, Hkv, rep * rows, e], ``g_O = q3(dO)`` with blocks along the queries and
-    ``q2(g_O)`` along e, the scaling folded where it is (`_Call.folded`); its ``whole`` lists
-    the whole tensors it holds.
+    """(a function of a tile's sequences and rows, the whole tensors it holds): the function
+    gives ``(g_O, q2(g_O) * scaling)`` there in the GEMM layout [bc, Hkv, rep * rows, e],
+    ``g_O = q3(dO)`` with blocks along the queries and ``q2(g_O)`` along e, the scaling folded
+    where it is (`_Call.folded`).
 
     Where both points round to nearest, each tile's part is quantized on its own: its rows start
     on every block's boundary and a scale spanning the tensor is given the whole tensor's largest
@@ -474,18 +470,15 @@ def _incoming_gradient(call: _Call, d_out, keep):
     whole = f3.rounding != "nearest" or f2.rounding != "nearest" or d_out.numel() == 0
     if not whole:
         low, high = torch.aminmax(d_out)
-        whole = not _finite(low, high)
+        whole = not bool(torch.isfinite(low) & torch.isfinite(high))
     if whole:
-        contiguous = d_out.contiguous()
-        g_out, g2_out = f3.quantize_chain(contiguous, -2, f2, -1)
-        del contiguous
+        g_out, g2_out = _whole_incoming_gradient(call, d_out)
         g2_out = call.scaled(g2_out, (d_out, g_out, *keep))
 
         def of_whole(bs, rows):
             return call.rows_of(g_out, bs, rows), call.rows_of(g2_out, bs, rows)
 
-        of_whole.whole = (g_out, g2_out)
-        return of_whole
+        return of_whole, (g_out, g2_out)
     amax_out = torch.maximum(high, low.neg()) if _whole_scale(f3) else None
     # [B, Hkv, rep, N, e]: each head's rows apart, so that a tile's blocks along the queries are
     # the whole tensor's (a view where dO's strides allow it, as they do for a transposed
@@ -510,8 +503,14 @@ def _incoming_gradient(call: _Call, d_out, keep):
         g, g2 = quantize_chain_part(f3, f2, rows_of_d_out(bs, rows), amax_out, amax_g_out)
         return call.merged(g), call.merged(call.scaled(g2, (g,)))
 
-    of_tile.whole = ()
-    return of_tile
+    return of_tile, ()
+
+
+def _whole_incoming_gradient(call: _Call, d_out):
+    """``(q3(dO), q2(q3(dO)))`` of the whole tensor, blocks along the queries then along e (dO
+    made contiguous for them, that copy freed once they are made)."""
+    f2, f3 = call.points[2], call.points[3]
+    return f3.quantize_chain(d_out.contiguous(), -2, f2, -1)
 
 
 def _tile_gradients(call: _Call, q0, k0, v1, keep=()):
@@ -630,8 +629,7 @@ def attention_backward(
     if triton_kernels is not None:
         units.count("matmul.da", "fp32", 2)  # dPd and dQ, in float32 as the forward's
         units.count("matmul.db", "fp32", 2)  # dV and dK
-        f2, f3 = call.points[2], call.points[3]
-        g_out, g2_out = f3.quantize_chain(d_out.contiguous(), -2, f2, -1)
+        g_out, g2_out = _whole_incoming_gradient(call, d_out)
         keep = (d_out, g_out, k0, q1, k1, v1)
         return triton_kernels.backward(
             g_out, call.scaled(g2_out, keep), call.scaled(q0, keep), k0, q1, k1, v1,

@@ -8,15 +8,17 @@ by the operators that allocated it (`holder`), so that "the attention's backward
 unpacked stashes" and "the linear layers' weight gradients" stand apart, and the peak's own
 instant by the operators running then (`PeakHolders.at`).
 
-The peak is the one ``step.allocated_during`` measures, from the same kind of records (the
-CPU's, in time order; equal on the tests' steps). Blocks allocated before the profiler started
-(the parameters, Adam's state) are not among them; the caller knows their size.
+The peak is the one ``step.allocated_during`` measures (`step.replay_peak` of the same kind of
+records: the CPU's, in time order; equal on the tests' steps). Blocks allocated before the
+profiler started (the parameters, Adam's state) are not among them; the caller knows their
+size.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -41,7 +43,7 @@ def holders_at_peak(fn: Callable[[], Any]) -> PeakHolders:
     """Run ``fn`` on the CPU under the profiler and say what was live at its allocator peak."""
     from torch.profiler import ProfilerActivity, profile
 
-    from .step import native_stderr_muted
+    from .step import native_stderr_muted, replay_peak
 
     with native_stderr_muted(), profile(activities=[ProfilerActivity.CPU],
                                          profile_memory=True) as prof:  # fmt: skip
@@ -63,12 +65,11 @@ def holders_at_peak(fn: Callable[[], Any]) -> PeakHolders:
         walk(root, ())
     # stable: records of one instant keep the tree's order, which nests them as they ran
     records.sort(key=lambda record: record[0])
-    running = peak = 0
-    last = -1  # the record that reached the peak
-    for i, (_, _, nbytes, _) in enumerate(records):
-        running += nbytes
-        if running > peak:
-            peak, last = running, i
+    deltas = [nbytes for _, _, nbytes, _ in records]
+    peak, held = replay_peak(deltas), sum(deltas)
+    # the first record that reached the peak (none where the step never held more than before)
+    last = next((i for i, total in enumerate(itertools.accumulate(deltas)) if total == peak),
+                -1) if peak > 0 else -1  # fmt: skip
     live: dict[int, tuple[int, tuple[str, ...]]] = {}
     for _, address, nbytes, path in records[: last + 1]:  # the blocks alive at that record
         if nbytes > 0:
@@ -82,7 +83,7 @@ def holders_at_peak(fn: Callable[[], Any]) -> PeakHolders:
     running_then = [ops for start, end, ops in operators
                     if peak_time is not None and start <= peak_time <= end]  # fmt: skip
     at = max(running_then, key=len, default=())
-    return PeakHolders(peak, running, by_holder.most_common(), _named(at), out)
+    return PeakHolders(peak, held, by_holder.most_common(), _named(at), out)
 
 
 def _named(path: tuple[str, ...]) -> tuple[str, ...]:
