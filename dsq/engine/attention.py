@@ -49,7 +49,6 @@ path's, not value for value.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import math
@@ -70,6 +69,7 @@ from .functions import (
     dsq_matmul,
     outside_autocast,
 )
+from .parts import largest_magnitude, quantize_chain_part, quantize_part
 
 # the elements of one tile's [rows x keys] tensors across its sequences and heads: a few such
 # tensors are alive at once, about 8 MiB each, whatever the batch
@@ -161,88 +161,6 @@ def dropout_index(shape, heads: int, n: int, m: int, b0: int, i0: int, device) -
     i = torch.arange(i0, i0 + rows, device=device).view(1, 1, 1, -1, 1)
     j = torch.arange(keys, device=device).view(1, 1, 1, 1, -1)
     return ((b * heads + h) * n + i) * m + j
-
-
-# -- quantizing a part of a tensor as the whole tensor would ---------------------------------------
-def quantize_part(point: _Point, x: torch.Tensor, axis: int, amax) -> torch.Tensor:
-    """``point.quantize(x, axis)`` where ``x`` is part of a tensor whose largest magnitude is
-    ``amax`` (a 0-dim tensor; None where the format's scale does not span the tensor): one more
-    slice holding ``amax`` rides along, across ``axis`` so that it forms blocks of its own, and
-    the format sees the whole tensor's scale."""
-    if amax is None:
-        return point.quantize(x, axis)
-    if _lends_its_first_value(point, x, amax):
-        with _first_value_lent(point, x, amax) as mend:
-            return mend(point.quantize(x, axis))
-    across = -2 if axis in (-1, x.dim() - 1) else -1
-    shape = list(x.shape)
-    shape[across] = 1
-    extra = torch.zeros(shape, dtype=x.dtype, device=x.device)
-    extra.view(-1)[0] = amax
-    out = point.quantize(torch.cat([x, extra], dim=across), axis)
-    return out.narrow(across, 0, x.shape[across])
-
-
-def _one_scale(point: _Point) -> bool:
-    """Whether every value of ``point``'s format is rounded by one scale and nothing else: a
-    single block over the tensor (``fixed<w>``), nearest rounding. Each quantized value is then
-    a function of the value and that scale alone."""
-    return point.rounding == "nearest" and getattr(point.fmt, "block", 0) is None
-
-
-def _lends_its_first_value(point: _Point, x: torch.Tensor, amax) -> bool:
-    """Whether `_first_value_lent` may quantize part ``x`` at the scale of ``amax``: a
-    `_one_scale` format and a finite first value (a NaN or inf there makes every value NaN,
-    which lending it would hide)."""
-    return _one_scale(point) and bool(torch.isfinite(x[(0,) * x.dim()]))
-
-
-@contextlib.contextmanager
-def _first_value_lent(point: _Point, x: torch.Tensor, amax):
-    """Quantizing part ``x`` at the scale of the whole tensor's largest magnitude ``amax``
-    without a copy of ``x``: inside, ``x``'s first value is ``amax``, the largest magnitude;
-    the block yields a function that writes, into a quantized result, that first value as
-    ``point`` quantizes it beside ``amax``; on leaving, ``x`` gets its value back."""
-    first = (0,) * x.dim()
-    value = x[first].clone()
-    alone = point.quantize(torch.stack([value, amax.to(value.dtype)]), 0)[0]
-    x[first] = amax
-
-    def mend(out: torch.Tensor) -> torch.Tensor:
-        # a NaN or inf elsewhere makes every value NaN, the first one's too
-        out[first] = torch.where(torch.isfinite(out[first]), alone, out[first])
-        return out
-
-    try:
-        yield mend
-    finally:
-        x[first] = value
-
-
-def quantize_chain_part(first: _Point, second: _Point, x: torch.Tensor, amax, second_amax):
-    """``(g, quantize_part(second, g, -1, second_amax))`` with ``g = quantize_part(first, x,
-    -2, amax)``: the incoming gradient of a tile in q3 and q2, in one pass where the formats'
-    path fuses the two (`Format.quantize_chain`)."""
-    if amax is None and second_amax is None:
-        return first.quantize_chain(x, -2, second, -1)
-    if second_amax is None and _lends_its_first_value(first, x, amax):
-        with _first_value_lent(first, x, amax) as mend:
-            g, g2 = first.quantize_chain(x, -2, second, -1)
-        g = mend(g)
-        row = (0,) * (x.dim() - 1)  # the blocks along the last axis that held the lent value
-        g2[row] = second.quantize(g[row], -1)
-        return g, g2
-    g = quantize_part(first, x, -2, amax)
-    return g, quantize_part(second, g, -1, second_amax)
-
-
-def _amax(x: torch.Tensor) -> torch.Tensor:
-    """The largest finite magnitude of ``x`` (the whole-tensor scales leave out the rest)."""
-    low, high = torch.aminmax(x)  # one read, and no |x| tensor
-    amax = torch.maximum(high, low.neg())
-    if torch.isfinite(amax):
-        return amax
-    return torch.where(torch.isfinite(x), x.abs(), 0.0).amax()
 
 
 # -- the tiled kernel ---------------------------------------------------------------------------
@@ -394,7 +312,7 @@ def _forward(call: _Call, q0, k0, v0):
     f0, f1 = call.points[0], call.points[1]
     k0_t, q0 = k0.transpose(-1, -2), call.scaled(q0, (k0, v0))
     if _whole_scale(f0) or _whole_scale(f1):  # q0(Pd) or its stash needs Pd's largest value
-        call.amax_pd = torch.stack([_amax(call.probs(q0, k0_t, *tile)[1])
+        call.amax_pd = torch.stack([largest_magnitude(call.probs(q0, k0_t, *tile)[1])
                                     for tile in call.tiles]).amax()  # fmt: skip
     out = q0.new_empty(call.batch, call.heads, call.n, call.e)
     five = out.view(call.batch, call.kv_heads, call.rep, call.n, call.e)
@@ -421,10 +339,12 @@ def _backward(call: _Call, d_out, q0, k0, q1, k1, v1):
 
     amax_dz = amax_g = None
     if _whole_scale(f3):
-        amax_dz = torch.stack([_amax(d_scores_alone(*tile)[0]) for tile in call.tiles]).amax()
+        amax_dz = torch.stack(
+            [largest_magnitude(d_scores_alone(*tile)[0]) for tile in call.tiles]
+        ).amax()
     if _whole_scale(f2):
         amax_g = torch.stack([
-            _amax(quantize_part(f3, d_scores_alone(*tile)[0], -2, amax_dz))
+            largest_magnitude(quantize_part(f3, d_scores_alone(*tile)[0], -2, amax_dz))
             for tile in call.tiles
         ]).amax()  # fmt: skip
     dq = torch.empty_like(q0)
@@ -495,7 +415,7 @@ def _incoming_gradient(call: _Call, d_out, keep):
     amax_g_out = None
     if _whole_scale(f2):
         amax_g_out = torch.stack([
-            _amax(quantize_part(f3, rows_of_d_out(bs, rows), -2, amax_out))
+            largest_magnitude(quantize_part(f3, rows_of_d_out(bs, rows), -2, amax_out))
             for bs, rows, _ in call.tiles
         ]).amax()  # fmt: skip
 

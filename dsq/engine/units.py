@@ -220,19 +220,44 @@ def gemm_by_rows(a_rows, rows: int, cols: int, b: torch.Tensor, how: GemmPlan, k
     step = max(SLICE_ROWS, SLICE_ELEMENTS // max(1, cols) // SLICE_ROWS * SLICE_ROWS)
     if step >= rows:
         return gemm(a_rows(slice(0, rows)), b, how, kind)
-    # the shared operand converted for the bf16 unit once, not once a slice
-    b_ready = None
-    if b.device.type == "cpu" and how.unit in ("bf16", "bf16x2") and b.dtype == torch.float32:
-        b_ready = compute.prepared_b(b, how.split if how.unit == "bf16x2" else None)
-    out, ran = None, set()
+    by_rows = RowsOfGemm(b, how)
+    out = None
     for r0 in range(0, rows, step):
-        part, unit = _gemm(a_rows(slice(r0, min(r0 + step, rows))), b, how, None, b_ready)
+        part = by_rows(a_rows(slice(r0, min(r0 + step, rows))))
         if out is None:
             out = part.new_empty(rows, part.shape[-1])
         out[r0 : r0 + part.shape[0]] = part
-        ran.add(unit)
-    _TALLY[(kind, "fp32" if "fp32" in ran else how.unit)] += 1
+    by_rows.count(kind)
     return out
+
+
+class RowsOfGemm:
+    """One GEMM ``a @ b`` run a part at a time (`gemm_by_rows`, an MLP in slices): each call runs
+    a part as `gemm` would, and `count` counts them all as one GEMM, on ``how``'s unit unless a
+    part ran in float32. A ``b`` shared by every part is converted for the CPU's bf16 unit
+    once, not once a part; with ``b`` None each call gives its own (the parts of a sum over
+    the reduction dimension). ``bias`` [n] is added to every part."""
+
+    def __init__(self, b: torch.Tensor | None, how: GemmPlan, bias: torch.Tensor | None = None):
+        self.b, self.how, self.bias, self.units = b, how, bias, set()
+        self.b_ready = None
+        shared = b is not None and b.device.type == "cpu" and b.dtype == torch.float32
+        if shared and how.unit in ("bf16", "bf16x2"):
+            self.b_ready = compute.prepared_b(b, how.split if how.unit == "bf16x2" else None)
+
+    def __call__(self, a_part: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        if b is None:
+            b, b_ready = self.b, self.b_ready
+        else:
+            b_ready = None
+        out, unit = _gemm(a_part, b, self.how, self.bias, b_ready)
+        self.units.add(unit)
+        return out
+
+    def count(self, kind: str) -> None:
+        """Count the parts run so far as one GEMM of ``kind`` (none ran: nothing counted)."""
+        if self.units:
+            _TALLY[(kind, "fp32" if "fp32" in self.units else self.how.unit)] += 1
 
 
 def _gemm(a, b, how: GemmPlan, bias, b_ready=None):

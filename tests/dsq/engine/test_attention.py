@@ -93,8 +93,8 @@ def test_a_part_quantized_at_the_whole_tensors_scale_is_that_tensors_quantized_p
     equal the whole tensor's quantized, bit for bit, whether the part lends its first value to
     the largest magnitude (finite) or is quantized beside it (NaN), and the part keeps its
     values."""
-    from dsq.engine.attention import quantize_chain_part, quantize_part
     from dsq.engine.functions import _points
+    from dsq.engine.parts import quantize_chain_part, quantize_part
 
     points = _points(cfg_of("dsq"), torch.device("cpu"))
     q3, q2 = points[3], points[2]
