@@ -26,10 +26,10 @@ from dsq.formats import parse_format
 PRESETS: dict[str, QuantSpec] = {}
 # the preset every cost ratio is against, as in the paper's Table 1 (docs/spec.md §4)
 COST_BASELINE = "fixed32"
-# what a preset decides: every quant key but where the GEMMs run and how attention is computed
-# (the same numbers on every unit and kernel, up to float32 summation order: docs/dsq.md, "GEMM
-# units", "Attention in tiles")
-PRESET_KEYS = tuple(key for key in QUANT_KEYS if key not in ("gemm_unit", "attention"))
+# what a preset decides: every quant key but where the GEMMs run and how attention and the MLP
+# are computed (the same numbers on every unit and kernel, up to float32 summation order:
+# docs/dsq.md, "GEMM units", "Attention in tiles", "The MLP in slices")
+PRESET_KEYS = tuple(key for key in QUANT_KEYS if key not in ("gemm_unit", "attention", "mlp"))
 
 
 def register_preset(name: str, spec: QuantSpec) -> QuantSpec:

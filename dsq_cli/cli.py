@@ -322,9 +322,10 @@ SCOPES_OPTION = typer.Option(
     help="Comma-separated stash scopes of every patched preset: gemm (GEMM inputs only, the "
     "paper's), all (every saved activation, each kind by quant.saved's defaults), all-q1 "
     "(every saved activation in the stash, q1), all-held (all, and under checkpointing each "
-    "checkpointed layer's input held in bfp8: quant.saved.checkpoint=bfp8) and all-derivative3 "
+    "checkpointed layer's input held in bfp8: quant.saved.checkpoint=bfp8), all-derivative3 "
     "(all, SiLU and GELU modules holding 3-bit derivative codes: "
-    "quant.saved.activation=derivative3).",
+    "quant.saved.activation=derivative3), sliced (gemm, Llama-style MLPs a slice of tokens at a "
+    "time: quant.mlp=sliced) and all-held-sliced (all-held and quant.mlp=sliced).",
 )
 
 

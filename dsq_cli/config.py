@@ -317,6 +317,12 @@ def _check(cfg: DictConfig) -> None:
             quant.check_total(cfg.train.max_updates)
     except ValueError as err:
         raise ConfigError(f"quant: {err}") from None
+    if quant.mlp == "sliced" and cfg.model.get("kind") != "llama":
+        raise ConfigError(
+            f"quant.mlp=sliced runs Llama-style MLPs a slice of tokens at a time, and "
+            f"model={cfg.model.name} has none: train a Llama-style model (model=llama_lm) or "
+            "set quant.mlp=whole"
+        )
     train = cfg.train
     for key in ("max_epochs", "max_updates", "max_tokens", "update_freq", "log_every",
                 "batch_size", "distributed_world_size", "loss_chunk_tokens"):  # fmt: skip

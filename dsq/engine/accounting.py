@@ -111,8 +111,14 @@ class recomputation:  # noqa: N801 (used as a function: ``with recomputation():`
         _RECOMPUTING.depth -= 1
 
 
+def noting() -> bool:
+    """Whether a `note` now would be recorded: a recorder is active and no forward pass is being
+    run again (a caller may skip work whose only use is the note's stash bytes)."""
+    return bool(_ACTIVE) and not recomputing()
+
+
 def note(kind: str, batch: int, n: int, k: int, m: int, cfg, stash_bytes: int, plans=()) -> None:
-    if not _ACTIVE or recomputing():
+    if not noting():
         return
     formats = tuple(sorted(cfg.current().items()))
     units = tuple(p.unit for p in plans)

@@ -59,12 +59,13 @@ class QuantConfig:
         gemm_unit: str = "auto",
         engine: str = "dsq",
         attention: str = "tiled",
+        mlp: str = "whole",
         saved: Mapping[str, str] | None = None,
     ):
         given = dict(zip(POINTS, (q0, q1, q2, q3)))
         self.spec = QuantSpec(
             **given, stash_scope=stash_scope, rounding=rounding, gemm_unit=gemm_unit,
-            engine=engine, attention=attention, saved=saved,
+            engine=engine, attention=attention, mlp=mlp, saved=saved,
         )  # fmt: skip
         self.schedules: dict[str, Schedule] = self.spec.schedules()
         self.schedules |= {p: v for p, v in given.items() if isinstance(v, Schedule)}
@@ -116,6 +117,10 @@ class QuantConfig:
     @property
     def attention(self) -> str:
         return self.spec.attention
+
+    @property
+    def mlp(self) -> str:
+        return self.spec.mlp
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:

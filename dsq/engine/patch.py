@@ -96,6 +96,8 @@ class PatchReport:
     unquantized: list[str] = dataclasses.field(default_factory=list)
     #: how the attention products are computed, where that is not fairseq's own path
     notes: list[str] = dataclasses.field(default_factory=list)
+    #: MLPs run a slice of tokens at a time (``quant.mlp=sliced``, docs/dsq.md)
+    sliced_mlps: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def attention_products(self) -> int:
@@ -105,13 +107,14 @@ class PatchReport:
         left = ", ".join(f"{n} x{c}" for n, c in sorted(self.left.items())) or "nothing"
         unquantized = "; ".join(self.unquantized) or "none"
         notes = "".join(f"; {note}" for note in self.notes)
+        sliced = f"; MLPs in slices: {len(self.sliced_mlps)}" if self.sliced_mlps else ""
         return (
             f"DSQ patched {len(self.linears)} Linear layers and {self.attention_products} "
             f"attention products in {len(self.attention)} attention modules; excluded "
             f"{len(self.excluded)} ({', '.join(self.excluded) or 'none'}); ReLU and dropout "
             f"masks held as bits in {len(self.masks)}; stash_scope="
             f"{self.stash_scope}; left unquantized: {left}; GEMMs left unquantized: "
-            f"{unquantized}{notes}"
+            f"{unquantized}{sliced}{notes}"
         )
 
     def as_dict(self) -> dict:
@@ -216,6 +219,12 @@ def patch_model(
         _walk(model, cfg, patchers, excluded, report)
         for patcher in patchers:
             patcher.finish(model, cfg, report, excluded)
+        if cfg.mlp == "sliced" and not report.sliced_mlps:
+            raise ValueError(
+                "quant.mlp=sliced runs Llama-style MLPs (transformers' LlamaMLP and the models "
+                f"that copy it) a slice of tokens at a time, and {type(model).__name__} has none "
+                "to slice (the report's notes say why where it has some): set quant.mlp=whole"
+            )
         if cfg.derivative_code_bits is not None:
             _code_activations(model, cfg, patchers, excluded, report)
         if strict and report.unquantized:
@@ -279,10 +288,14 @@ def _code_activations(model: nn.Module, cfg: QuantConfig, patchers, excluded,
     ]
     coded: dict[str, int] = {}
     uncoded = []
+    inside_sliced = 0
     for name, module in model.named_modules():
         if (not name or "Norm" in type(module).__name__ or not _is_activation_module(module)
                 or type(module) in _MASKED):  # fmt: skip
             continue  # a ReLU holding its bit mask (`MASK_MODULES`), counted in the report
+        if module.__dict__.get("dsq_inside_sliced_mlp"):
+            inside_sliced += 1  # computed by its MLP in slices, which holds nothing of it
+            continue
         for recognize in recognizers:  # the first that knows the module's function
             function = recognize(module)
             if function:
@@ -296,9 +309,11 @@ def _code_activations(model: nn.Module, cfg: QuantConfig, patchers, excluded,
         coded[function] = coded.get(function, 0) + 1
     counts = ", ".join(f"{function} x{n}" for function, n in sorted(coded.items())) or "none"
     held = SAVED_DEFAULT["activation"]
+    inside = (f"; {inside_sliced} inside MLPs in slices, holding nothing (computed again in "
+              "the backward pass)") if inside_sliced else ""  # fmt: skip
     report.notes.append(
         f"activations holding {bits}-bit derivative codes: {counts}; activation modules "
-        f"holding {held} instead: {'; '.join(uncoded) or 'none'}"
+        f"holding {held} instead: {'; '.join(uncoded) or 'none'}{inside}"
     )
 
 
@@ -645,6 +660,13 @@ class _StashAllEntry:
             _OPEN.entry = None
         if context is not None:
             context.__exit__(None, None, None)
+
+
+def stash_all_hook(hook) -> bool:
+    """Whether ``hook`` is one of the hooks `enter_stash_all_on_call` puts on every module: a
+    module computed another way than by its call (an MLP in slices) loses nothing by skipping
+    them, as it would a user's."""
+    return isinstance(getattr(hook, "__self__", None), _StashAllEntry)
 
 
 def enter_stash_all_on_call(model: nn.Module, cfg: QuantConfig) -> None:

@@ -16,7 +16,7 @@ policy with that policy's parameters, and ``engine="autocast"`` asks for what au
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -39,7 +39,9 @@ ENGINES = ("dsq", "autocast")
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # the keys of a quant config (a conf/quant preset, result.json's quant): the points, the stash
 # scope, the rounding of each point, where its GEMMs run and the engine that trains
-QUANT_KEYS = (*POINTS, "stash_scope", "rounding", "gemm_unit", "engine", "attention", "saved")
+QUANT_KEYS = (
+    *POINTS, "stash_scope", "rounding", "gemm_unit", "engine", "attention", "mlp", "saved"
+)  # fmt: skip
 # What stash_scope="all" holds of each kind of tensor autograd saves outside the GEMMs (docs/dsq.md,
 # "What stash_scope=all holds"): the inputs of a normalization, of a pointwise activation, the
 # other tensors of the graph (an elementwise product's operands, a softmax's output) and tensors
@@ -70,10 +72,24 @@ SAVED_DEFAULT = MappingProxyType(
 # rows at a time, holding nothing sequence x sequence; ``explicit``, the definition, with the
 # scores and probabilities whole. The same values up to float32 summation order.
 ATTENTION_KERNELS = ("tiled", "explicit")
+# How a Llama-style MLP runs (docs/dsq.md, "The MLP in slices"): ``whole``, its three DSQ layers
+# on every token at once; ``sliced``, a slice of tokens at a time, holding only its input for the
+# backward pass and running its forward again there. The same values up to float32 summation
+# order; ``sliced`` needs nearest rounding at every point.
+MLP_KINDS = ("whole", "sliced")
 # The version `QuantSpec.to_dict` writes under "version" (docs/dsq.md, "Presets and specs").
 # Version 1 is every mapping written before the key existed: run records then left out what
 # their run did before a setting existed, which `upgraded` spells out.
 SPEC_VERSION = 2
+
+
+def sliced_mlp_rounding_error(stochastic: Sequence[str]) -> ValueError:
+    """Why an MLP cannot run in slices with stochastic rounding at the points ``stochastic``."""
+    return ValueError(
+        f"quant.mlp=sliced quantizes a slice of tokens at a time, and stochastic rounding (at "
+        f"{', '.join(stochastic)}) draws its noise for a whole tensor: round every point to "
+        "nearest or set quant.mlp=whole"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,6 +169,7 @@ class QuantSpec:
     gemm_unit: str = "auto"
     engine: str = "dsq"
     attention: str = "tiled"
+    mlp: str = "whole"
     saved: Mapping[str, str] | None = None
 
     def __post_init__(self) -> None:
@@ -161,6 +178,9 @@ class QuantSpec:
                 f"quant.attention={self.attention!r} is not an attention kernel; choose one of "
                 f"{ATTENTION_KERNELS}"
             )
+        if self.mlp not in MLP_KINDS:
+            raise ValueError(f"quant.mlp={self.mlp!r} is not a way to run an MLP; choose one of "
+                             f"{MLP_KINDS}")  # fmt: skip
         if self.engine not in ENGINES:
             raise ValueError(
                 f"quant.engine={self.engine!r} is not an engine; choose one of {ENGINES}"
@@ -179,6 +199,9 @@ class QuantSpec:
         object.__setattr__(self, "saved", saved_rules(self.saved, self.stash_scope))
         if self.engine == "autocast":
             self._check_autocast(schedules)
+        stochastic = [p for p, mode in self.rounding.items() if mode != "nearest"]
+        if self.mlp == "sliced" and stochastic:
+            raise sliced_mlp_rounding_error(stochastic)
 
     def _check_autocast(self, schedules: Mapping[str, Schedule]) -> None:
         """``engine=autocast`` runs the model unpatched under ``torch.autocast``: one 16-bit
@@ -195,6 +218,10 @@ class QuantSpec:
             raise ValueError(
                 "quant.engine=autocast keeps autograd's own saved tensors and rounds to nearest: "
                 "stash_scope must be gemm and every rounding nearest"
+            )
+        if self.mlp != "whole":
+            raise ValueError(
+                "quant.engine=autocast runs the model's own MLPs: quant.mlp must be whole"
             )
 
     def schedules(self) -> dict[str, Schedule]:
@@ -220,7 +247,7 @@ class QuantSpec:
         if unknown:
             raise ValueError(
                 f"unknown quantization point(s) {sorted(unknown)}; the points are {POINTS} "
-                "(plus stash_scope, rounding, gemm_unit, engine, attention and saved)"
+                "(plus stash_scope, rounding, gemm_unit, engine, attention, mlp and saved)"
             )
         return cls(**{k: v for k, v in config.items() if k != "name"})
 
@@ -239,6 +266,8 @@ class QuantSpec:
             out["engine"] = self.engine
         if self.attention != "tiled":
             out["attention"] = self.attention
+        if self.mlp != "whole":
+            out["mlp"] = self.mlp
         if self.stash_scope == "all":
             out["saved"] = dict(self.saved)
         return out
@@ -251,7 +280,7 @@ class QuantSpec:
         points = tuple(getattr(self, p) for p in POINTS)
         rounding = tuple(self.rounding.items())
         return hash((points, self.stash_scope, rounding, self.gemm_unit, self.engine,
-                     self.attention, tuple(self.saved.items())))  # fmt: skip
+                     self.attention, self.mlp, tuple(self.saved.items())))  # fmt: skip
 
     def __repr__(self) -> str:
         fields = [f"{p}={getattr(self, p)!r}" for p in POINTS]
@@ -265,6 +294,8 @@ class QuantSpec:
             fields.append(f"gemm_unit={self.gemm_unit!r}")
         if self.engine != "dsq":
             fields.append(f"engine={self.engine!r}")
+        if self.mlp != "whole":
+            fields.append(f"mlp={self.mlp!r}")
         return f"QuantSpec({', '.join(fields)})"
 
 

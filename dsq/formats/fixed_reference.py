@@ -36,11 +36,14 @@ def fixed_static_quantize(
 
 
 def fixed_static_pack(x, width, frac_bits, rounding="nearest", generator=None):
-    """(two's-complement stream of w bits per element, NaN bitmask stream or None)."""
+    """(two's-complement stream of w bits per element, NaN bitmask stream or None). On the meta
+    device, which has shapes and no values, the payload of a tensor of numbers (no mask): what
+    a stash of that shape holds, for the accounting's records (docs/dsq.md, "The MLP in
+    slices")."""
     q, finite = fixed_static_integers(x, width, frac_bits, rounding, generator)
     codes = q.to(torch.int64).reshape(-1) & ((1 << width) - 1)
     nan_mask = None
-    if not bool(finite.all()):
+    if x.device.type != "meta" and not bool(finite.all()):
         nan_mask = exact.pack_bits((~finite).reshape(-1).to(torch.int64), 1)
     return exact.pack_bits(codes, width), nan_mask
 

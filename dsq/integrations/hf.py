@@ -56,8 +56,16 @@ from dsq.engine.checkpointing import checkpoint_as_first_run
 from dsq.engine.config import POINTS, QuantConfig
 from dsq.engine.functions import dsq_linear
 from dsq.engine.history import PrecisionHistory
-from dsq.engine.patch import PatchReport, dsq_subclass, make_dsq_linear, on_unpatch, reclass
+from dsq.engine.patch import (
+    PatchReport,
+    dsq_subclass,
+    make_dsq_linear,
+    on_unpatch,
+    reclass,
+    stash_all_hook,
+)
 from dsq.engine.policies import POLICIES
+from dsq.engine.sliced_mlp import sliced_swiglu
 from dsq.engine.swiglu import silu_product
 from dsq.presets import COST_BASELINE, preset_differences
 from dsq.records import check_metric
@@ -217,8 +225,10 @@ class TransformersPatcher:
             report.attention += [_joined(prefix, name) for name in routed]
             report.excluded += [_joined(prefix, name) for name in excluded_names]
             report.notes.append(note + where)
-            if cfg.stash_scope == "gemm":
-                inner_excluded = functools.partial(_excluded_inside, excluded, prefix)
+            inner_excluded = functools.partial(_excluded_inside, excluded, prefix)
+            if cfg.mlp == "sliced":
+                _slice_swiglu(inner, cfg, report, prefix, inner_excluded)
+            elif cfg.stash_scope == "gemm":
                 _hold_two_in_swiglu(inner, report, where, inner_excluded)
 
     def activation_function(self, module: nn.Module) -> str | None:
@@ -259,6 +269,26 @@ class DSQSwiGLUMLP(nn.Module):
         return self.down_proj(silu_product(self.gate_proj(x), self.up_proj(x)))
 
 
+class DSQSlicedSwiGLUMLP(nn.Module):
+    """The mixin of a Llama-style MLP under ``quant.mlp=sliced``: the same computation a slice of
+    tokens at a time (`sliced_swiglu`), its backward pass holding its input alone."""
+
+    def forward(self, x):
+        layers = (self.gate_proj, self.up_proj, self.down_proj)
+        if _hooked(self.act_fn) or any(_hooked(layer) for layer in layers):
+            # the hooks must see their modules' calls: the MLP as transformers wrote it
+            warn_once(__name__, _SLICED_HOOKED)
+            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        weights = (layer.weight for layer in layers)
+        biases = (layer.bias for layer in layers)
+        return sliced_swiglu(x, *weights, *biases, self.dsq_cfg)
+
+
+_SLICED_HOOKED = (
+    "dsq: a sliced MLP (quant.mlp=sliced) or one of its layers has hooks, so that MLP runs whole, "
+    "as transformers wrote it"
+)
+
 _ACT_FN_HOOKED = (
     "dsq: a SwiGLU MLP's act_fn has hooks, so that MLP runs as transformers wrote it and its "
     "product holds 3 tensors, not 2"
@@ -266,14 +296,15 @@ _ACT_FN_HOOKED = (
 
 
 def _hooked(module: nn.Module) -> bool:
-    """Whether a call of ``module`` runs hooks: its own or every module's (nn.Module globals)."""
+    """Whether a call of ``module`` runs hooks, its own or every module's (nn.Module globals),
+    other than ``stash_scope=all``'s, which every module has (`stash_all_hook`)."""
     own = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks,
            module._backward_pre_hooks)  # fmt: skip
     every = (nn.modules.module._global_forward_hooks,
              nn.modules.module._global_forward_pre_hooks,
              nn.modules.module._global_backward_hooks,
              nn.modules.module._global_backward_pre_hooks)  # fmt: skip
-    return any(own) or any(every)
+    return any(not stash_all_hook(hook) for hooks in (*own, *every) for hook in hooks.values())
 
 
 def _is_swiglu_mlp(module: nn.Module) -> bool:
@@ -307,6 +338,29 @@ def _hold_two_in_swiglu(model: nn.Module, report: PatchReport, where: str, exclu
             count += 1
     if count:
         report.notes.append(f"SwiGLU products holding 2 tensors, not 3, in {count} MLPs{where}")
+
+
+def _slice_swiglu(model: nn.Module, cfg: QuantConfig, report: PatchReport, prefix: str,
+                  excluded) -> None:  # fmt: skip
+    """Every Llama-style MLP of ``model`` whose three layers are patched becomes
+    `DSQSlicedSwiGLUMLP` (``quant.mlp=sliced``), named in ``report.sliced_mlps``; one that is not
+    is named in a note, with why."""
+    left = []
+    for name, module in model.named_modules():
+        if not _is_swiglu_mlp(module):
+            continue
+        layers = [n for n in ("gate_proj", "up_proj", "down_proj")
+                  if getattr(module, n).__dict__.get("dsq_cfg") is not cfg]  # fmt: skip
+        if excluded(name) or layers:
+            why = "excluded" if excluded(name) else f"{', '.join(layers)} not patched"
+            left.append(f"{_joined(prefix, name)} ({why})")
+            continue
+        reclass(module, dsq_subclass(module, DSQSlicedSwiGLUMLP))
+        module.dsq_cfg = cfg
+        module.act_fn.dsq_inside_sliced_mlp = True
+        report.sliced_mlps.append(_joined(prefix, name))
+    if left:
+        report.notes.append(f"MLPs left whole under quant.mlp=sliced: {'; '.join(left)}")
 
 
 class _CheckpointAsFirstRun:

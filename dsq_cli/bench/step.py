@@ -216,6 +216,14 @@ SCOPES = {
     "all-held": {"stash_scope": "all", "saved": {"checkpoint": "bfp8e8b16"}},
     # all, SiLU's and GELU's modules holding 3-bit codes of their derivatives
     "all-derivative3": {"stash_scope": "all", "saved": {"activation": "derivative3"}},
+    # gemm, Llama-style MLPs run a slice of tokens at a time
+    "sliced": {"stash_scope": "gemm", "mlp": "sliced"},
+    # all-held, Llama-style MLPs run a slice of tokens at a time
+    "all-held-sliced": {
+        "stash_scope": "all",
+        "saved": {"checkpoint": "bfp8e8b16"},
+        "mlp": "sliced",
+    },
 }
 
 

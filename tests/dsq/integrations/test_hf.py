@@ -752,3 +752,107 @@ def test_unpatching_after_a_call_cut_short_puts_the_models_checkpointing_back():
     dsq.unpatch(model)
     assert layer._gradient_checkpointing_func is own
     assert "dsq_own_checkpointing" not in vars(layer)
+
+
+SLICED = QuantConfig(q0="bfp8", q1="bfp4", q2="bfp8", q3="fixed16", mlp="sliced")
+
+
+def test_a_sliced_mlp_trains_as_the_whole_one_and_holds_its_input_alone():
+    """``quant.mlp=sliced``: each Llama MLP whose three layers are patched runs a slice of tokens
+    at a time (`DSQSlicedSwiGLUMLP`), named in the report. The loss and every gradient are the
+    whole MLP's (here bit for bit: 18 tokens are one slice), nothing of the MLP's width is saved
+    for the backward pass, and unpatching puts the MLPs back."""
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    from dsq.integrations.hf import DSQSlicedSwiGLUMLP
+
+    whole = quantize_model(build("llama", "sdpa"), DSQ)
+    sliced = quantize_model(build("llama", "sdpa"), SLICED)
+    assert sliced.dsq_report.sliced_mlps == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    assert "MLPs in slices: 2" in sliced.dsq_report.summary()
+
+    def run(model):
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t,
+                                                      lambda t: t):  # fmt: skip
+            out, grads = output_and_grads(model)
+        return out, grads, sum(shape == (2, 9, 128) for shape in saved)
+
+    out, grads, wide = run(sliced)
+    want, want_grads, whole_wide = run(whole)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, want_grads[name], rtol=0, atol=0, msg=name)
+    assert whole_wide == 4 and wide == 0  # g and u of each layer's product, then none
+    dsq.unpatch(sliced)
+    mlps = [m for m in sliced.modules() if type(m).__name__.endswith("MLP")]
+    assert [type(m) for m in mlps] == [LlamaMLP, LlamaMLP]
+    assert not any(isinstance(m, DSQSlicedSwiGLUMLP) for m in sliced.modules())
+    assert not any("dsq_inside_sliced_mlp" in m.__dict__ for m in sliced.modules())
+
+
+def test_a_sliced_mlp_under_checkpointing_equals_it_without():
+    """The model's gradient checkpointing runs each layer's forward again, its MLP in slices
+    again too: the same loss and gradients."""
+    want, want_grads = output_and_grads(quantize_model(build("llama", "sdpa"), SLICED))
+    model = build("llama", "sdpa")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    out, grads = output_and_grads(quantize_model(model, SLICED))
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, want_grads[name], rtol=0, atol=0, msg=name)
+
+
+def test_quant_mlp_sliced_without_an_mlp_to_slice_is_refused_and_the_model_left_as_it_was():
+    model = build("gpt2", "sdpa")
+    before = [type(m) for m in model.modules()]
+    with pytest.raises(ValueError, match="quant.mlp=sliced runs Llama-style MLPs .* set "
+                                         "quant.mlp=whole"):  # fmt: skip
+        quantize_model(model, SLICED)
+    assert [type(m) for m in model.modules()] == before
+    assert not any(k.startswith("dsq_") for m in model.modules() for k in m.__dict__)
+
+
+def test_an_mlp_with_a_layer_left_unpatched_stays_whole_and_is_named():
+    model = quantize_model(build("llama", "sdpa"), SLICED, exclude=["model.layers.0.mlp.up_proj"])
+    assert model.dsq_report.sliced_mlps == ["model.layers.1.mlp"]
+    assert ("MLPs left whole under quant.mlp=sliced: model.layers.0.mlp (up_proj not patched)"
+            in model.dsq_report.notes)  # fmt: skip
+    with pytest.raises(ValueError, match="quant.mlp=sliced"):
+        quantize_model(build("llama", "sdpa"), SLICED, exclude=["*.mlp"])
+
+
+def test_a_hook_on_a_sliced_mlps_layer_runs_and_that_mlp_runs_whole(caplog):
+    from dsq.warn_once import warn_once
+
+    warn_once.cache_clear()
+    want, want_grads = output_and_grads(quantize_model(build("llama", "sdpa"), SLICED))
+    model = quantize_model(build("llama", "sdpa"), SLICED)
+    seen = []
+    model.model.layers[0].mlp.up_proj.register_forward_hook(lambda m, a, out: seen.append(1))
+    with caplog.at_level("WARNING"):
+        out, grads = output_and_grads(model)
+    assert seen == [1] and "has hooks, so that MLP runs whole" in caplog.text
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, want_grads[name], rtol=0, atol=0, msg=name)
+
+
+def test_under_all_a_sliced_mlp_runs_in_slices_and_its_activation_holds_no_code(monkeypatch):
+    """stash_scope=all hooks every module; those hooks are dsq's, so the MLP still runs in
+    slices. Its SiLU is computed inside the slices, so no derivative code is made for it, and
+    the report says so."""
+    import dsq.integrations.hf as hf
+    from dsq.engine.patch import DSQCodedActivation
+
+    calls = []
+    sliced_swiglu = hf.sliced_swiglu
+    monkeypatch.setattr(hf, "sliced_swiglu", lambda *a: calls.append(1) or sliced_swiglu(*a))
+    cfg = QuantConfig(q0="bfp8", q1="bfp4", q2="bfp8", q3="fixed16", stash_scope="all",
+                      saved={"activation": "derivative3"}, mlp="sliced")  # fmt: skip
+    model = quantize_model(build("llama", "sdpa"), cfg)
+    assert not any(isinstance(m, DSQCodedActivation) for m in model.modules())
+    assert any("2 inside MLPs in slices, holding nothing" in n for n in model.dsq_report.notes)
+    output_and_grads(model)
+    assert calls == [1, 1]

@@ -193,7 +193,9 @@ def test_a_bench_scope_sets_the_stash_scope_and_all_q1_holds_every_kind_in_q1():
         points = at_first_level(load_quant_preset("dsq")) | scope_points(scope)
         return dict(QuantConfig.from_dict(points).spec.saved)
 
-    assert set(SCOPES) == {"gemm", "all", "all-q1", "all-held", "all-derivative3"}
+    assert set(SCOPES) == {
+        "gemm", "all", "all-q1", "all-held", "all-derivative3", "sliced", "all-held-sliced"
+    }  # fmt: skip
     assert saved("gemm") == {}
     assert saved("all") == dict(SAVED_DEFAULT)
     assert saved("all-q1") == dict.fromkeys(SAVED_KINDS, "q1") | {"checkpoint": "keep"}

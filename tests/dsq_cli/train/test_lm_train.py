@@ -208,12 +208,36 @@ def test_checkpointing_runs_the_decoder_layers_again_and_trains_as_without_it(co
     assert len(runs["true"]) > 6 and runs["true"] == runs["false"]
 
 
+def test_the_mlp_in_slices_trains_as_the_whole_mlp_and_says_so_in_its_record(corpus, tmp_path):
+    """quant.mlp=sliced: 64 tokens a batch are one slice, so every loss is the whole MLP's bit
+    for bit; the record's quant names the setting."""
+    runs, quants = {}, {}
+    for mlp in ("whole", "sliced"):
+        root = tmp_path / mlp
+        result = RUNNER.invoke(app, ["train", *config(corpus, root, f"quant.mlp={mlp}")])
+        assert result.exit_code == 0, result.output
+        (run_dir,) = [p for p in root.iterdir() if p.is_dir()]
+        runs[mlp], quants[mlp] = losses(run_dir), result_of(run_dir)["quant"]
+    assert len(runs["sliced"]) > 6 and runs["sliced"] == runs["whole"]
+    assert (quants["sliced"]["mlp"], quants["whole"]["mlp"]) == ("sliced", "whole")
+    assert quants["sliced"] | {"mlp": "whole"} == quants["whole"]
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [
         (["model=transformer_tiny"], "translation model (model.family) but task lm is a lm"),
         (["data.raw_dir=null"], "task=lm needs a text: set data.raw_dir=PATH"),
         (["task.metric=bleu"], "task.metric must be perplexity"),
+        (
+            ["model=gpt2_lm", "quant.mlp=sliced"],
+            "quant.mlp=sliced runs Llama-style MLPs a slice of tokens at a time, and model=gpt2_lm "
+            "has none",
+        ),
+        (
+            ["quant.mlp=sliced", "quant.rounding.q1=stochastic"],
+            "quant.mlp=sliced quantizes a slice of tokens at a time, and stochastic rounding",
+        ),
     ],
 )
 def test_usage_errors_exit_2_and_leave_no_run(corpus, tmp_path, extra, message):

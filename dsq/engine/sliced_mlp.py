@@ -1,0 +1,318 @@
+"""A Llama-style MLP, ``y = down(silu(gate(x)) * up(x))``, run a slice of tokens at a time
+(docs/dsq.md, "The MLP in slices").
+
+The definition, `swiglu_definition`, is three DSQ linear layers around `silu_product`. Its
+backward pass holds, for each token, the stashes of ``x`` (once per layer that reads it) and of
+the product ``p``, and ``g = gate(x)`` and ``u = up(x)`` in float32; its forward pass makes
+``g``, ``u``, ``p`` and ``p``'s quantized copies, each as wide as the MLP, for every token at once.
+`sliced_swiglu` computes the same values holding ``x`` alone for the backward pass, and making
+nothing of the MLP's width for more than one slice of tokens at a time.
+
+Shapes: ``x [N, K]`` (N tokens), the gate's and up's weights ``[F, K]``, the down's ``[K, F]``,
+``dy [N, K]``. With the GEMMs and blocks of `DSQLinearFunction`, per slice ``r`` of the rows:
+
+* forward:   ``g_r = q0(x_r) q0(W_g)^T``, ``u_r = q0(x_r) q0(W_u)^T``      blocks along K
+             ``p_r = silu(g_r) * u_r``
+             ``y_r = q0(p_r) q0(W_d)^T``                                   blocks along F
+  saved: ``x`` as it is, and nothing of the MLP's width;
+* backward:  ``h = q3(dy)``, blocks along N, whole (``dy`` is K wide); then per slice ``g_r``,
+  ``u_r`` and ``p_r`` again (the forward's values), and
+             ``dp_r  = q2(h_r) q2(W_d)``                                   blocks along K
+             ``dW_d += h_r^T q1(p_r)``                                     blocks along N
+             ``dg_r  = silu'(g_r) u_r dp_r``, ``du_r = silu(g_r) dp_r``      (`silu_product`'s)
+             ``a_r = q3(dg_r)``, ``b_r = q3(du_r)``                          blocks along N
+             ``dx_r  = q2(a_r) q2(W_g) + q2(b_r) q2(W_u)``                   blocks along F
+             ``dW_g += a_r^T q1(x_r)``, ``dW_u += b_r^T q1(x_r)``              blocks along N
+  and each bias's gradient the sum over N of its layer's ``h``, ``a`` or ``b``.
+
+Slices start on multiples of every format's block, so no block along N straddles two. A format
+whose scale spans the tensor (``fixed<w>``, NVFP4) is given the whole tensor's largest magnitude
+(`parts`): found directly for ``x`` and ``h``, which exist whole, and by a pass over the slices
+first for the tensors that exist a slice at a time (``p`` in the forward pass; ``dg``, ``du``
+and, for q2, their q3 in the backward pass). So every quantized value is the definition's: ``y``
+and ``dx`` are the definition's bit for bit where its GEMMs give each row the same bits for fewer
+rows (as `units.gemm_by_rows` assumes), and the weight and bias gradients differ from it in the
+order of their float32 sums, over slices. Where such a tensor holds a NaN or an infinity, which
+a scale spanning the tensor spreads to every value, that call runs the definition instead.
+
+Every point must round to nearest: stochastic rounding draws its noise for a whole tensor.
+
+The price is time: the backward pass runs the forward's three GEMMs again (more where a pass
+finds a largest magnitude), as activation checkpointing of the MLP alone would. The GEMMs are
+counted (`units.tally`) and noted (`accounting`) as the definition's: one of each kind per
+layer, with the definition's stash bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+
+from . import accounting, units
+from .config import QuantConfig
+from .functions import (
+    _Point,
+    _points,
+    backward_outside_autocast,
+    dsq_linear,
+    outside_autocast,
+)
+from .parts import largest_magnitude, quantize_chain_part, quantize_part
+from .spec import sliced_mlp_rounding_error
+from .swiglu import silu_product
+
+# the values of the MLP's width in one slice (4 MiB in float32): a few such tensors are alive at
+# once, whatever the batch, and the GEMMs stay large enough to run at their unit's rate
+SLICE_ELEMENTS = 2**20
+
+
+def swiglu_definition(x, w_gate, w_up, w_down, b_gate, b_up, b_down, cfg: QuantConfig):
+    """``down(silu(gate(x)) * up(x))`` with three DSQ linear layers: what `sliced_swiglu`
+    computes."""
+    g = dsq_linear(x, w_gate, b_gate, cfg)
+    u = dsq_linear(x, w_up, b_up, cfg)
+    return dsq_linear(silu_product(g, u), w_down, b_down, cfg)
+
+
+def slice_rows(n: int, width: int, formats) -> int:
+    """Rows of a slice: about `SLICE_ELEMENTS` values of the MLP's ``width``, a multiple of every
+    format's block and of `units.SLICE_ROWS`, at most ``n``."""
+    multiple = units.SLICE_ROWS
+    for fmt in formats:
+        multiple = math.lcm(multiple, getattr(fmt, "block", None) or 1)
+    return max(1, min(n, max(multiple, SLICE_ELEMENTS // max(1, width) // multiple * multiple)))
+
+
+def check_rounding(points) -> None:
+    """ValueError unless every point rounds to nearest (module docstring)."""
+    stochastic = [f"q{i}" for i, p in enumerate(points) if p.rounding != "nearest"]
+    if stochastic:
+        raise sliced_mlp_rounding_error(stochastic)
+
+
+def _whole(point: _Point) -> bool:
+    return point.fmt.whole_tensor_scale
+
+
+def _amax_of(point: _Point, x: torch.Tensor):
+    """The largest magnitude of a whole ``x`` where ``point``'s scale spans the tensor, else
+    None (`quantize_part`'s ``amax``)."""
+    return largest_magnitude(x) if _whole(point) else None
+
+
+def _rows_of(point: _Point, x: torch.Tensor, axis: int):
+    """A function of a slice ``r`` giving ``point.quantize(x, axis)[r]``. ``x`` is a tensor that
+    exists whole and may be the caller's (never written to): where ``point``'s scale spans the
+    tensor it is quantized whole once, else a slice at a time."""
+    if _whole(point):
+        whole = point.quantize(x, axis)
+        return lambda r: whole[r]
+    return lambda r: point.quantize(x[r], axis)
+
+
+@dataclasses.dataclass
+class _Layers:
+    """One call's points, plans and slices, and its three layers' weights and biases."""
+
+    points: tuple[_Point, _Point, _Point, _Point]
+    plans: list
+    slices: list[slice]
+    weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # gate [F, K], up [F, K], down [K, F]
+    biases: tuple
+
+    @classmethod
+    def of(cls, x2, weights, biases, points, cfg: QuantConfig) -> _Layers:
+        f0, f1, f2, f3 = points
+        n, k = x2.shape
+        width = weights[0].shape[0]
+        # the three layers take N K F multiply-adds each: one plan a GEMM kind serves them all,
+        # the one the definition's layers make
+        plans = [units.plan(a.fmt, b.fmt, x2.device, cfg.gemm_unit, n * k * width)
+                 for a, b in ((f0, f0), (f2, f2), (f3, f1))]  # fmt: skip
+        rows = slice_rows(n, width, [p.fmt for p in points])
+        slices = [slice(r, min(r + rows, n)) for r in range(0, n, rows)]
+        return cls(points, plans, slices, tuple(weights), tuple(biases))
+
+    def forward_gemms(self):
+        """The forward GEMMs of gate, up and down, each run a slice of rows at a time."""
+        f0 = self.points[0]
+        return [units.RowsOfGemm(f0.quantize(w, 1).t(), self.plans[0], b)
+                for w, b in zip(self.weights, self.biases)]  # fmt: skip
+
+    def activations(self, x0_of, r, gemms):
+        """(g_r, u_r, p_r) of slice ``r``; ``x0_of`` gives q0(x)'s rows."""
+        x0 = x0_of(r)
+        g, u = gemms[0](x0), gemms[1](x0)
+        del x0
+        return g, u, F.silu(g) * u
+
+    def largest(self, parts):
+        """(the largest magnitude over the slices of each tensor ``parts(r)`` gives, whether
+        every value was finite)."""
+        found, finite = None, True
+        for r in self.slices:
+            tensors = parts(r)
+            finite = finite and all(bool(torch.isfinite(t).all()) for t in tensors)
+            amaxes = torch.stack([largest_magnitude(t) for t in tensors])
+            found = amaxes if found is None else torch.maximum(found, amaxes)
+            del tensors
+        return list(found), finite
+
+
+class SlicedSwiGLUFunction(torch.autograd.Function):
+    """`sliced_swiglu` (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x2, w_gate, w_up, w_down, b_gate, b_up, b_down, cfg: QuantConfig):
+        points = _points(cfg, x2.device)
+        check_rounding(points)
+        f0, f1 = points[0], points[1]
+        weights, biases = (w_gate, w_up, w_down), (b_gate, b_up, b_down)
+        layers = _Layers.of(x2, weights, biases, points, cfg)
+        ctx.points, ctx.cfg = points, cfg
+        ctx.biases = tuple(b is not None for b in biases)
+        _note(x2, weights, points, layers, cfg)
+        gemms = layers.forward_gemms()
+        x0_of = _rows_of(f0, x2, 1)
+        amax_p = None
+        if _whole(f0) or _whole(f1):  # p's largest magnitude, a pass over the slices first
+            (amax_p,), finite = layers.largest(lambda r: layers.activations(x0_of, r, gemms)[2:])
+            if not finite:
+                return _forward_whole(ctx, x2, weights, biases, cfg)
+        ctx.whole = False
+        ctx.amax_p = amax_p if _whole(f1) else None
+        y = x2.new_empty(x2.shape[0], w_down.shape[0])
+        for r in layers.slices:
+            p = layers.activations(x0_of, r, gemms)[2]
+            y[r] = gemms[2](quantize_part(f0, p, 1, amax_p if _whole(f0) else None))
+            del p
+        for gemm in gemms:
+            gemm.count("linear.forward")
+        # x as it is, the slices' values made again from it: a stash_scope=all hook leaves it be
+        x2.dsq_held_as_is = True
+        ctx.save_for_backward(x2, *weights, *(b for b in biases if b is not None))
+        return y
+
+    @staticmethod
+    @backward_outside_autocast
+    def backward(ctx, dy):
+        x2, *rest = ctx.saved_tensors
+        weights = tuple(rest[:3])
+        rest = iter(rest[3:])
+        biases = tuple(next(rest) if has else None for has in ctx.biases)
+        if ctx.whole:
+            return _backward_whole(ctx, dy, x2, weights, biases)
+        f0, f1, f2, f3 = ctx.points
+        w_gate, w_up, w_down = weights
+        layers = _Layers.of(x2, weights, biases, ctx.points, ctx.cfg)
+        gemms = layers.forward_gemms()
+        x0_of, x1_of = _rows_of(f0, x2, 1), _rows_of(f1, x2, 0)
+        h = f3.quantize(dy, 0)  # q3(dy), whole: blocks along N
+        h2_of = _rows_of(f2, h, 1)
+        dp_of = units.RowsOfGemm(f2.quantize(w_down, 0), layers.plans[1])
+
+        def gradients(r):
+            """(dg_r, du_r, p_r): the product's gradients and the product."""
+            g, u, p = layers.activations(x0_of, r, gemms)
+            dp = dp_of(h2_of(r))
+            d_g = torch.ops.aten.silu_backward(dp * u, g)
+            d_u = F.silu(g).mul_(dp)
+            return d_g, d_u, p
+
+        amax_dg = amax_du = amax_a = amax_b = None
+        if _whole(f3):
+            (amax_dg, amax_du), finite = layers.largest(lambda r: gradients(r)[:2])
+            if not finite:
+                return _backward_whole(ctx, dy, x2, weights, biases)
+        if _whole(f2):
+
+            def quantized(r):
+                d_g, d_u = gradients(r)[:2]
+                return quantize_part(f3, d_g, 0, amax_dg), quantize_part(f3, d_u, 0, amax_du)
+
+            (amax_a, amax_b), finite = layers.largest(quantized)
+            if not finite:
+                return _backward_whole(ctx, dy, x2, weights, biases)
+        dx_of = [units.RowsOfGemm(f2.quantize(w, 0), layers.plans[1]) for w in (w_gate, w_up)]
+        dw_of = [units.RowsOfGemm(None, layers.plans[2]) for _ in range(3)]  # gate, up, down
+        dx = x2.new_empty(x2.shape)
+        dw, db = [None] * 3, [None] * 3
+        for r in layers.slices:
+            d_g, d_u, p = gradients(r)
+            dw[2] = _add(dw[2], dw_of[2](h[r].t(), quantize_part(f1, p, 0, ctx.amax_p)))
+            del p
+            a, a2 = quantize_chain_part(f3, f2, d_g, amax_dg, amax_a)
+            b, b2 = quantize_chain_part(f3, f2, d_u, amax_du, amax_b)
+            del d_g, d_u
+            dx[r] = dx_of[0](a2) + dx_of[1](b2)
+            del a2, b2
+            x1 = x1_of(r)
+            dw[0] = _add(dw[0], dw_of[0](a.t(), x1))
+            dw[1] = _add(dw[1], dw_of[1](b.t(), x1))
+            for i, grad in enumerate((a, b, h[r])):
+                if ctx.biases[i]:
+                    db[i] = _add(db[i], grad.sum(0))
+            del a, b, x1
+        for gemm in gemms:  # the forward's, run again
+            gemm.count("linear.forward")
+        for gemm in (dp_of, *dx_of):
+            gemm.count("linear.dx")
+        for gemm in dw_of:
+            gemm.count("linear.dw")
+        grads = (dx, *dw, *db)
+        return (*(g if ctx.needs_input_grad[i] else None for i, g in enumerate(grads)), None)
+
+
+def _add(total, part):
+    return part if total is None else total.add_(part)
+
+
+def _note(x2, weights, points, layers: _Layers, cfg: QuantConfig) -> None:
+    """The definition's three GEMM records (`accounting.note`), each with its stash's bytes, a
+    stash of the definition's shape in q1 (packed on the meta device: shapes, no values)."""
+    if not accounting.noting():
+        return
+    f1 = points[1]
+    n, k = x2.shape
+    width = weights[0].shape[0]
+    meta = torch.empty(n, k, device="meta")
+    x_bytes = f1.fmt.pack(meta, 0).nbytes
+    p_bytes = f1.fmt.pack(meta.new_empty(n, width), 0).nbytes
+    for stash_bytes, m, kk in ((x_bytes, width, k), (x_bytes, width, k), (p_bytes, k, width)):
+        accounting.note("linear", 1, n, kk, m, cfg, stash_bytes, layers.plans)
+
+
+def _forward_whole(ctx, x2, weights, biases, cfg):
+    """The definition's forward pass (a NaN or an infinity where a scale spans a tensor the
+    slices make): the backward pass runs the definition too."""
+    ctx.whole = True
+    with accounting.recomputation():  # noted as the definition's already
+        y = swiglu_definition(x2, *weights, *biases, cfg)
+    x2.dsq_held_as_is = True
+    ctx.save_for_backward(x2, *weights, *(b for b in biases if b is not None))
+    return y
+
+
+def _backward_whole(ctx, dy, x2, weights, biases):
+    """The definition's gradients, its forward pass run again whole."""
+    x = x2.detach().requires_grad_(ctx.needs_input_grad[0])
+    inputs = (x, *weights, *biases)
+    wanted = [i for i, t in enumerate(inputs) if t is not None and ctx.needs_input_grad[i]]
+    with torch.enable_grad(), accounting.recomputation():
+        y = swiglu_definition(*inputs, ctx.cfg)
+        grads = torch.autograd.grad(y, [inputs[i] for i in wanted], dy, allow_unused=True)
+    out = [None] * (len(inputs) + 1)  # and the config's
+    for i, grad in zip(wanted, grads):
+        out[i] = grad
+    return tuple(out)
+
+
+@outside_autocast
+def sliced_swiglu(x, w_gate, w_up, w_down, b_gate, b_up, b_down, cfg: QuantConfig):
+    """`swiglu_definition`'s values, a slice of tokens at a time (module docstring)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    y = SlicedSwiGLUFunction.apply(x2, w_gate, w_up, w_down, b_gate, b_up, b_down, cfg)
+    return y.reshape(*x.shape[:-1], w_down.shape[0])
