@@ -26,10 +26,10 @@ from dsq.formats import parse_format
 PRESETS: dict[str, QuantSpec] = {}
 # the preset every cost ratio is against, as in the paper's Table 1 (docs/spec.md §4)
 COST_BASELINE = "fixed32"
-# what a preset decides: every quant key but where the GEMMs run and how attention and the MLP
-# are computed (the same numbers on every unit and kernel, up to float32 summation order:
-# docs/dsq.md, "GEMM units", "Attention in tiles", "The MLP in slices")
-PRESET_KEYS = tuple(key for key in QUANT_KEYS if key not in ("gemm_unit", "attention", "mlp"))
+# what a preset decides: every quant key but where the GEMMs run and how attention is computed
+# (the same numbers on every unit and kernel, up to float32 summation order: docs/dsq.md, "GEMM
+# units", "Attention in tiles"); the MLP in slices is not that under stash_scope=all
+PRESET_KEYS = tuple(key for key in QUANT_KEYS if key not in ("gemm_unit", "attention"))
 
 
 def register_preset(name: str, spec: QuantSpec) -> QuantSpec:
@@ -226,7 +226,9 @@ def _levels(ladder: Mapping) -> list | None:
     return levels
 
 
-_DEFAULTS = {"stash_scope": QuantSpec.stash_scope, "engine": QuantSpec.engine}
+_DEFAULTS = {
+    "stash_scope": QuantSpec.stash_scope, "engine": QuantSpec.engine, "mlp": QuantSpec.mlp
+}  # fmt: skip
 
 
 def _every_point_rounding(rounding: Mapping | None) -> dict:

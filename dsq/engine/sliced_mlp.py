@@ -25,22 +25,33 @@ Shapes: ``x [N, K]`` (N tokens), the gate's and up's weights ``[F, K]``, the dow
              ``dW_g += a_r^T q1(x_r)``, ``dW_u += b_r^T q1(x_r)``              blocks along N
   and each bias's gradient the sum over N of its layer's ``h``, ``a`` or ``b``.
 
-Slices start on multiples of every format's block, so no block along N straddles two. A format
-whose scale spans the tensor (``fixed<w>``, NVFP4) is given the whole tensor's largest magnitude
-(`parts`): found directly for ``x`` and ``h``, which exist whole, and by a pass over the slices
-first for the tensors that exist a slice at a time (``p`` in the forward pass; ``dg``, ``du``
-and, for q2, their q3 in the backward pass). So every quantized value is the definition's: ``y``
-and ``dx`` are the definition's bit for bit where its GEMMs give each row the same bits for fewer
-rows (as `units.gemm_by_rows` assumes), and the weight and bias gradients differ from it in the
-order of their float32 sums, over slices. Where such a tensor holds a NaN or an infinity, which
-a scale spanning the tensor spreads to every value, that call runs the definition instead.
+Slices start on multiples of every format's block, so no block along N straddles two, and
+hold at least 64 rows (`units.row_slices`). A format whose scale spans the tensor (``fixed<w>``,
+NVFP4) is given the whole tensor's largest magnitude (`parts`): found directly for ``x`` and
+``h``, which exist whole, and by a pass over the slices first for the tensors that exist a slice
+at a time (``p`` in the forward pass; ``dg``, ``du`` and, for q2, their q3 in the backward pass).
+So every quantized value is the definition's: ``y`` and ``dx`` are the definition's bit for bit
+where its GEMMs give each row the same bits in a slice as in the whole (as `units.gemm_by_rows`
+assumes; so on the CPUs measured), and the weight and bias gradients differ from it in the
+order of their float32 sums over slices (summed in float32 for a narrower model too, then
+rounded once, as one GEMM rounds). Under autocast the two layers' input gradients are added in
+the input's dtype, as autograd adds the gradients of its two casts. Where such a tensor holds a
+NaN or an infinity, which a scale spanning the tensor spreads to every value, that call runs the
+definition instead (from the one float32 copy of the input, under autocast), as it does for no
+tokens at all.
 
 Every point must round to nearest: stochastic rounding draws its noise for a whole tensor.
 
 The price is time: the backward pass runs the forward's three GEMMs again (more where a pass
-finds a largest magnitude), as activation checkpointing of the MLP alone would. The GEMMs are
-counted (`units.tally`) and noted (`accounting`) as the definition's: one of each kind per
-layer, with the definition's stash bytes.
+finds a largest magnitude), as activation checkpointing of the MLP alone would. `accounting`
+notes the definition's three layers, with the definition's stash bytes (none where it would pack
+no stash); the tally (`units.tally`) counts each kind of GEMM of each layer once a call of the
+function, the gate's and up's forward GEMMs again in the backward pass, whatever passes for a
+largest magnitude ran besides.
+
+Under ``stash_scope=all`` the definition's saved activations and products are held by the
+rules (``bfp8``, derivative codes), while the slices compute them again exactly: there the two
+differ by those rules' rounding, and the MLP's gradients are ``stash_scope=gemm``'s.
 """
 
 from __future__ import annotations
@@ -52,8 +63,9 @@ import torch
 import torch.nn.functional as F
 
 from . import accounting, units
-from .config import QuantConfig
+from .config import POINTS, QuantConfig
 from .functions import (
+    _AUTOCAST_DTYPES,
     _Point,
     _points,
     backward_outside_autocast,
@@ -132,8 +144,7 @@ class _Layers:
         # the one the definition's layers make
         plans = [units.plan(a.fmt, b.fmt, x2.device, cfg.gemm_unit, n * k * width)
                  for a, b in ((f0, f0), (f2, f2), (f3, f1))]  # fmt: skip
-        rows = slice_rows(n, width, [p.fmt for p in points])
-        slices = [slice(r, min(r + rows, n)) for r in range(0, n, rows)]
+        slices = units.row_slices(n, slice_rows(n, width, [p.fmt for p in points]))
         return cls(points, plans, slices, tuple(weights), tuple(biases))
 
     def forward_gemms(self):
@@ -166,15 +177,21 @@ class SlicedSwiGLUFunction(torch.autograd.Function):
     """`sliced_swiglu` (module docstring)."""
 
     @staticmethod
-    def forward(ctx, x2, w_gate, w_up, w_down, b_gate, b_up, b_down, cfg: QuantConfig):
+    def forward(ctx, x2, w_gate, w_up, w_down, b_gate, b_up, b_down, cfg: QuantConfig,
+                training: bool, narrow: torch.dtype | None):  # fmt: skip
         points = _points(cfg, x2.device)
         check_rounding(points)
         f0, f1 = points[0], points[1]
         weights, biases = (w_gate, w_up, w_down), (b_gate, b_up, b_down)
         layers = _Layers.of(x2, weights, biases, points, cfg)
-        ctx.points, ctx.cfg = points, cfg
+        ctx.points, ctx.cfg, ctx.narrow = points, cfg, narrow
         ctx.biases = tuple(b is not None for b in biases)
-        _note(x2, weights, points, layers, cfg)
+        # the definition packs a layer's stash where a backward pass can come and its weight
+        # needs a gradient
+        stashed = [training and ctx.needs_input_grad[1 + i] for i in range(3)]
+        _note(x2, weights, points, layers, cfg, stashed)
+        if x2.shape[0] == 0:  # no slice to run
+            return _forward_whole(ctx, x2, weights, biases, cfg)
         gemms = layers.forward_gemms()
         x0_of = _rows_of(f0, x2, 1)
         amax_p = None
@@ -236,43 +253,67 @@ class SlicedSwiGLUFunction(torch.autograd.Function):
             (amax_a, amax_b), finite = layers.largest(quantized)
             if not finite:
                 return _backward_whole(ctx, dy, x2, weights, biases)
+        wanted = ctx.needs_input_grad
         dx_of = [units.RowsOfGemm(f2.quantize(w, 0), layers.plans[1]) for w in (w_gate, w_up)]
         dw_of = [units.RowsOfGemm(None, layers.plans[2]) for _ in range(3)]  # gate, up, down
-        dx = x2.new_empty(x2.shape)
+        dx = x2.new_empty(x2.shape) if wanted[0] else None
         dw, db = [None] * 3, [None] * 3
         for r in layers.slices:
             d_g, d_u, p = gradients(r)
-            dw[2] = _add(dw[2], dw_of[2](h[r].t(), quantize_part(f1, p, 0, ctx.amax_p)))
+            if wanted[3]:
+                p1 = quantize_part(f1, p, 0, ctx.amax_p)
+                dw[2] = _add(dw[2], dw_of[2](_float32(h[r].t()), _float32(p1)))
+                del p1
             del p
             a, a2 = quantize_chain_part(f3, f2, d_g, amax_dg, amax_a)
             b, b2 = quantize_chain_part(f3, f2, d_u, amax_du, amax_b)
             del d_g, d_u
-            dx[r] = dx_of[0](a2) + dx_of[1](b2)
+            if wanted[0]:
+                dx_g, dx_u = dx_of[0](a2), dx_of[1](b2)
+                if ctx.narrow is not None:
+                    # under autocast each layer's float32 input was a cast of the narrower x, and
+                    # autograd adds the two casts' gradients in x's dtype
+                    dx_g, dx_u = dx_g.to(ctx.narrow), dx_u.to(ctx.narrow)
+                dx[r] = dx_g.add_(dx_u)
+                del dx_g, dx_u
             del a2, b2
-            x1 = x1_of(r)
-            dw[0] = _add(dw[0], dw_of[0](a.t(), x1))
-            dw[1] = _add(dw[1], dw_of[1](b.t(), x1))
+            if wanted[1] or wanted[2]:
+                x1 = _float32(x1_of(r))
+                if wanted[1]:
+                    dw[0] = _add(dw[0], dw_of[0](_float32(a.t()), x1))
+                if wanted[2]:
+                    dw[1] = _add(dw[1], dw_of[1](_float32(b.t()), x1))
+                del x1
             for i, grad in enumerate((a, b, h[r])):
-                if ctx.biases[i]:
-                    db[i] = _add(db[i], grad.sum(0))
-            del a, b, x1
+                if wanted[4 + i]:
+                    db[i] = _add(db[i], grad.float().sum(0))
+            del a, b
         for gemm in gemms:  # the forward's, run again
             gemm.count("linear.forward")
         for gemm in (dp_of, *dx_of):
             gemm.count("linear.dx")
         for gemm in dw_of:
             gemm.count("linear.dw")
-        grads = (dx, *dw, *db)
-        return (*(g if ctx.needs_input_grad[i] else None for i, g in enumerate(grads)), None)
+        # the sums over slices were float32; each gradient in its parameter's dtype
+        dw = [None if g is None else g.to(w.dtype) for g, w in zip(dw, weights)]
+        db = [None if g is None else g.to(b.dtype) for g, b in zip(db, biases)]
+        return dx, *dw, *db, None, None, None
+
+
+def _float32(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in float32 (a weight gradient's part, summed over slices in float32 as one GEMM
+    sums it, not rounded to a narrower dtype slice by slice)."""
+    return x if x.dtype == torch.float32 else x.float()
 
 
 def _add(total, part):
     return part if total is None else total.add_(part)
 
 
-def _note(x2, weights, points, layers: _Layers, cfg: QuantConfig) -> None:
-    """The definition's three GEMM records (`accounting.note`), each with its stash's bytes, a
-    stash of the definition's shape in q1 (packed on the meta device: shapes, no values)."""
+def _note(x2, weights, points, layers: _Layers, cfg: QuantConfig, stashed) -> None:
+    """The definition's three GEMM records (`accounting.note`), each with the bytes of its stash
+    where ``stashed`` says the definition packs one: a stash of the definition's shape in q1
+    (packed on the meta device: shapes, no values)."""
     if not accounting.noting():
         return
     f1 = points[1]
@@ -281,8 +322,9 @@ def _note(x2, weights, points, layers: _Layers, cfg: QuantConfig) -> None:
     meta = torch.empty(n, k, device="meta")
     x_bytes = f1.fmt.pack(meta, 0).nbytes
     p_bytes = f1.fmt.pack(meta.new_empty(n, width), 0).nbytes
-    for stash_bytes, m, kk in ((x_bytes, width, k), (x_bytes, width, k), (p_bytes, k, width)):
-        accounting.note("linear", 1, n, kk, m, cfg, stash_bytes, layers.plans)
+    shapes = ((x_bytes, width, k), (x_bytes, width, k), (p_bytes, k, width))
+    for (stash_bytes, m, kk), packs in zip(shapes, stashed, strict=True):
+        accounting.note("linear", 1, n, kk, m, cfg, stash_bytes if packs else 0, layers.plans)
 
 
 def _forward_whole(ctx, x2, weights, biases, cfg):
@@ -297,22 +339,37 @@ def _forward_whole(ctx, x2, weights, biases, cfg):
 
 
 def _backward_whole(ctx, dy, x2, weights, biases):
-    """The definition's gradients, its forward pass run again whole."""
+    """The definition's gradients, its forward pass run again whole (under autocast, from the
+    one float32 copy of ``x``: the two layers' input gradients added in float32, where autograd
+    adds the casts' in ``x``'s dtype)."""
     x = x2.detach().requires_grad_(ctx.needs_input_grad[0])
     inputs = (x, *weights, *biases)
     wanted = [i for i, t in enumerate(inputs) if t is not None and ctx.needs_input_grad[i]]
+    # the formats the forward pass ran (a schedule may have stepped since)
+    formats = {point: p.fmt for point, p in zip(POINTS, ctx.points, strict=True)}
+    cfg = QuantConfig(**formats, gemm_unit=ctx.cfg.gemm_unit)
     with torch.enable_grad(), accounting.recomputation():
-        y = swiglu_definition(*inputs, ctx.cfg)
+        y = swiglu_definition(*inputs, cfg)
         grads = torch.autograd.grad(y, [inputs[i] for i in wanted], dy, allow_unused=True)
-    out = [None] * (len(inputs) + 1)  # and the config's
+    out = [None] * (len(inputs) + 3)  # and the config's, training's and narrow's
     for i, grad in zip(wanted, grads):
         out[i] = grad
     return tuple(out)
 
 
-@outside_autocast
 def sliced_swiglu(x, w_gate, w_up, w_down, b_gate, b_up, b_down, cfg: QuantConfig):
     """`swiglu_definition`'s values, a slice of tokens at a time (module docstring)."""
+    narrow = None
+    if x.dtype in _AUTOCAST_DTYPES and torch.is_autocast_enabled(x.device.type):
+        narrow = x.dtype  # autocast casts it to float32 for each layer (`outside_autocast`)
+    return _sliced_swiglu(x, w_gate, w_up, w_down, b_gate, b_up, b_down, cfg, narrow)
+
+
+@outside_autocast
+def _sliced_swiglu(x, w_gate, w_up, w_down, b_gate, b_up, b_down, cfg: QuantConfig, narrow):
+    # grad mode is off inside Function.forward, so whether a backward can come is decided here
+    training = torch.is_grad_enabled()
     x2 = x.reshape(-1, x.shape[-1])
-    y = SlicedSwiGLUFunction.apply(x2, w_gate, w_up, w_down, b_gate, b_up, b_down, cfg)
+    y = SlicedSwiGLUFunction.apply(x2, w_gate, w_up, w_down, b_gate, b_up, b_down, cfg, training,
+                                   narrow)  # fmt: skip
     return y.reshape(*x.shape[:-1], w_down.shape[0])

@@ -74,8 +74,9 @@ SAVED_DEFAULT = MappingProxyType(
 ATTENTION_KERNELS = ("tiled", "explicit")
 # How a Llama-style MLP runs (docs/dsq.md, "The MLP in slices"): ``whole``, its three DSQ layers
 # on every token at once; ``sliced``, a slice of tokens at a time, holding only its input for the
-# backward pass and running its forward again there. The same values up to float32 summation
-# order; ``sliced`` needs nearest rounding at every point.
+# backward pass and running its forward again there. Under ``stash_scope=gemm`` the same values
+# up to float32 summation order; under ``all`` the slices compute again what the rules would
+# hold narrow. ``sliced`` needs nearest rounding at every point.
 MLP_KINDS = ("whole", "sliced")
 # The version `QuantSpec.to_dict` writes under "version" (docs/dsq.md, "Presets and specs").
 # Version 1 is every mapping written before the key existed: run records then left out what

@@ -215,20 +215,31 @@ def gemm_by_rows(a_rows, rows: int, cols: int, b: torch.Tensor, how: GemmPlan, k
     by ``a_rows(slice)``: no whole ``a`` (nor its converted copies) exists, only a slice of at
     most about `SLICE_ELEMENTS` values. Each output row is the same dot products as in one
     GEMM; whether the unit sums them in the same order for fewer rows is the unit's choice
-    (on the CPUs measured, slices of a multiple of `SLICE_ROWS` rows gave the same bits). Counted
-    as one GEMM, on ``how``'s unit unless a slice ran in float32."""
+    (on the CPUs measured, slices of at least `SLICE_ROWS` rows gave the same bits; `row_slices`
+    joins a shorter last one to the one before). Counted as one GEMM, on ``how``'s unit unless a
+    slice ran in float32."""
     step = max(SLICE_ROWS, SLICE_ELEMENTS // max(1, cols) // SLICE_ROWS * SLICE_ROWS)
     if step >= rows:
         return gemm(a_rows(slice(0, rows)), b, how, kind)
     by_rows = RowsOfGemm(b, how)
     out = None
-    for r0 in range(0, rows, step):
-        part = by_rows(a_rows(slice(r0, min(r0 + step, rows))))
+    for part_rows in row_slices(rows, step):
+        part = by_rows(a_rows(part_rows))
         if out is None:
             out = part.new_empty(rows, part.shape[-1])
-        out[r0 : r0 + part.shape[0]] = part
+        out[part_rows] = part
     by_rows.count(kind)
     return out
+
+
+def row_slices(rows: int, step: int) -> list[slice]:
+    """``rows`` rows ``step`` at a time, a last part of fewer than `SLICE_ROWS` rows joined to
+    the one before: a GEMM of a few rows may run another kernel (a matrix-vector product), whose
+    bits differ from the same rows' in a larger GEMM (measured on the CPU at 1 to 8 rows)."""
+    starts = list(range(0, rows, step))
+    if len(starts) > 1 and rows - starts[-1] < SLICE_ROWS:
+        starts.pop()
+    return [slice(a, b) for a, b in zip(starts, [*starts[1:], rows])]
 
 
 class RowsOfGemm:

@@ -221,10 +221,11 @@ class TransformersPatcher:
                 )
             except ValueError as err:
                 report.unquantized.append(f"attention products{where} ({err})")
-                continue
-            report.attention += [_joined(prefix, name) for name in routed]
-            report.excluded += [_joined(prefix, name) for name in excluded_names]
-            report.notes.append(note + where)
+            else:
+                report.attention += [_joined(prefix, name) for name in routed]
+                report.excluded += [_joined(prefix, name) for name in excluded_names]
+                report.notes.append(note + where)
+            # the MLPs whether or not the attention could be routed
             inner_excluded = functools.partial(_excluded_inside, excluded, prefix)
             if cfg.mlp == "sliced":
                 _slice_swiglu(inner, cfg, report, prefix, inner_excluded)

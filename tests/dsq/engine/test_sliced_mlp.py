@@ -167,14 +167,105 @@ def test_the_accounting_notes_the_definitions_records(small_slices):
     assert sliced.stash_bytes == whole.stash_bytes > 0
 
 
-def test_under_autocast_it_computes_what_the_definition_computes(small_slices):
+def run_in(dtype, function, cfg, autocast: bool):
+    """A run whose input is ``dtype``: under bf16 autocast with float32 weights, or without
+    autocast with the weights in ``dtype`` too (a bf16 model)."""
+    x, weights, biases, params, dy = operands(True)
+    x = x.detach().to(dtype).requires_grad_()
+    if not autocast:
+        weights = [w.detach().to(dtype).requires_grad_() for w in weights]
+        biases = [b.detach().to(dtype).requires_grad_() for b in biases]
+    with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+        y = function(x, *weights, *biases, cfg)
+    grads = torch.autograd.grad(y, [x, *weights, *biases], dy.to(y.dtype))
+    return y.detach(), grads[0], grads[1:]
+
+
+@pytest.mark.parametrize(
+    "dtype, autocast", [(torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)]
+)
+def test_under_autocast_and_in_a_bf16_model_it_computes_what_the_definition_computes(
+    dtype, autocast, small_slices
+):
+    """Under autocast each layer casts a bf16 input to float32 on its own, and autograd adds the
+    two casts' gradients in bf16; in a bf16 model the weight gradients are summed over slices in
+    float32 and rounded once, as one GEMM rounds."""
     cfg = QuantConfig(**POINTS["dsq"])
-    with torch.autocast("cpu", torch.bfloat16):
-        got = run(sliced_swiglu, cfg)
-        want = run(swiglu_definition, cfg)
-    assert got[0].dtype == torch.float32
+    y, dx, dparams = run_in(dtype, sliced_swiglu, cfg, autocast)
+    want_y, want_dx, want_dparams = run_in(dtype, swiglu_definition, cfg, autocast)
+    assert y.dtype == want_y.dtype and dx.dtype == dtype
+    torch.testing.assert_close(y, want_y, rtol=0, atol=0)
+    torch.testing.assert_close(dx, want_dx, rtol=0, atol=0)
+    for got, want in zip(dparams, want_dparams, strict=True):
+        assert got.dtype == want.dtype
+        # float32 sums in another order, then each rounded to the parameter's dtype: at most one
+        # step of it apart
+        step = 2.0**-7 if got.dtype == torch.bfloat16 else 1e-5
+        torch.testing.assert_close(got.float(), want.float(), rtol=step,
+                                   atol=step * float(want.float().abs().max()))  # fmt: skip
+
+
+@pytest.mark.parametrize("tokens", [0, 1, 65, 129])
+def test_a_last_slice_of_a_few_rows_joins_the_one_before_and_no_tokens_run(tokens, small_slices):
+    """A GEMM of 1 to 8 rows may run another kernel than a larger one, with other bits: a short
+    last slice joins the one before, so the output and dx stay the definition's bit for bit."""
+    cfg = QuantConfig(**POINTS["fixed"])
+    gen = torch.Generator().manual_seed(0)
+    x0 = torch.randn(tokens, K, generator=gen)
+    weights0 = [torch.randn(*s, generator=gen) * 0.1 for s in ((WIDTH, K), (WIDTH, K), (K, WIDTH))]
+    dy = torch.randn(tokens, K, generator=gen)
+
+    def grads_of(function):
+        x = x0.clone().requires_grad_()
+        weights = [w.clone().requires_grad_() for w in weights0]
+        y = function(x, *weights, None, None, None, cfg)
+        return y.detach(), *torch.autograd.grad(y, [x, *weights], dy)
+
+    got, want = grads_of(sliced_swiglu), grads_of(swiglu_definition)
     torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
     torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
+    for a, b in zip(got[2:], want[2:], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max() + 1))
+    slices = sliced_mlp.units.row_slices(tokens, 64)
+    assert all(s.stop - s.start >= min(64, tokens) for s in slices)
+
+
+def test_what_needs_no_gradient_gets_none_and_the_records_say_no_stash(small_slices):
+    """Frozen gate and down weights and an input that needs no gradient: the definition packs
+    no stash for those layers and returns no gradient for them, and so do the slices."""
+    cfg = QuantConfig(**POINTS["dsq"])
+
+    def run_frozen(function):
+        x, weights, _, _, dy = operands(False)
+        x = x.detach()
+        weights[0].requires_grad_(False)
+        weights[2].requires_grad_(False)
+        with record_gemms() as record:
+            y = function(x, *weights, None, None, None, cfg)
+        (grad,) = torch.autograd.grad(y, [weights[1]], dy)
+        return grad, [g.stash_bytes for g in record.gemms]
+
+    got, got_stash = run_frozen(sliced_swiglu)
+    want, want_stash = run_frozen(swiglu_definition)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    assert got_stash == want_stash and want_stash[0] == want_stash[2] == 0 < want_stash[1]
+    with torch.no_grad(), record_gemms() as record:
+        x, weights, _, _, _ = operands(False)
+        sliced_swiglu(x, *weights, None, None, None, cfg)
+    assert [g.stash_bytes for g in record.gemms] == [0, 0, 0]
+
+
+def test_the_tally_counts_each_kind_of_each_layer_once_a_call(small_slices):
+    from dsq.engine import units
+
+    cfg = QuantConfig(**POINTS["dsq"])
+    before = units.tally()
+    run(sliced_swiglu, cfg)
+    ran = units.merge_tallies(units.tally(), units.negated(before))
+    counts = {kind: sum(by_unit.values()) for kind, by_unit in ran.items()}
+    # the forward's three, and gate's and up's again in the backward pass (down's output is not
+    # needed there); dx of each layer; dW of each layer
+    assert counts == {"linear.forward": 5, "linear.dx": 3, "linear.dw": 3}
 
 
 @pytest.mark.parametrize(

@@ -791,17 +791,39 @@ def test_a_sliced_mlp_trains_as_the_whole_one_and_holds_its_input_alone():
     assert not any("dsq_inside_sliced_mlp" in m.__dict__ for m in sliced.modules())
 
 
-def test_a_sliced_mlp_under_checkpointing_equals_it_without():
-    """The model's gradient checkpointing runs each layer's forward again, its MLP in slices
-    again too: the same loss and gradients."""
-    want, want_grads = output_and_grads(quantize_model(build("llama", "sdpa"), SLICED))
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_a_sliced_mlp_in_several_slices_trains_as_the_whole_one(checkpointing, monkeypatch):
+    """Slices of 64 tokens (a batch of 2 x 100 is four, the last joined to the one before it),
+    with and without the model's gradient checkpointing, which runs each layer's forward again:
+    the output bit for bit, the gradients to float32 summation order, against the whole MLPs
+    without checkpointing."""
+    from dsq.engine import sliced_mlp
+
+    monkeypatch.setattr(sliced_mlp, "SLICE_ELEMENTS", 64 * 128)
+    ids = torch.randint(0, 100, (2, 100), generator=torch.Generator().manual_seed(1))
+
+    def run(model):
+        out = model(ids)[0]
+        (out.float() ** 2).mean().backward()
+        return out.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+    want, want_grads = run(quantize_model(build("llama", "sdpa"), DSQ))
     model = build("llama", "sdpa")
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.train()
-    out, grads = output_and_grads(quantize_model(model, SLICED))
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+    out, grads = run(quantize_model(model, SLICED))
     torch.testing.assert_close(out, want, rtol=0, atol=0)
     for name, grad in grads.items():
-        torch.testing.assert_close(grad, want_grads[name], rtol=0, atol=0, msg=name)
+        scale = float(want_grads[name].abs().max())
+        torch.testing.assert_close(grad, want_grads[name], rtol=1e-5, atol=1e-5 * scale, msg=name)
+
+
+def test_a_model_whose_attention_dsq_cannot_route_still_has_its_mlps_sliced():
+    model = build("llama", "eager")
+    model.config._attn_implementation = "flex_attention"
+    report = quantize_model(model, SLICED).dsq_report
+    assert report.attention == [] and len(report.sliced_mlps) == 2
 
 
 def test_quant_mlp_sliced_without_an_mlp_to_slice_is_refused_and_the_model_left_as_it_was():

@@ -210,7 +210,7 @@ def test_checkpointing_runs_the_decoder_layers_again_and_trains_as_without_it(co
 
 def test_the_mlp_in_slices_trains_as_the_whole_mlp_and_says_so_in_its_record(corpus, tmp_path):
     """quant.mlp=sliced: 64 tokens a batch are one slice, so every loss is the whole MLP's bit
-    for bit; the record's quant names the setting."""
+    for bit; the record's quant names the setting, which sets the run apart from its preset."""
     runs, quants = {}, {}
     for mlp in ("whole", "sliced"):
         root = tmp_path / mlp
@@ -220,7 +220,10 @@ def test_the_mlp_in_slices_trains_as_the_whole_mlp_and_says_so_in_its_record(cor
         runs[mlp], quants[mlp] = losses(run_dir), result_of(run_dir)["quant"]
     assert len(runs["sliced"]) > 6 and runs["sliced"] == runs["whole"]
     assert (quants["sliced"]["mlp"], quants["whole"]["mlp"]) == ("sliced", "whole")
-    assert quants["sliced"] | {"mlp": "whole"} == quants["whole"]
+    # a row of its own (under stash_scope=all its values are not the whole MLP's)
+    assert (quants["sliced"]["modified"], quants["whole"]["modified"]) == (True, False)
+    same = {"mlp": "whole", "modified": False}
+    assert quants["sliced"] | same == quants["whole"]
 
 
 @pytest.mark.parametrize(
