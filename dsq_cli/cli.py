@@ -270,6 +270,17 @@ def _transformers_only(given: list[str]) -> None:
                          "gpt2 or bert); leave it out for fairseq")  # fmt: skip
 
 
+def _check_sliced_scopes(scopes, model: str) -> None:
+    """A scope running MLPs in slices (quant.mlp=sliced) needs a model with Llama-style MLPs."""
+    from dsq_cli.bench.step import SCOPES
+
+    sliced = [scope for scope in scopes if SCOPES[scope].get("mlp") == "sliced"]
+    if sliced and model != "llama":
+        which = "it" if len(sliced) == 1 else "them"
+        raise ValueError(f"--scopes {','.join(sliced)}: Llama-style MLPs only (--model llama); "
+                         f"leave {which} out for {model}")  # fmt: skip
+
+
 def _transformers_bench(model, presets, layers, width, heads, kv_heads, vocab, seq_lens,
                         scopes, checkpointing, repeats, budget, threads, refused,
                         loss_chunk=None, rounds=1, where=False):  # fmt: skip
@@ -294,10 +305,11 @@ def _transformers_bench(model, presets, layers, width, heads, kv_heads, vocab, s
         )
     lengths = _seq_lens(seq_lens)
     shape = transformers_models.ModelShape(model, layers, width, heads, kv_heads, vocab)
+    scope_list = _choices("--scopes", scopes, tuple(SCOPES))
+    _check_sliced_scopes(scope_list, model)
     rows = transformers_models.rows_of(
-        _preset_names(presets), _choices("--scopes", scopes, tuple(SCOPES)),
-        _variant_options(checkpointing),
-    )  # fmt: skip
+        _preset_names(presets), scope_list, _variant_options(checkpointing)
+    )
     if loss_chunk and model not in transformers_models.CAUSAL:
         raise ValueError(
             f"--loss-chunk takes a causal LM's output layer in chunks "
@@ -397,6 +409,7 @@ def bench_step(
     _transformers_only(_given(ctx, *TRANSFORMERS_ONLY))
     names = _preset_names(presets)
     scope_list = _choices("--scopes", scopes, tuple(SCOPES))
+    _check_sliced_scopes(scope_list, "fairseq")
     unit_list = _choices("--gemm-units", gemm_units, SETTINGS)
     ckpt = _variant_options(checkpointing)
     _check_device(device)
@@ -519,6 +532,7 @@ def bench_memory(
     size = memory.parse_size(budget)
     names = _preset_names(presets)
     scope_list = _choices("--scopes", scopes, tuple(SCOPES))
+    _check_sliced_scopes(scope_list, "fairseq")
     ckpt = _variant_options(checkpointing)
     _check_device(device)
     result = memory.run(

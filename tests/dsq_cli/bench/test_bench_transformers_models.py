@@ -84,6 +84,19 @@ def test_fairseq_refuses_the_transformers_options_it_would_not_read(command, arg
     assert "leave it out for fairseq" in result.output
 
 
+@pytest.mark.parametrize(("command", "args", "model"), [
+    (["step"], ["--scopes", "gemm,sliced"], "fairseq"),
+    (["memory", "--budget", "1GiB"], ["--scopes", "sliced"], "fairseq"),
+    (["step", "--model", "gpt2", "--seq-lens", "64"], ["--scopes", "gemm,sliced"], "gpt2"),
+    (["memory", "--budget", "1GiB", "--model", "bert"], ["--scopes", "all-held-sliced"], "bert"),
+])  # fmt: skip
+def test_a_scope_of_mlps_in_slices_is_refused_for_a_model_without_llama_mlps(command, args, model):
+    result = CliRunner().invoke(app, ["bench", *command, *args])
+    assert result.exit_code == 2, result.output
+    assert "Llama-style MLPs only (--model llama)" in result.output
+    assert f"out for {model}" in result.output and "Traceback" not in result.output
+
+
 @pytest.mark.slow
 def test_a_tiny_llama_runs_every_row_in_its_own_process():
     result = CliRunner().invoke(app, [
