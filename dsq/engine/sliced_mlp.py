@@ -31,23 +31,24 @@ NVFP4) is given the whole tensor's largest magnitude (`parts`): found directly f
 ``h``, which exist whole, and by a pass over the slices first for the tensors that exist a slice
 at a time (``p`` in the forward pass; ``dg``, ``du`` and, for q2, their q3 in the backward pass).
 So every quantized value is the definition's: ``y`` and ``dx`` are the definition's bit for bit
-where its GEMMs give each row the same bits in a slice as in the whole (as `units.gemm_by_rows`
-assumes; so on the CPUs measured), and the weight and bias gradients differ from it in the
-order of their float32 sums over slices (summed in float32 for a narrower model too, then
-rounded once, as one GEMM rounds). Under autocast the two layers' input gradients are added in
-the input's dtype, as autograd adds the gradients of its two casts. Where such a tensor holds a
-NaN or an infinity, which a scale spanning the tensor spreads to every value, that call runs the
-definition instead (from the one float32 copy of the input, under autocast), as it does for no
-tokens at all.
+where its GEMMs give each row the same bits in a slice as in the whole (the bf16 unit does; a
+float32 GEMM of fewer than about 192 rows may round a row's sum differently:
+`units.gemm_by_rows`), and the weight and bias gradients differ from it in the order of their
+float32 sums over slices (summed in float32 for a narrower model too, then rounded once, as one
+GEMM rounds). Under autocast the two layers' input gradients are added in the input's dtype, as
+autograd adds the gradients of its two casts. Where such a tensor holds a NaN or an infinity,
+which a scale spanning the tensor spreads to every value, that call runs the definition instead
+(from the one float32 copy of the input, under autocast), as it does for no tokens at all.
 
 Every point must round to nearest: stochastic rounding draws its noise for a whole tensor.
 
-The price is time: the backward pass runs the forward's three GEMMs again (more where a pass
-finds a largest magnitude), as activation checkpointing of the MLP alone would. `accounting`
-notes the definition's three layers, with the definition's stash bytes (none where it would pack
-no stash); the tally (`units.tally`) counts each kind of GEMM of each layer once a call of the
-function, the gate's and up's forward GEMMs again in the backward pass, whatever passes for a
-largest magnitude ran besides.
+The price is time: the backward pass runs the gate's and up's forward GEMMs again (and, for a
+pass that finds a largest magnitude, those and the down layer's input-gradient GEMM once more),
+as activation checkpointing of the MLP alone would. `accounting` notes the definition's three
+layers, with the definition's stash bytes (none where it would pack no stash); the tally
+(`units.tally`) counts each kind of GEMM of each layer once a call of the function, the gate's
+and up's forward GEMMs again in the backward pass, whatever passes for a largest magnitude ran
+besides.
 
 Under ``stash_scope=all`` the definition's saved activations and products are held by the
 rules (``bfp8``, derivative codes), while the slices compute them again exactly: there the two
@@ -319,7 +320,7 @@ def _note(x2, weights, points, layers: _Layers, cfg: QuantConfig, stashed) -> No
     f1 = points[1]
     n, k = x2.shape
     width = weights[0].shape[0]
-    meta = torch.empty(n, k, device="meta")
+    meta = torch.empty(n, k, device="meta", dtype=x2.dtype)  # q1 fp32 holds the input's dtype
     x_bytes = f1.fmt.pack(meta, 0).nbytes
     p_bytes = f1.fmt.pack(meta.new_empty(n, width), 0).nbytes
     shapes = ((x_bytes, width, k), (x_bytes, width, k), (p_bytes, k, width))

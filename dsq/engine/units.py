@@ -215,9 +215,10 @@ def gemm_by_rows(a_rows, rows: int, cols: int, b: torch.Tensor, how: GemmPlan, k
     by ``a_rows(slice)``: no whole ``a`` (nor its converted copies) exists, only a slice of at
     most about `SLICE_ELEMENTS` values. Each output row is the same dot products as in one
     GEMM; whether the unit sums them in the same order for fewer rows is the unit's choice
-    (on the CPUs measured, slices of at least `SLICE_ROWS` rows gave the same bits; `row_slices`
-    joins a shorter last one to the one before). Counted as one GEMM, on ``how``'s unit unless a
-    slice ran in float32."""
+    (the bf16 unit gives the same bits; a float32 GEMM of fewer than about 192 rows rounded some
+    rows' sums differently on the Xeon, and one of a few rows runs a matrix-vector kernel, so
+    `row_slices` joins a last slice under `SLICE_ROWS` rows to the one before). Counted as one
+    GEMM, on ``how``'s unit unless a slice ran in float32."""
     step = max(SLICE_ROWS, SLICE_ELEMENTS // max(1, cols) // SLICE_ROWS * SLICE_ROWS)
     if step >= rows:
         return gemm(a_rows(slice(0, rows)), b, how, kind)
@@ -235,7 +236,8 @@ def gemm_by_rows(a_rows, rows: int, cols: int, b: torch.Tensor, how: GemmPlan, k
 def row_slices(rows: int, step: int) -> list[slice]:
     """``rows`` rows ``step`` at a time, a last part of fewer than `SLICE_ROWS` rows joined to
     the one before: a GEMM of a few rows may run another kernel (a matrix-vector product), whose
-    bits differ from the same rows' in a larger GEMM (measured on the CPU at 1 to 8 rows)."""
+    bits differ from the same rows' in a larger GEMM (measured on the Xeon at 1 to 8 rows; a
+    float32 GEMM of up to about 192 rows can still differ in some rows' last bits)."""
     starts = list(range(0, rows, step))
     if len(starts) > 1 and rows - starts[-1] < SLICE_ROWS:
         starts.pop()

@@ -181,6 +181,18 @@ def run_in(dtype, function, cfg, autocast: bool):
     return y.detach(), grads[0], grads[1:]
 
 
+def test_a_bf16_models_records_hold_its_stash_in_its_dtype(small_slices):
+    """With q1 fp32 the definition stashes a bf16 input at 2 bytes a value: so do the records."""
+    cfg = QuantConfig(q0="bfp8", q1="fp32", q2="bfp8", q3="fixed16")
+    stash = {}
+    for function in (sliced_swiglu, swiglu_definition):
+        with record_gemms() as record:
+            run_in(torch.bfloat16, function, cfg, autocast=False)
+        stash[function] = [g.stash_bytes for g in record.gemms]
+    assert stash[sliced_swiglu] == stash[swiglu_definition]
+    assert stash[sliced_swiglu][0] == N * K * 2
+
+
 @pytest.mark.parametrize(
     "dtype, autocast", [(torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)]
 )
