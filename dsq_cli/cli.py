@@ -270,15 +270,18 @@ def _transformers_only(given: list[str]) -> None:
                          "gpt2 or bert); leave it out for fairseq")  # fmt: skip
 
 
-def _check_sliced_scopes(scopes, model: str) -> None:
-    """A scope running MLPs in slices (quant.mlp=sliced) needs a model with Llama-style MLPs."""
+def _scopes_for(scopes: str, model: str) -> list[str]:
+    """The ``--scopes`` given, each a bench scope; one running MLPs in slices (quant.mlp=sliced)
+    needs a model with Llama-style MLPs."""
     from dsq_cli.bench.step import SCOPES
 
-    sliced = [scope for scope in scopes if SCOPES[scope].get("mlp") == "sliced"]
+    chosen = _choices("--scopes", scopes, tuple(SCOPES))
+    sliced = [scope for scope in chosen if SCOPES[scope].get("mlp") == "sliced"]
     if sliced and model != "llama":
         which = "it" if len(sliced) == 1 else "them"
         raise ValueError(f"--scopes {','.join(sliced)}: Llama-style MLPs only (--model llama); "
                          f"leave {which} out for {model}")  # fmt: skip
+    return chosen
 
 
 def _transformers_bench(model, presets, layers, width, heads, kv_heads, vocab, seq_lens,
@@ -288,7 +291,6 @@ def _transformers_bench(model, presets, layers, width, heads, kv_heads, vocab, s
     fairseq-only options given, a usage error; ``loss_chunk`` None: the model's own loss;
     ``where``: what each row holds at its peak (`transformers_models.run`)."""
     from dsq_cli.bench import memory, transformers_models
-    from dsq_cli.bench.step import SCOPES
 
     if model not in transformers_models.MODELS:
         choices = ["fairseq", *transformers_models.MODELS]
@@ -305,8 +307,7 @@ def _transformers_bench(model, presets, layers, width, heads, kv_heads, vocab, s
         )
     lengths = _seq_lens(seq_lens)
     shape = transformers_models.ModelShape(model, layers, width, heads, kv_heads, vocab)
-    scope_list = _choices("--scopes", scopes, tuple(SCOPES))
-    _check_sliced_scopes(scope_list, model)
+    scope_list = _scopes_for(scopes, model)
     rows = transformers_models.rows_of(
         _preset_names(presets), scope_list, _variant_options(checkpointing)
     )
@@ -394,7 +395,6 @@ def bench_step(
     unit setting and checkpointing, side by side."""
     from dsq.engine.units import SETTINGS
     from dsq_cli.bench import step
-    from dsq_cli.bench.step import SCOPES
 
     if model != "fairseq":
         from dsq_cli.bench import transformers_models
@@ -408,8 +408,7 @@ def bench_step(
         return
     _transformers_only(_given(ctx, *TRANSFORMERS_ONLY))
     names = _preset_names(presets)
-    scope_list = _choices("--scopes", scopes, tuple(SCOPES))
-    _check_sliced_scopes(scope_list, "fairseq")
+    scope_list = _scopes_for(scopes, "fairseq")
     unit_list = _choices("--gemm-units", gemm_units, SETTINGS)
     ckpt = _variant_options(checkpointing)
     _check_device(device)
@@ -517,7 +516,6 @@ def bench_memory(
     """The largest batch (whole sentences) whose training step's peak memory fits the budget,
     per quant preset, stash scope and checkpointing, side by side."""
     from dsq_cli.bench import memory, step
-    from dsq_cli.bench.step import SCOPES
 
     if model != "fairseq":
         from dsq_cli.bench import transformers_models
@@ -531,8 +529,7 @@ def bench_memory(
     _transformers_only(_given(ctx, *TRANSFORMERS_ONLY, "repeats", "where"))
     size = memory.parse_size(budget)
     names = _preset_names(presets)
-    scope_list = _choices("--scopes", scopes, tuple(SCOPES))
-    _check_sliced_scopes(scope_list, "fairseq")
+    scope_list = _scopes_for(scopes, "fairseq")
     ckpt = _variant_options(checkpointing)
     _check_device(device)
     result = memory.run(

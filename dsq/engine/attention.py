@@ -69,7 +69,12 @@ from .functions import (
     dsq_matmul,
     outside_autocast,
 )
-from .parts import largest_magnitude, quantize_chain_part, quantize_part
+from .parts import (
+    finite_largest_magnitude,
+    largest_magnitude,
+    quantize_chain_part,
+    quantize_part,
+)
 
 # the elements of one tile's [rows x keys] tensors across its sequences and heads: a few such
 # tensors are alive at once, about 8 MiB each, whatever the batch
@@ -388,10 +393,8 @@ def _incoming_gradient(call: _Call, d_out, keep):
     to every value of it."""
     f2, f3 = call.points[2], call.points[3]
     whole = f3.rounding != "nearest" or f2.rounding != "nearest" or d_out.numel() == 0
-    if not whole:
-        low, high = torch.aminmax(d_out)
-        whole = not bool(torch.isfinite(low) & torch.isfinite(high))
-    if whole:
+    amax = None if whole else finite_largest_magnitude(d_out)
+    if amax is None:
         g_out, g2_out = _whole_incoming_gradient(call, d_out)
         g2_out = call.scaled(g2_out, (d_out, g_out, *keep))
 
@@ -399,7 +402,7 @@ def _incoming_gradient(call: _Call, d_out, keep):
             return call.rows_of(g_out, bs, rows), call.rows_of(g2_out, bs, rows)
 
         return of_whole, (g_out, g2_out)
-    amax_out = torch.maximum(high, low.neg()) if _whole_scale(f3) else None
+    amax_out = amax if _whole_scale(f3) else None
     # [B, Hkv, rep, N, e]: each head's rows apart, so that a tile's blocks along the queries are
     # the whole tensor's (a view where dO's strides allow it, as they do for a transposed
     # [B, N, H, e]; else one copy)

@@ -89,10 +89,17 @@ def quantize_chain_part(first: _Point, second: _Point, x: torch.Tensor, amax, se
     return g, quantize_part(second, g, -1, second_amax)
 
 
+def finite_largest_magnitude(x: torch.Tensor) -> torch.Tensor | None:
+    """The largest magnitude of a non-empty ``x`` in one read (and no ``|x|`` tensor), or None
+    where ``x`` holds a NaN or an infinity."""
+    low, high = torch.aminmax(x)
+    amax = torch.maximum(high, low.neg())
+    return amax if bool(torch.isfinite(amax)) else None
+
+
 def largest_magnitude(x: torch.Tensor) -> torch.Tensor:
     """The largest finite magnitude of ``x`` (the whole-tensor scales leave out the rest)."""
-    low, high = torch.aminmax(x)  # one read, and no |x| tensor
-    amax = torch.maximum(high, low.neg())
-    if torch.isfinite(amax):
+    amax = finite_largest_magnitude(x)
+    if amax is not None:
         return amax
     return torch.where(torch.isfinite(x), x.abs(), 0.0).amax()

@@ -73,7 +73,7 @@ from .functions import (
     dsq_linear,
     outside_autocast,
 )
-from .parts import largest_magnitude, quantize_chain_part, quantize_part
+from .parts import finite_largest_magnitude, largest_magnitude, quantize_chain_part, quantize_part
 from .spec import sliced_mlp_rounding_error
 from .swiglu import silu_product
 
@@ -148,11 +148,12 @@ class _Layers:
         slices = units.row_slices(n, slice_rows(n, width, [p.fmt for p in points]))
         return cls(points, plans, slices, tuple(weights), tuple(biases))
 
-    def forward_gemms(self):
-        """The forward GEMMs of gate, up and down, each run a slice of rows at a time."""
+    def forward_gemms(self, layers: int = 3):
+        """The forward GEMMs of the first ``layers`` of gate, up and down (the backward pass
+        needs gate's and up's alone), each run a slice of rows at a time."""
         f0 = self.points[0]
         return [units.RowsOfGemm(f0.quantize(w, 1).t(), self.plans[0], b)
-                for w, b in zip(self.weights, self.biases)]  # fmt: skip
+                for w, b in zip(self.weights[:layers], self.biases[:layers])]  # fmt: skip
 
     def activations(self, x0_of, r, gemms):
         """(g_r, u_r, p_r) of slice ``r``; ``x0_of`` gives q0(x)'s rows."""
@@ -163,15 +164,16 @@ class _Layers:
 
     def largest(self, parts):
         """(the largest magnitude over the slices of each tensor ``parts(r)`` gives, whether
-        every value was finite)."""
-        found, finite = None, True
+        every value was finite); at the first NaN or infinity, (None, False): the caller runs
+        the definition."""
+        found = None
         for r in self.slices:
-            tensors = parts(r)
-            finite = finite and all(bool(torch.isfinite(t).all()) for t in tensors)
-            amaxes = torch.stack([largest_magnitude(t) for t in tensors])
+            amaxes = [finite_largest_magnitude(t) for t in parts(r)]
+            if any(amax is None for amax in amaxes):
+                return None, False
+            amaxes = torch.stack(amaxes)
             found = amaxes if found is None else torch.maximum(found, amaxes)
-            del tensors
-        return list(found), finite
+        return list(found), True
 
 
 class SlicedSwiGLUFunction(torch.autograd.Function):
@@ -197,9 +199,10 @@ class SlicedSwiGLUFunction(torch.autograd.Function):
         x0_of = _rows_of(f0, x2, 1)
         amax_p = None
         if _whole(f0) or _whole(f1):  # p's largest magnitude, a pass over the slices first
-            (amax_p,), finite = layers.largest(lambda r: layers.activations(x0_of, r, gemms)[2:])
+            found, finite = layers.largest(lambda r: layers.activations(x0_of, r, gemms)[2:])
             if not finite:
                 return _forward_whole(ctx, x2, weights, biases, cfg)
+            (amax_p,) = found
         ctx.whole = False
         ctx.amax_p = amax_p if _whole(f1) else None
         y = x2.new_empty(x2.shape[0], w_down.shape[0])
@@ -226,7 +229,7 @@ class SlicedSwiGLUFunction(torch.autograd.Function):
         f0, f1, f2, f3 = ctx.points
         w_gate, w_up, w_down = weights
         layers = _Layers.of(x2, weights, biases, ctx.points, ctx.cfg)
-        gemms = layers.forward_gemms()
+        gemms = layers.forward_gemms(2)  # gate and up: the product again
         x0_of, x1_of = _rows_of(f0, x2, 1), _rows_of(f1, x2, 0)
         h = f3.quantize(dy, 0)  # q3(dy), whole: blocks along N
         h2_of = _rows_of(f2, h, 1)
@@ -242,18 +245,20 @@ class SlicedSwiGLUFunction(torch.autograd.Function):
 
         amax_dg = amax_du = amax_a = amax_b = None
         if _whole(f3):
-            (amax_dg, amax_du), finite = layers.largest(lambda r: gradients(r)[:2])
+            found, finite = layers.largest(lambda r: gradients(r)[:2])
             if not finite:
                 return _backward_whole(ctx, dy, x2, weights, biases)
+            amax_dg, amax_du = found
         if _whole(f2):
 
             def quantized(r):
                 d_g, d_u = gradients(r)[:2]
                 return quantize_part(f3, d_g, 0, amax_dg), quantize_part(f3, d_u, 0, amax_du)
 
-            (amax_a, amax_b), finite = layers.largest(quantized)
+            found, finite = layers.largest(quantized)
             if not finite:
                 return _backward_whole(ctx, dy, x2, weights, biases)
+            amax_a, amax_b = found
         wanted = ctx.needs_input_grad
         dx_of = [units.RowsOfGemm(f2.quantize(w, 0), layers.plans[1]) for w in (w_gate, w_up)]
         dw_of = [units.RowsOfGemm(None, layers.plans[2]) for _ in range(3)]  # gate, up, down
