@@ -36,6 +36,11 @@ quantized value equals the explicit path's. What differs is the order of float32
 over a tile's rows instead of all rows, ``dK`` and ``dV`` summed tile by tile and over a group's
 query heads. tests/dsq/engine/test_attention.py states the tolerance.
 
+The stashes are packed, and the backward pass runs, a group of sequences at a time
+(`stash_groups`: a tile's sequences), so the unpacked stashes exist for one group; a whole-tensor
+q3 is given the batch's largest magnitudes of dO and dZ (`attention_score_gradient_magnitude`),
+so each group's values are the whole batch's.
+
 The two passes are torch custom ops, ``dsq::attention_forward`` and ``dsq::attention_backward``
 (`attention_forward`, `attention_backward`), on tensors already in their formats; the autograd
 function around them packs and unpacks the stashes.
@@ -204,7 +209,7 @@ class _Call:
     dropout seed and the largest magnitudes of the tensors a whole-tensor scale spans."""
 
     def __init__(self, q, k, v, points, gemm_unit, scaling, mask, causal, key_padding, dropout,
-                 dropout_seed, tile_rows):  # fmt: skip
+                 dropout_seed, tile_rows, first_sequence=0):  # fmt: skip
         self.batch, self.heads, self.n, self.d = q.shape
         self.kv_heads, self.m, self.e = k.shape[1], k.shape[2], v.shape[-1]
         self.rep = self.heads // self.kv_heads
@@ -227,7 +232,11 @@ class _Call:
         self.causal = causal and mask is None
         self.real_keys = None if key_padding is None else ~key_padding.bool()[:, None, None, None]
         self.seed = dropout_seed if dropout > 0 else None
-        self.amax_pd = None
+        # where the call is one group of a batch's sequences (`stash_groups`): the first one's
+        # place in the batch, for dropout's counters, and the whole batch's largest magnitudes of
+        # dO and dZ where q3 scales the whole tensor (None: the call finds them itself)
+        self.first_sequence = first_sequence
+        self.amax_pd = self.amax_out = self.amax_dz = None
 
     def _five(self, mask):
         """``mask`` (broadcastable to [B, H, N, M]) as a view [B, Hkv, rep, N, M]."""
@@ -277,8 +286,8 @@ class _Call:
             p = p.masked_fill(nothing, 0.0)
         noise = None
         if self.seed is not None:
-            index = dropout_index(p.shape, self.heads, self.n, self.m, bs.start, rows.start,
-                                  p.device)  # fmt: skip
+            index = dropout_index(p.shape, self.heads, self.n, self.m,
+                                  self.first_sequence + bs.start, rows.start, p.device)  # fmt: skip
             noise = dropout_noise(self.seed, self.dropout, index)
         pd = p if noise is None else p * noise
         return p, pd, noise, keep, nothing
@@ -339,19 +348,13 @@ def _backward(call: _Call, d_out, q0, k0, q1, k1, v1):
     keep = (d_out, k0, q1, k1, v1, *whole)
     d_scores_of = _tile_gradients(call, q0, k0, v1, keep)
 
-    def d_scores_alone(bs, rows, keys):
-        return d_scores_of(bs, rows, keys, g_out_of(bs, rows)[1])
-
     amax_dz = amax_g = None
     if _whole_scale(f3):
-        amax_dz = torch.stack(
-            [largest_magnitude(d_scores_alone(*tile)[0]) for tile in call.tiles]
-        ).amax()
+        amax_dz = call.amax_dz
+        if amax_dz is None:
+            amax_dz = _largest_score_gradient(call, g_out_of, d_scores_of)
     if _whole_scale(f2):
-        amax_g = torch.stack([
-            largest_magnitude(quantize_part(f3, d_scores_alone(*tile)[0], -2, amax_dz))
-            for tile in call.tiles
-        ]).amax()  # fmt: skip
+        amax_g = _largest_score_gradient(call, g_out_of, d_scores_of, amax_dz)
     dq = torch.empty_like(q0)
     dq5 = dq.view(call.batch, call.kv_heads, call.rep, call.n, call.d)
     dk_t = q0.new_zeros(call.batch, call.kv_heads, call.d, call.m)
@@ -378,6 +381,19 @@ def _backward(call: _Call, d_out, q0, k0, q1, k1, v1):
     return dq, dk_t.transpose(-1, -2), dv
 
 
+def _largest_score_gradient(call: _Call, g_out_of, d_scores_of, amax_dz=None):
+    """The largest magnitude of dZ over the call's tiles, or of ``q3(dZ)`` (blocks along the
+    queries) where ``amax_dz``, dZ's, is given: a pass for a scale that spans the tensor."""
+    f3 = call.points[3]
+    largest = []
+    for bs, rows, keys in call.tiles:
+        dz = d_scores_of(bs, rows, keys, g_out_of(bs, rows)[1])[0]
+        largest.append(largest_magnitude(dz if amax_dz is None else
+                                         quantize_part(f3, dz, -2, amax_dz)))  # fmt: skip
+        del dz
+    return torch.stack(largest).amax()
+
+
 def _incoming_gradient(call: _Call, d_out, keep):
     """(a function of a tile's sequences and rows, the whole tensors it holds): the function
     gives ``(g_O, q2(g_O) * scaling)`` there in the GEMM layout [bc, Hkv, rep * rows, e],
@@ -393,7 +409,9 @@ def _incoming_gradient(call: _Call, d_out, keep):
     to every value of it."""
     f2, f3 = call.points[2], call.points[3]
     whole = f3.rounding != "nearest" or f2.rounding != "nearest" or d_out.numel() == 0
-    amax = None if whole else finite_largest_magnitude(d_out)
+    amax = None
+    if not whole:  # a group's call is given the batch's, found finite (`stash_groups`)
+        amax = call.amax_out if call.amax_out is not None else finite_largest_magnitude(d_out)
     if amax is None:
         g_out, g2_out = _whole_incoming_gradient(call, d_out)
         g2_out = call.scaled(g2_out, (d_out, g_out, *keep))
@@ -539,15 +557,23 @@ def attention_backward(
     v1: torch.Tensor, amax_pd: torch.Tensor | None, mask: torch.Tensor | None,
     key_padding: torch.Tensor | None, points: str, gemm_unit: str, scaling: float, causal: bool,
     dropout: float, dropout_seed: int, noise_seed: int, tile_rows: int,
+    amax_out: torch.Tensor | None = None, amax_dz: torch.Tensor | None = None,
+    first_sequence: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """The tiled backward pass (module docstring): ``(dQ, dK, dV)`` from the incoming gradient
     ``d_out`` and the saved operands, ``q0`` and ``k0`` as the forward pass had them (``q0``
     unscaled; the kernel's to use, as there), ``q1(Q)``, ``q1(K)``, ``q1(V)`` unpacked, and the
     forward's ``amax`` (None where q1 does not scale the whole tensor); the other arguments are
-    the forward's, but for the noise's seed."""
+    the forward's, but for the noise's seed. A call on one group of the batch's sequences
+    (`stash_groups`) is given the batch's largest magnitudes of dO and dZ where q3 scales the
+    whole tensor (`attention_score_gradient_magnitude` finds dZ's), and its first sequence's
+    place in the batch."""
     call = _Call(q0, k0, v1, _points_of(points, noise_seed, q0.device), gemm_unit, scaling, mask,
-                 causal, key_padding, dropout, dropout_seed, tile_rows or None)  # fmt: skip
+                 causal, key_padding, dropout, dropout_seed, tile_rows or None,
+                 first_sequence)  # fmt: skip
     call.amax_pd = None if amax_pd is None else amax_pd.to(q0.dtype)
+    call.amax_out = None if amax_out is None else amax_out.to(q0.dtype)
+    call.amax_dz = None if amax_dz is None else amax_dz.to(q0.dtype)
     triton_kernels = _triton_kernels(call, q0, k0, v1, d_out, q1, k1)
     if triton_kernels is not None:
         units.count("matmul.da", "fp32", 2)  # dPd and dQ, in float32 as the forward's
@@ -566,6 +592,30 @@ def _attention_backward_fake(d_out, q0, k0, q1, k1, v1, *_):
     b, kv_heads, m, d = k0.shape
     dk = q0.new_empty(b, kv_heads, d, m).transpose(-1, -2)
     return torch.empty_like(q0), dk, q0.new_empty(b, kv_heads, m, v1.shape[-1])
+
+
+@torch.library.custom_op("dsq::attention_score_gradient_magnitude", mutates_args=("q0",))
+def attention_score_gradient_magnitude(
+    d_out: torch.Tensor, q0: torch.Tensor, k0: torch.Tensor, v1: torch.Tensor,
+    amax_out: torch.Tensor | None, mask: torch.Tensor | None, key_padding: torch.Tensor | None,
+    points: str, gemm_unit: str, scaling: float, causal: bool, dropout: float, dropout_seed: int,
+    tile_rows: int, first_sequence: int,
+) -> torch.Tensor:  # fmt: skip
+    """The largest magnitude of dZ (float32) over one group of a batch's sequences: the pass that
+    gives a whole-tensor q3 its scale when the backward pass runs a group at a time
+    (`stash_groups`), with the arguments of `attention_backward` for that group. Every point
+    rounds to nearest there, so no noise is drawn."""
+    call = _Call(q0, k0, v1, _points_of(points, 0, q0.device), gemm_unit, scaling, mask, causal,
+                 key_padding, dropout, dropout_seed, tile_rows or None, first_sequence)  # fmt: skip
+    call.amax_out = None if amax_out is None else amax_out.to(q0.dtype)
+    g_out_of, whole = _incoming_gradient(call, d_out, (k0, v1))
+    d_scores_of = _tile_gradients(call, q0, k0, v1, (d_out, k0, v1, *whole))
+    return _largest_score_gradient(call, g_out_of, d_scores_of).to(torch.float32)
+
+
+@attention_score_gradient_magnitude.register_fake
+def _attention_score_gradient_magnitude_fake(d_out, q0, *_):
+    return q0.new_empty((), dtype=torch.float32)
 
 
 def _triton_kernels(call: _Call, q0, k0, v0, *others):
@@ -591,17 +641,54 @@ def _owned(x: torch.Tensor, others) -> torch.Tensor:
     return x.clone() if any(_shares_memory(x, t) for t in others) else x
 
 
+def stash_groups(q: torch.Tensor, k: torch.Tensor, points, tile_rows=None) -> list[slice]:
+    """The groups of a batch's sequences whose stashes are packed, unpacked and run through the
+    backward pass one group at a time (docs/dsq.md, "Attention in tiles"): a tile's sequences,
+    so one sequence where a sequence fills a tile (a thousand tokens and more), and the whole
+    batch where many fit one.
+
+    The batch is one group where a group's values could differ from the whole batch's: a format
+    whose scale spans the tensor at q0, q1 or q2 (its stash or its quantized operand would take
+    the group's largest magnitude; q3's is given the batch's, `attention_score_gradient_magnitude`),
+    a stochastic rounding (its noise is drawn for the whole tensor), or the Triton backend, whose
+    kernels take the whole batch."""
+    b = q.shape[0]
+    formats = [p.fmt for p in points]
+    if (any(map(_whole_scale, points[:3])) or any(p.rounding != "nearest" for p in points)
+            or backends.backend_name(q) == "triton"):  # fmt: skip
+        return [slice(0, b)]
+    seqs = _Tiles(b, q.shape[1], q.shape[2], k.shape[2], formats, False, tile_rows).seqs
+    return [slice(b0, min(b0 + seqs, b)) for b0 in range(0, b, seqs)]
+
+
+def _group_arguments(arguments, group: slice, batch: int):
+    """The kernels' arguments for one group of sequences: a mask with a batch axis and the key
+    padding cut to the group's sequences."""
+    mask, key_padding, *rest = arguments
+    if mask is not None and mask.dim() == 4 and mask.shape[0] == batch:
+        mask = mask[group]
+    key_padding = None if key_padding is None else key_padding[group]
+    return (mask, key_padding, *rest)
+
+
 class DSQAttentionFunction(torch.autograd.Function):
     """`dsq_attention` with a backward pass (module docstring): packs and unpacks the stashes
-    around `attention_forward` and `attention_backward`."""
+    around `attention_forward` and `attention_backward`, a group of sequences at a time
+    (`stash_groups`)."""
 
     @staticmethod
     def forward(ctx, q, k, v, cfg, scaling, mask, causal, key_padding, dropout, tile_rows):
         points = _points(cfg, q.device)
         f0, f1 = points[0], points[1]
-        q_packed, k_packed = f0.pack(q, -1), f0.pack(k, -1)
-        q0 = _owned(q_packed.unpack(), (q, *q_packed.payload.values()))
-        k0, v0 = k_packed.unpack(), f0.quantize(v, -2)
+        groups = stash_groups(q, k, points, tile_rows)
+        packs = [[f0.pack(q[g], -1), f0.pack(k[g], -1)] for g in groups]
+        if len(groups) == 1:  # q0 and k0 from their stashes: one pass over q and k
+            q_packed, k_packed = packs[0]
+            q0 = _owned(q_packed.unpack(), (q, *q_packed.payload.values()))
+            k0 = k_packed.unpack()
+        else:
+            q0, k0 = _owned(f0.quantize(q, -1), (q,)), f0.quantize(k, -1)
+        v0 = f0.quantize(v, -2)
         dropout_seed = int(torch.randint(0, 2**62, (), dtype=torch.int64)) if dropout > 0 else 0
         # every argument of the two kernels but the tensors and the noise's seed
         ctx.arguments = (mask, key_padding, points_text(cfg), cfg.gemm_unit, scaling, causal,
@@ -610,11 +697,13 @@ class DSQAttentionFunction(torch.autograd.Function):
             q0, k0, v0, *ctx.arguments[:-1], _noise_seed(cfg, q.device), ctx.arguments[-1]
         )
         ctx.amax_pd = amax_pd if _whole_scale(f1) else None  # the only use the backward has
-        stashes = (q_packed, k_packed, f1.pack(q, -2), f1.pack(k, -2), f1.pack(v, -1))
-        ctx.cfg = cfg
+        for g, group_packs in zip(groups, packs):
+            group_packs += [f1.pack(q[g], -2), f1.pack(k[g], -2), f1.pack(v[g], -1)]
+        ctx.cfg, ctx.groups, ctx.batch = cfg, groups, q.shape[0]
+        ctx.whole_q3 = _whole_scale(points[3])  # the points of the forward pass, as the stashes
         ctx.headers, tensors = [], []
-        for packed in stashes:  # as the other DSQ functions save their stashes
-            header, payload = _stash_header(packed)
+        for packed in (p for group_packs in packs for p in group_packs):
+            header, payload = _stash_header(packed)  # as the other DSQ functions save theirs
             ctx.headers.append(header)
             tensors += payload
         for t in tensors:  # already in their formats: a stash_scope=all hook leaves them be
@@ -636,19 +725,63 @@ class DSQAttentionFunction(torch.autograd.Function):
     def backward(ctx, d_out):
         saved = list(ctx.saved_tensors)
         saved_all = tuple(saved)
-        unpacked = []
+        packs = []  # per group: q0, k0, q1, k1, v1 packed
         for header in ctx.headers:
             count = len(header[-1])  # the payload's names
-            unpacked.append(_stash_restore(header, saved[:count]).unpack())
+            packs.append(_stash_restore(header, saved[:count]))
             del saved[:count]
-        q0, k0, q1, k1, v1 = unpacked
-        q0 = _owned(q0, saved_all)
+        packs = [packs[i : i + 5] for i in range(0, len(packs), 5)]
         noise_seed = _noise_seed(ctx.cfg, d_out.device)
-        dq, dk, dv = torch.ops.dsq.attention_backward(
-            d_out, q0, k0, q1, k1, v1, ctx.amax_pd, *ctx.arguments[:-1], noise_seed,
-            ctx.arguments[-1],
-        )  # fmt: skip
+        amax_out = None
+        if len(ctx.groups) > 1:
+            amax_out = finite_largest_magnitude(d_out)
+        if amax_out is None:  # one group, or a NaN or an infinity a whole scale would spread
+            q0, k0, q1, k1, v1 = (_joined(kind, ctx.groups) for kind in zip(*packs))
+            dq, dk, dv = torch.ops.dsq.attention_backward(
+                d_out, _owned(q0, saved_all), k0, q1, k1, v1, ctx.amax_pd, *ctx.arguments[:-1],
+                noise_seed, ctx.arguments[-1],
+            )  # fmt: skip
+        else:
+            dq, dk, dv = _backward_by_groups(ctx, d_out, packs, amax_out, saved_all)
         return dq, dk, dv, None, None, None, None, None, None, None
+
+
+def _joined(packs, groups) -> torch.Tensor:
+    """One stash's groups unpacked and joined along the batch."""
+    if len(groups) == 1:
+        return packs[0].unpack()
+    return torch.cat([packed.unpack() for packed in packs])
+
+
+def _backward_by_groups(ctx, d_out, packs, amax_out, saved_all):
+    """(dQ, dK, dV) a group of sequences at a time (`stash_groups`), each group's stashes
+    unpacked in turn; where q3 scales the whole tensor, a pass over the groups first finds dZ's
+    largest magnitude, and every group is given it and dO's."""
+    amax_out = amax_out if ctx.whole_q3 else None
+    arguments = [_group_arguments(ctx.arguments, g, ctx.batch) for g in ctx.groups]
+    amax_dz = None
+    if ctx.whole_q3:
+        largest = []
+        for g, (q0, k0, _, _, v1), args in zip(ctx.groups, packs, arguments):
+            q0 = _owned(q0.unpack(), saved_all)
+            largest.append(torch.ops.dsq.attention_score_gradient_magnitude(
+                d_out[g], q0, k0.unpack(), v1.unpack(), amax_out, *args, g.start
+            ))  # fmt: skip
+        amax_dz = torch.stack(largest).amax()
+    grads = None
+    for g, group_packs, args in zip(ctx.groups, packs, arguments):
+        q0, k0, q1, k1, v1 = (packed.unpack() for packed in group_packs)
+        got = torch.ops.dsq.attention_backward(
+            d_out[g], _owned(q0, saved_all), k0, q1, k1, v1, None, *args[:-1], 0, args[-1],
+            amax_out, amax_dz, g.start,
+        )  # fmt: skip
+        del q0, k0, q1, k1, v1
+        if grads is None:
+            grads = [t.new_empty(ctx.batch, *t.shape[1:]) for t in got]
+        for whole, part in zip(grads, got):
+            whole[g] = part
+        del got
+    return grads
 
 
 def _plans(f0, f1, f2, f3, device, unit, macs):

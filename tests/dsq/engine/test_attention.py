@@ -17,7 +17,7 @@ import pytest
 import torch
 from helpers.attention import MASKS, cfg_of, inputs, mask_keywords
 
-from dsq.engine import QuantConfig
+from dsq.engine import QuantConfig, attention
 from dsq.engine.attention import (
     DSQAttentionFunction,
     dropout_index,
@@ -301,6 +301,108 @@ def test_torch_compile_traces_quantized_attention_as_one_graph():
     assert "torch.ops.dsq.attention_forward" in explained.graphs[0].code
     compiled = torch.compile(attend, fullgraph=True, dynamic=False, backend="eager")
     assert torch.equal(compiled(q, k, v), eager)
+
+
+# -- the backward pass a group of sequences at a time ----------------------------------------------
+def one_group(q, k, points, tile_rows=None):
+    return [slice(0, q.shape[0])]
+
+
+def grads_of(preset, kind, dropout=0.0, d_out_change=None, **changes):
+    cfg = cfg_of(preset, **changes)
+    q, k, v, d_out = inputs(b=3)
+    if d_out_change is not None:
+        d_out_change(d_out)
+    keywords = mask_keywords(kind, 3, 75, 75) | {"scaling": 0.25}
+    torch.manual_seed(0)  # the dropout seed
+    out = dsq_attention(q, k, v, cfg, tile_rows=32, dropout=dropout, **keywords)
+    return (out, *torch.autograd.grad(out, (q, k, v), d_out))
+
+
+@pytest.fixture
+def a_sequence_a_tile(monkeypatch):
+    """Tiles of one sequence each for `grads_of`'s inputs (4 heads, 32 rows, 75 keys), so the
+    backward pass runs one sequence at a time, as it does from about a thousand tokens a
+    sequence."""
+    monkeypatch.setattr(attention, "TILE_ELEMENTS", 4 * 32 * 75)
+
+
+@pytest.mark.parametrize("kind", MASKS)
+@pytest.mark.parametrize(("preset", "dropout"), [
+    ("dsq", 0.0), ("dsq", 0.2), ("mx_dsq", 0.0), ("fp32", 0.2), ("bf16", 0.0),
+])  # fmt: skip
+def test_a_backward_pass_a_sequence_at_a_time_is_the_whole_batchs_bit_for_bit(
+    preset, dropout, kind, a_sequence_a_tile, monkeypatch
+):
+    """Each group's stashes are the whole batch's values; dsq's q3 (fixed16) is given the whole
+    batch's largest magnitudes of dO and dZ; dropout counts from the group's first sequence."""
+    q, k, *_ = inputs(b=3)
+    assert len(attention.stash_groups(q, k, attention._points(cfg_of(preset), q.device))) == 3
+    grouped = grads_of(preset, kind, dropout)
+    monkeypatch.setattr(attention, "stash_groups", one_group)
+    whole = grads_of(preset, kind, dropout)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), grouped, whole):
+        assert torch.equal(a, b), name
+
+
+def test_a_nan_in_the_incoming_gradient_runs_the_whole_batch(a_sequence_a_tile, monkeypatch):
+    """A scale that spans the tensor spreads a NaN to every value: the groups are joined and run
+    as one, as the whole batch would."""
+
+    def poison(d_out):
+        d_out[2, 1, 5, 3] = torch.nan
+
+    grouped = grads_of("dsq", "causal", d_out_change=poison)
+    assert grouped[1].isnan().any()
+    monkeypatch.setattr(attention, "stash_groups", one_group)
+    whole = grads_of("dsq", "causal", d_out_change=poison)
+    for a, b in zip(grouped, whole):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize(("preset", "changes", "why"), [
+    ("nvfp4_dsq", {}, "q0 and q1 scale the whole tensor"),
+    ("fixed16", {}, "every point scales the whole tensor"),
+    ("dsq", {"q2": "fixed16"}, "q2 scales the whole tensor"),
+    ("dsq", {"rounding": {"q1": "stochastic"}}, "noise drawn for the whole tensor"),
+])  # fmt: skip
+def test_the_batch_is_one_group_where_a_group_could_differ(preset, changes, why,
+                                                           a_sequence_a_tile):  # fmt: skip
+    q, k, *_ = inputs(b=3)
+    cfg = cfg_of(preset, **changes)
+    assert attention.stash_groups(q, k, attention._points(cfg, q.device)) == [slice(0, 3)], why
+
+
+def test_groups_follow_the_tiles_sequences():
+    """A sequence a group where one fills a tile (1,024 tokens, 8 heads), the whole batch where
+    many fit one."""
+    points = attention._points(cfg_of("dsq"), "cpu")
+    long_q, long_k = torch.empty(3, 8, 1024, 64), torch.empty(3, 4, 1024, 64)
+    assert attention.stash_groups(long_q, long_k, points) == [slice(i, i + 1) for i in range(3)]
+    short_q, short_k = torch.empty(40, 8, 32, 64), torch.empty(40, 4, 32, 64)
+    assert attention.stash_groups(short_q, short_k, points) == [slice(0, 40)]
+
+
+@pytest.mark.parametrize("preset", ["fp32", "dsq"])
+def test_a_second_backward_pass_by_groups_gives_the_same_gradients(preset, a_sequence_a_tile):
+    """The groups' stashes keep their values through the in-place scaling of ``q0``."""
+    cfg = cfg_of(preset)
+    q, k, v, d_out = inputs(b=3)
+    before = q.detach().clone()
+    out = dsq_attention(q, k, v, cfg, causal=True, scaling=0.25, tile_rows=32)
+    first = torch.autograd.grad(out, (q, k, v), d_out, retain_graph=True)
+    second = torch.autograd.grad(out, (q, k, v), d_out)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+    assert torch.equal(q.detach(), before)
+
+
+def test_the_score_gradient_magnitude_is_a_custom_op_whose_fake_agrees():
+    cfg = cfg_of("dsq")
+    q, k, v, d_out = (t.detach() for t in inputs(n=37, m=37))
+    rest = (None, None, points_text(cfg), cfg.gemm_unit, 0.25, True, 0.1, 7, 16, 1)
+    args = (d_out, q.clone(), k, v, d_out.abs().amax(), *rest)
+    torch.library.opcheck(torch.ops.dsq.attention_score_gradient_magnitude.default, args)
 
 
 def test_the_kernel_is_a_quant_setting_that_says_what_it_accepts():
