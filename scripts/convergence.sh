@@ -35,6 +35,9 @@
 #   lm-derivative3  all with 3-bit derivative codes, the row holding least without
 #                 checkpointing, on seeds 1-3 for the language-model budget
 #                 (results/lm-stash-all-derivative3/seedN, set against results/lm/seedN)
+#   lm-held-sliced  the checkpointed row holding least: all, each checkpointed layer's input
+#                 held in bfp8, the MLPs in slices, with checkpointing, on seeds 1-3 for the
+#                 language-model budget (results/lm-held-sliced/seedN, set against results/lm/seedN)
 #   all           every stage above, in that order
 #
 # STUDY_LANES (default 2) runs the stages in that many processes at once, one thread each
@@ -126,11 +129,11 @@ stages=("$@")
 for stage in "${stages[@]}"; do
     case $stage in
     budget | seed1 | seed2 | controls | en-de-budget | more-seeds | clean-control | dsq-rerun | \
-        lm-budget | lm | lm-stash-all | lm-derivative3 | all) ;;
+        lm-budget | lm | lm-stash-all | lm-derivative3 | lm-held-sliced | all) ;;
     *)
         echo "convergence.sh: unknown stage '$stage'; choose budget, seed1, seed2, controls," \
             "en-de-budget, more-seeds, clean-control, dsq-rerun, lm-budget, lm, lm-stash-all," \
-            "lm-derivative3 or all" >&2
+            "lm-derivative3, lm-held-sliced or all" >&2
         exit 2
         ;;
     esac
@@ -196,6 +199,13 @@ lane() {  # every stage asked for, in order
         for seed in 1 2 3; do
             lm_for_budget "$seed" results/lm-stash-all-derivative3 "quant=choice(dsq)" \
                 "quant.stash_scope=choice(all)" "quant.saved.activation=choice(derivative3)"
+        done
+    fi
+    if wants lm-held-sliced; then
+        for seed in 1 2 3; do
+            lm_for_budget "$seed" results/lm-held-sliced "quant=choice(dsq)" \
+                "quant.stash_scope=choice(all)" "quant.saved.checkpoint=choice(bfp8)" \
+                "quant.mlp=choice(sliced)" "train.activation_checkpointing=choice(true)"
         done
     fi
     return $failed
