@@ -651,11 +651,12 @@ def stash_groups(q: torch.Tensor, k: torch.Tensor, points, tile_rows=None) -> li
     whose scale spans the tensor at q0, q1 or q2 (its stash or its quantized operand would take
     the group's largest magnitude; q3's is given the batch's, `attention_score_gradient_magnitude`),
     a stochastic rounding (its noise is drawn for the whole tensor), or the Triton backend, whose
-    kernels take the whole batch."""
+    kernels take the whole batch; and under torch.compile, whose graph the backward pass's test
+    of dO for a NaN (`DSQAttentionFunction.backward`) would break."""
     b = q.shape[0]
     formats = [p.fmt for p in points]
     if (any(map(_whole_scale, points[:3])) or any(p.rounding != "nearest" for p in points)
-            or backends.backend_name(q) == "triton"):  # fmt: skip
+            or backends.backend_name(q) == "triton" or torch.compiler.is_compiling()):  # fmt: skip
         return [slice(0, b)]
     seqs = _Tiles(b, q.shape[1], q.shape[2], k.shape[2], formats, False, tile_rows).seqs
     return [slice(b0, min(b0 + seqs, b)) for b0 in range(0, b, seqs)]

@@ -397,6 +397,24 @@ def test_a_second_backward_pass_by_groups_gives_the_same_gradients(preset, a_seq
     assert torch.equal(q.detach(), before)
 
 
+@pytest.mark.slow
+def test_under_torch_compile_the_batch_is_one_group_and_the_graph_unbroken(a_sequence_a_tile):
+    """The backward pass's test of dO for a NaN would break the graph, so a compiled step runs
+    the batch as one group: one graph (fullgraph), eager's gradients bit for bit."""
+    cfg = cfg_of("dsq")
+
+    def step(q, k, v, d_out):
+        return (dsq_attention(q, k, v, cfg, causal=True, tile_rows=32) * d_out).sum()
+
+    grads = []
+    for run in (step, torch.compile(step, fullgraph=True, dynamic=False, backend="eager")):
+        q, k, v, d_out = inputs(b=3)
+        run(q, k, v, d_out).backward()
+        grads.append((q.grad, k.grad, v.grad))
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
 def test_the_score_gradient_magnitude_is_a_custom_op_whose_fake_agrees():
     cfg = cfg_of("dsq")
     q, k, v, d_out = (t.detach() for t in inputs(n=37, m=37))
