@@ -326,8 +326,8 @@ def _forward(call: _Call, q0, k0, v0):
     f0, f1 = call.points[0], call.points[1]
     k0_t, q0 = k0.transpose(-1, -2), call.scaled(q0, (k0, v0))
     if _whole_scale(f0) or _whole_scale(f1):  # q0(Pd) or its stash needs Pd's largest value
-        call.amax_pd = torch.stack([largest_magnitude(call.probs(q0, k0_t, *tile)[1])
-                                    for tile in call.tiles]).amax()  # fmt: skip
+        call.amax_pd = _largest_of([largest_magnitude(call.probs(q0, k0_t, *tile)[1])
+                                    for tile in call.tiles], q0)  # fmt: skip
     out = q0.new_empty(call.batch, call.heads, call.n, call.e)
     five = out.view(call.batch, call.kv_heads, call.rep, call.n, call.e)
     amax = call.amax_pd if _whole_scale(f0) else None
@@ -352,9 +352,9 @@ def _backward(call: _Call, d_out, q0, k0, q1, k1, v1):
     if _whole_scale(f3):
         amax_dz = call.amax_dz
         if amax_dz is None:
-            amax_dz = _largest_score_gradient(call, g_out_of, d_scores_of)
+            amax_dz = _largest_score_gradient(call, q0, g_out_of, d_scores_of)
     if _whole_scale(f2):
-        amax_g = _largest_score_gradient(call, g_out_of, d_scores_of, amax_dz)
+        amax_g = _largest_score_gradient(call, q0, g_out_of, d_scores_of, amax_dz)
     dq = torch.empty_like(q0)
     dq5 = dq.view(call.batch, call.kv_heads, call.rep, call.n, call.d)
     dk_t = q0.new_zeros(call.batch, call.kv_heads, call.d, call.m)
@@ -381,7 +381,7 @@ def _backward(call: _Call, d_out, q0, k0, q1, k1, v1):
     return dq, dk_t.transpose(-1, -2), dv
 
 
-def _largest_score_gradient(call: _Call, g_out_of, d_scores_of, amax_dz=None):
+def _largest_score_gradient(call: _Call, q0, g_out_of, d_scores_of, amax_dz=None):
     """The largest magnitude of dZ over the call's tiles, or of ``q3(dZ)`` (blocks along the
     queries) where ``amax_dz``, dZ's, is given: a pass for a scale that spans the tensor."""
     f3 = call.points[3]
@@ -391,7 +391,12 @@ def _largest_score_gradient(call: _Call, g_out_of, d_scores_of, amax_dz=None):
         largest.append(largest_magnitude(dz if amax_dz is None else
                                          quantize_part(f3, dz, -2, amax_dz)))  # fmt: skip
         del dz
-    return torch.stack(largest).amax()
+    return _largest_of(largest, q0)
+
+
+def _largest_of(magnitudes: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """The largest of the tiles' magnitudes; 0 where there is no tile (an empty batch)."""
+    return torch.stack(magnitudes).amax() if magnitudes else like.new_zeros(())
 
 
 def _incoming_gradient(call: _Call, d_out, keep):
@@ -565,16 +570,18 @@ def attention_backward(
     unscaled; the kernel's to use, as there), ``q1(Q)``, ``q1(K)``, ``q1(V)`` unpacked, and the
     forward's ``amax`` (None where q1 does not scale the whole tensor); the other arguments are
     the forward's, but for the noise's seed. A call on one group of the batch's sequences
-    (`stash_groups`) is given the batch's largest magnitudes of dO and dZ where q3 scales the
-    whole tensor (`attention_score_gradient_magnitude` finds dZ's), and its first sequence's
-    place in the batch."""
+    (`stash_groups`) is given the batch's largest magnitude of dO, and of dZ where q3 scales the
+    whole tensor (`attention_score_gradient_magnitude` finds it), and its first sequence's place
+    in the batch; it runs the torch kernel."""
     call = _Call(q0, k0, v1, _points_of(points, noise_seed, q0.device), gemm_unit, scaling, mask,
                  causal, key_padding, dropout, dropout_seed, tile_rows or None,
                  first_sequence)  # fmt: skip
     call.amax_pd = None if amax_pd is None else amax_pd.to(q0.dtype)
     call.amax_out = None if amax_out is None else amax_out.to(q0.dtype)
     call.amax_dz = None if amax_dz is None else amax_dz.to(q0.dtype)
-    triton_kernels = _triton_kernels(call, q0, k0, v1, d_out, q1, k1)
+    # a group's call (its arguments given) runs the torch kernel; the Triton kernels take a batch
+    grouped = first_sequence or amax_out is not None or amax_dz is not None
+    triton_kernels = None if grouped else _triton_kernels(call, q0, k0, v1, d_out, q1, k1)
     if triton_kernels is not None:
         units.count("matmul.da", "fp32", 2)  # dPd and dQ, in float32 as the forward's
         units.count("matmul.db", "fp32", 2)  # dV and dK
@@ -610,7 +617,7 @@ def attention_score_gradient_magnitude(
     call.amax_out = None if amax_out is None else amax_out.to(q0.dtype)
     g_out_of, whole = _incoming_gradient(call, d_out, (k0, v1))
     d_scores_of = _tile_gradients(call, q0, k0, v1, (d_out, k0, v1, *whole))
-    return _largest_score_gradient(call, g_out_of, d_scores_of).to(torch.float32)
+    return _largest_score_gradient(call, q0, g_out_of, d_scores_of).to(torch.float32)
 
 
 @attention_score_gradient_magnitude.register_fake
@@ -644,8 +651,8 @@ def _owned(x: torch.Tensor, others) -> torch.Tensor:
 def stash_groups(q: torch.Tensor, k: torch.Tensor, points, tile_rows=None) -> list[slice]:
     """The groups of a batch's sequences whose stashes are packed, unpacked and run through the
     backward pass one group at a time (docs/dsq.md, "Attention in tiles"): a tile's sequences,
-    so one sequence where a sequence fills a tile (a thousand tokens and more), and the whole
-    batch where many fit one.
+    so one sequence once a sequence's ``heads x N x M`` passes half of `TILE_ELEMENTS` (from 368
+    tokens a sequence at 8 heads), and the whole batch where many fit one tile.
 
     The batch is one group where a group's values could differ from the whole batch's: a format
     whose scale spans the tensor at q0, q1 or q2 (its stash or its quantized operand would take
@@ -655,10 +662,12 @@ def stash_groups(q: torch.Tensor, k: torch.Tensor, points, tile_rows=None) -> li
     of dO for a NaN (`DSQAttentionFunction.backward`) would break."""
     b = q.shape[0]
     formats = [p.fmt for p in points]
-    if (any(map(_whole_scale, points[:3])) or any(p.rounding != "nearest" for p in points)
+    if (b == 0 or any(map(_whole_scale, points[:3]))
+            or any(p.rounding != "nearest" for p in points)
             or backends.backend_name(q) == "triton" or torch.compiler.is_compiling()):  # fmt: skip
         return [slice(0, b)]
-    seqs = _Tiles(b, q.shape[1], q.shape[2], k.shape[2], formats, False, tile_rows).seqs
+    # the kernels' tiles: tile_rows 0 or None lets them choose
+    seqs = _Tiles(b, q.shape[1], q.shape[2], k.shape[2], formats, False, tile_rows or None).seqs
     return [slice(b0, min(b0 + seqs, b)) for b0 in range(0, b, seqs)]
 
 
@@ -756,9 +765,9 @@ def _joined(packs, groups) -> torch.Tensor:
 
 def _backward_by_groups(ctx, d_out, packs, amax_out, saved_all):
     """(dQ, dK, dV) a group of sequences at a time (`stash_groups`), each group's stashes
-    unpacked in turn; where q3 scales the whole tensor, a pass over the groups first finds dZ's
-    largest magnitude, and every group is given it and dO's."""
-    amax_out = amax_out if ctx.whole_q3 else None
+    unpacked in turn. Every group is given dO's largest magnitude (found finite on the whole dO,
+    so no group tests its part again) and, where q3 scales the whole tensor, dZ's, found by a
+    pass over the groups first."""
     arguments = [_group_arguments(ctx.arguments, g, ctx.batch) for g in ctx.groups]
     amax_dz = None
     if ctx.whole_q3:

@@ -374,13 +374,26 @@ def test_the_batch_is_one_group_where_a_group_could_differ(preset, changes, why,
 
 
 def test_groups_follow_the_tiles_sequences():
-    """A sequence a group where one fills a tile (1,024 tokens, 8 heads), the whole batch where
-    many fit one."""
+    """A sequence a group from 368 tokens at 8 heads (heads x N x M past 2^20), the whole batch
+    where many fit a tile; tile_rows 0 lets the kernels choose, as None does."""
     points = attention._points(cfg_of("dsq"), "cpu")
-    long_q, long_k = torch.empty(3, 8, 1024, 64), torch.empty(3, 4, 1024, 64)
-    assert attention.stash_groups(long_q, long_k, points) == [slice(i, i + 1) for i in range(3)]
+    for n, tile_rows in ((1024, None), (368, None), (1024, 0)):
+        q, k = torch.empty(3, 8, n, 64), torch.empty(3, 4, n, 64)
+        groups = attention.stash_groups(q, k, points, tile_rows)
+        assert groups == [slice(i, i + 1) for i in range(3)], (n, tile_rows)
+    q, k = torch.empty(3, 8, 352, 64), torch.empty(3, 4, 352, 64)
+    assert attention.stash_groups(q, k, points) == [slice(0, 2), slice(2, 3)]
     short_q, short_k = torch.empty(40, 8, 32, 64), torch.empty(40, 4, 32, 64)
     assert attention.stash_groups(short_q, short_k, points) == [slice(0, 40)]
+
+
+@pytest.mark.parametrize("preset", ["dsq", "mx_dsq", "nvfp4_dsq"])
+def test_an_empty_batch_has_empty_gradients(preset):
+    q, k, v, d_out = inputs(b=0)
+    out = dsq_attention(q, k, v, cfg_of(preset), causal=True)
+    grads = torch.autograd.grad(out, (q, k, v), d_out)
+    assert out.shape == d_out.shape
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
 
 
 @pytest.mark.parametrize("preset", ["fp32", "dsq"])
