@@ -21,6 +21,9 @@ layer; the residual stream itself, outside the layers, stays float32. The layer 
 holds what it saves by the model's ``stash_scope=all`` rules (`patch.open_stash_all`), as its
 forward pass would have, and so does a layer run again by ``torch.utils.checkpoint``
 (`checkpoint_under_the_rules`): its values are then those of the step without checkpointing.
+In `held_input_checkpoint`'s run again no backward reads the unpacked input or the outputs
+unless a rule holds their storage as it is, so their memory is given back before the run's
+backward pass (`_free_unless_kept`).
 """
 
 from __future__ import annotations
@@ -239,6 +242,18 @@ def _detached(out):
     return out
 
 
+def _free_unless_kept(t: torch.Tensor, kept: set, others) -> None:
+    """Give back ``t``'s memory, its shape and autograd graph left as they are, unless a saved
+    tensor holds its storage (``kept``) or one of ``others`` shares it."""
+    storage = t.untyped_storage()
+    if storage.data_ptr() in kept or storage.nbytes() == 0:
+        return
+    if any(isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() == storage.data_ptr()
+           for o in others):  # fmt: skip
+        return
+    storage.resize_(0)
+
+
 class _HeldInputCheckpoint(torch.autograd.Function):
     """`held_input_checkpoint`. The forward pass runs ``run`` with every tensor it would save
     dropped (as ``torch.utils.checkpoint`` drops them: the DSQ layers still note their GEMMs and
@@ -290,13 +305,21 @@ class _HeldInputCheckpoint(torch.autograd.Function):
             stack.enter_context(recomputation())
             for kind, dtype in ctx.autocast:
                 stack.enter_context(torch.autocast(kind, dtype))
+            kept = None
             if ctx.stash_all is not None:
-                stack.enter_context(ctx.stash_all.recomputing())
+                kept = set()
+                stack.enter_context(ctx.stash_all.recomputing(kept))
             torch.set_rng_state(ctx.rng)
             if ctx.cuda_rng is not None:
                 torch.cuda.set_rng_state(ctx.cuda_rng, x.device)
             out = ctx.run(x, *rest)
         outs = out if isinstance(out, tuple) else (out,)
+        if kept is not None:
+            # the input's and the outputs' values are read by no backward of the run (the rules
+            # held none of their storages as they are): freed now, not after the run's backward
+            for t in (x, *outs):
+                if isinstance(t, torch.Tensor):
+                    _free_unless_kept(t, kept, rest)
         pairs = [(o, g) for o, g in zip(outs, grads)
                  if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]  # fmt: skip
         if pairs:

@@ -526,17 +526,29 @@ def _unpack(saved):
 
 
 @contextlib.contextmanager
-def _held_by_the_rules_when_run_again(cfg: QuantConfig, innermost, packed_once):
+def _held_by_the_rules_when_run_again(cfg: QuantConfig, innermost, packed_once, kept=None):
     """`stash_all_hooks` over a layer's forward run again in the backward pass. With a
     checkpoint's own hooks on top (``torch.utils.checkpoint``, non-reentrant: they take each
     recomputed tensor for the backward pass), each tensor goes to them as the rules' hooks would
     give it back, packed and unpacked, so the backward pass reads the values it reads without
     checkpointing; with none (the reentrant form, `held_input_checkpoint`), the rules' hooks
-    hold what is saved, as in a forward pass."""
+    hold what is saved, as in a forward pass, and ``kept`` (a set) gets the storage of each
+    tensor they hold as it is: a storage not in it is read by no backward of the run."""
     top = torch._C._autograd._top_saved_tensors_default_hooks(False)
     hooks = stash_all_hooks(cfg, innermost, packed_once)
     if top is None:
-        with hooks:
+        if kept is None:
+            with hooks:
+                yield
+            return
+
+        def noting_kept(t):
+            saved = hooks.pack_hook(t)
+            if saved is t:
+                kept.add(t.untyped_storage().data_ptr())
+            return saved
+
+        with torch.autograd.graph.saved_tensors_hooks(noting_kept, _unpack):
             yield
         return
     rules_pack, (checkpoint_pack, checkpoint_unpack) = hooks.pack_hook, top
@@ -633,18 +645,20 @@ class _StashAllEntry:
             self.close()
 
     @contextlib.contextmanager
-    def recomputing(self):
+    def recomputing(self, kept=None):
         """The hooks, with the modules called known to them, over a checkpointed layer's forward
         run again in the backward pass (`held_input_checkpoint`, `checkpoint_under_the_rules`):
         what it saves is held by the same rules as in a forward pass
-        (`_held_by_the_rules_when_run_again`). This thread's state outside is restored after."""
+        (`_held_by_the_rules_when_run_again`, which notes in ``kept`` the storages it holds as
+        they are). This thread's state outside is restored after."""
         local = self.local
         outside = {k: getattr(local, k, None) for k in ("context", "modules", "packed_once")}
         was = getattr(local, "recomputing", False)
         local.context, local.modules, local.packed_once = None, [], {}
         local.recomputing = True
         try:
-            with _held_by_the_rules_when_run_again(self.cfg, self.innermost, local.packed_once):
+            with _held_by_the_rules_when_run_again(self.cfg, self.innermost, local.packed_once,
+                                                   kept):  # fmt: skip
                 yield
         finally:
             for key, value in outside.items():

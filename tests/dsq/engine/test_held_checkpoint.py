@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from dsq.engine import checkpointing
 from dsq.engine.checkpointing import held_input_checkpoint
 from dsq.formats import parse_format
 
@@ -177,3 +178,53 @@ def test_a_q1_rule_follows_the_stash_schedule(monkeypatch):
     cfg.step(1.0)  # a stall: q1 rises to bfp8
     layer(x).sum().backward()
     assert seen == ["bfp2e8b16", "bfp8e8b16"]
+
+
+class Recording(nn.Module):
+    """`Layer` under a model's stash_scope=all hooks, noting the input and output of each run."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer, self.runs = Layer(), []
+
+    def forward(self, x):
+        def run(held):
+            out = self.layer(held)
+            self.runs.append((held, out))
+            return out
+
+        return held_input_checkpoint(BFP8, run, x)
+
+
+@pytest.mark.parametrize("elementwise", ["bfp8e8b16", "keep"])
+def test_the_run_again_gives_back_its_input_and_output_unless_a_rule_holds_them(
+    elementwise, monkeypatch
+):
+    """Under the stash_scope=all rules the run again's input and output are read by no backward
+    (the linear layer's input is packed, the sum saves nothing), so their memory is given back
+    before the run's backward pass; where a rule holds the input as it is (``keep``), it stays.
+    The gradients are those of the run that gives back nothing, bit for bit."""
+    from dsq.engine import QuantConfig
+    from dsq.engine.patch import enter_stash_all_on_call
+
+    cfg = QuantConfig(q0="fp32", q1="bfp8", q2="fp32", q3="fp32", stash_scope="all",
+                      saved={"elementwise": elementwise})  # fmt: skip
+    results = []
+    for give_back in (True, False):
+        if not give_back:
+            monkeypatch.setattr(checkpointing, "_free_unless_kept", lambda *_: None)
+        torch.manual_seed(0)
+        model = Recording()
+        enter_stash_all_on_call(model, cfg)
+        x = torch.randn(4, 64, 32, requires_grad=True)
+        torch.manual_seed(1)
+        model(x).backward(torch.randn(4, 64, 32))
+        results.append((model.runs, grads(model.layer, x)))
+    (runs, got), (_, expected) = results
+    assert len(runs) == 2  # the forward pass and the run again
+    held, out = runs[1]
+    freed = [t.untyped_storage().nbytes() == 0 for t in (held, out)]
+    assert freed == ([True, True] if elementwise != "keep" else [False, True])
+    assert runs[0][1].untyped_storage().nbytes() > 0  # the forward pass's output is the caller's
+    for a, e in zip(got, expected):
+        torch.testing.assert_close(a, e, rtol=0, atol=0)
