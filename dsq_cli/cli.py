@@ -247,6 +247,21 @@ def _seq_lens(text: str) -> tuple[int, ...]:
     return lengths
 
 
+def _batches(text: str | None) -> tuple[int, int] | None:
+    """``--batches SMALL,LARGE``: the two batch sizes a row's bytes a token are the slope
+    between; None (not given): the bench's own."""
+    if text is None:
+        return None
+    try:
+        pair = tuple(int(n) for n in text.split(","))
+    except ValueError:
+        pair = ()
+    if len(pair) != 2 or not 1 <= pair[0] < pair[1]:
+        raise ValueError(f"--batches: expected two batch sizes, the smaller first, like 3,5; "
+                         f"got {text!r}")  # fmt: skip
+    return pair
+
+
 def _given(ctx: typer.Context, *names: str) -> list[str]:
     """The options among ``names`` (parameter names) given on the command line, as spelled there:
     an option one model kind does not read is refused when given, whatever its value, never
@@ -286,10 +301,11 @@ def _scopes_for(scopes: str, model: str) -> list[str]:
 
 def _transformers_bench(model, presets, layers, width, heads, kv_heads, vocab, seq_lens,
                         scopes, checkpointing, repeats, budget, threads, refused,
-                        loss_chunk=None, rounds=1, where=False):  # fmt: skip
+                        loss_chunk=None, rounds=1, where=False, batches=None):  # fmt: skip
     """The rows of ``dsq bench memory|step --model llama|gpt2|bert``; ``refused`` lists the
     fairseq-only options given, a usage error; ``loss_chunk`` None: the model's own loss;
-    ``where``: what each row holds at its peak (`transformers_models.run`)."""
+    ``where``: what each row holds at its peak; ``batches``: the two batch sizes, or None
+    (`transformers_models.run`)."""
     from dsq_cli.bench import memory, transformers_models
 
     if model not in transformers_models.MODELS:
@@ -318,7 +334,8 @@ def _transformers_bench(model, presets, layers, width, heads, kv_heads, vocab, s
         )
     return transformers_models.run(shape, rows, lengths, memory.parse_size(budget), repeats,
                                    threads=threads, loss_chunk=loss_chunk or 0,
-                                   rounds=rounds, where=where)  # fmt: skip
+                                   rounds=rounds, where=where,
+                                   batches=_batches(batches))  # fmt: skip
 
 
 LOSS_CHUNK_OPTION = typer.Option(
@@ -511,6 +528,13 @@ def bench_memory(
         'operators running at the peak (docs/benchmarks.md, "What the checkpointed rows hold '
         'at their peak").',
     ),
+    batches: str | None = typer.Option(
+        None,
+        help="transformers models: the two batch sizes, in sequences, whose peaks' slope is a "
+        "row's bytes a token, the smaller first (default 2,3; 4,8 below 512 tokens a "
+        "sequence). Larger ones check that both peaks lie where a large batch's does "
+        '(docs/benchmarks.md, "The held row").',
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ):
     """The largest batch (whole sentences) whose training step's peak memory fits the budget,
@@ -523,10 +547,10 @@ def bench_memory(
         refused = _given(ctx, "src_len", "fp32_head") + ["--device"] * (device != "cpu")
         result = _transformers_bench(model, presets, layers, width, heads, kv_heads, vocab,
                                      seq_lens, scopes, checkpointing, repeats, budget, threads,
-                                     refused, loss_chunk, rounds, where)  # fmt: skip
+                                     refused, loss_chunk, rounds, where, batches)  # fmt: skip
         _print_bench(result, as_json, transformers_models.format_memory)
         return
-    _transformers_only(_given(ctx, *TRANSFORMERS_ONLY, "repeats", "where"))
+    _transformers_only(_given(ctx, *TRANSFORMERS_ONLY, "repeats", "where", "batches"))
     size = memory.parse_size(budget)
     names = _preset_names(presets)
     scope_list = _scopes_for(scopes, "fairseq")

@@ -23,14 +23,19 @@ forward pass would have, and so does a layer run again by ``torch.utils.checkpoi
 (`checkpoint_under_the_rules`): its values are then those of the step without checkpointing.
 In `held_input_checkpoint`'s run again no backward reads the unpacked input or the outputs
 unless a rule holds their storage as it is, so their memory is given back before the run's
-backward pass (`_free_unless_kept`).
+backward pass (`_free_unless_kept`). And the layer's incoming gradient, which autograd holds
+until the checkpoint's backward pass returns, is handed to the run again's graph where nothing
+else holds it (`_GradientTakenOver`): autograd then sums the residual stream's gradients into
+its memory in place, where it would allocate each sum beside it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import inspect
+import sys
 from collections.abc import Iterable
 
 import torch
@@ -315,6 +320,15 @@ class _HeldInputCheckpoint(torch.autograd.Function):
             out = ctx.run(x, *rest)
         outs = out if isinstance(out, tuple) else (out,)
         if kept is not None:
+            # each output's gradient, where autograd alone holds it, is handed to the run's graph
+            # to be summed into in place (`_GradientTakenOver`)
+            outs = list(outs)
+            for i, o in enumerate(outs):
+                g = grads[i] if i < len(grads) else None
+                if (isinstance(o, torch.Tensor) and o.requires_grad
+                        and _held_by_autograd_only(g, sys.getrefcount(g))):  # fmt: skip
+                    with torch.enable_grad():
+                        outs[i] = _GradientTakenOver.apply(o, g.data_ptr())
             # the input's and the outputs' values are read by no backward of the run (the rules
             # held none of their storages as they are): freed now, not after the run's backward
             for t in (x, *outs):
@@ -326,3 +340,51 @@ class _HeldInputCheckpoint(torch.autograd.Function):
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         rest_grads = [a.grad if isinstance(a, torch.Tensor) else None for a in rest]
         return (None, None, x.grad, *rest_grads)
+
+
+# Python references to a gradient that reaches `_HeldInputCheckpoint.backward` held by autograd
+# alone, counted where the backward pass calls `_held_by_autograd_only` (torch 2.13, Python
+# 3.11): the argument tuples and frames of the calls from autograd's engine down to it. A hook
+# that kept the gradient adds one; a count that differs, in either direction, hands nothing on.
+# (Tested, with a hook that keeps it.)
+AUTOGRAD_ONLY_REFERENCES = 9
+
+
+def _held_by_autograd_only(g, references: int) -> bool:
+    """Whether ``g``, an output's gradient in the checkpoint's backward pass, is a plain dense
+    tensor, no view, that nothing but autograd's engine holds (no hook kept it), so that its
+    storage can be handed on. Its storage is not touched from Python here: a Python object of
+    it, once made, stays as a holder of it for autograd, which then never sums into it in place.
+    (Another tensor sharing the storage is left be: autograd sums out of place then.)"""
+    if type(g) is not torch.Tensor or g.layout != torch.strided or g._base is not None:
+        return False
+    if not g.is_contiguous() or g.requires_grad or references != AUTOGRAD_ONLY_REFERENCES:
+        return False
+    # and no list, dict, cell or object of Python code holds it, whatever the count says
+    return all(type(r) is tuple for r in gc.get_referrers(g))
+
+
+class _GradientTakenOver(torch.autograd.Function):
+    """The identity on an output of the layer run again, whose backward pass moves its incoming
+    gradient's storage (the checkpoint's, held by autograd's engine until the checkpoint's
+    backward pass returns, and read by nothing after it) to a tensor of its own, which it passes
+    on. The first node to sum a gradient into it then holds the only reference and sums in place
+    (autograd does so where it holds the last one), where it would otherwise allocate the sum
+    beside the held gradient: in a residual layer the stream's gradient, a layer's width of
+    float32 a token, for the whole of the layer's backward pass."""
+
+    @staticmethod
+    def forward(ctx, t, taken: int):
+        ctx.taken = taken
+        return t.view_as(t)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g):
+        if g.data_ptr() != ctx.taken:  # autograd passed another tensor (a cast): nothing held
+            return g, None
+        # (set_ from the tensor: from its storage's Python object, autograd would count one
+        # more holder of it and sum out of place)
+        owned = g.new_empty((0,)).set_(g)
+        g.set_()  # autograd's references now see an empty tensor, not the values
+        return owned, None

@@ -386,11 +386,20 @@ def _footer(result: dict) -> str:
     return (
         f"{m['kind']}: {m['layers']} layers, width {m['width']}, {m['heads']} heads "
         f"({m['kv_heads']} key/value), vocabulary {m['vocab']}; Adam, {_loss_words(result)}; "
+        f"{_batches_words(result['rows'])}"
         f"each row and batch a fresh process; {result['machine']}, {result['threads']} threads, "
         f"torch {result['torch']}; median of {result['repeats']} steps"
         + (f"; malloc setting {result['cpu_allocator']}" if result.get("cpu_allocator") else "")
         + _rounds_words(result.get("rounds", 1))
     )
+
+
+def _batches_words(rows: list[dict]) -> str:
+    """The batch sizes whose peaks each row's bytes a token are the slope between."""
+    pairs = sorted({tuple(r["batches"]) for r in rows if "batches" in r})
+    if not pairs:
+        return ""
+    return "batches of " + "; ".join(f"{a} and {b}" for a, b in pairs) + " sequences, "
 
 
 def _rounds_words(rounds: int) -> str:

@@ -228,3 +228,59 @@ def test_the_run_again_gives_back_its_input_and_output_unless_a_rule_holds_them(
     assert runs[0][1].untyped_storage().nbytes() > 0  # the forward pass's output is the caller's
     for a, e in zip(got, expected):
         torch.testing.assert_close(a, e, rtol=0, atol=0)
+
+
+class Followed(nn.Module):
+    """`Layer` checkpointed with its input held, then a norm, under a model's stash_scope=all
+    hooks; notes where the layer's incoming gradient and its input's gradient lie."""
+
+    def __init__(self, keep_incoming=False):
+        super().__init__()
+        self.layer, self.seen, self.kept = Layer(), {}, []
+        self.keep_incoming = keep_incoming
+
+    def forward(self, x):
+        def run(held):
+            if held.requires_grad:  # the run again
+                held.register_hook(lambda g: self.seen.__setitem__("input", g.data_ptr()))
+            return self.layer(held)
+
+        out = held_input_checkpoint(BFP8, run, x)
+
+        def incoming(g):
+            self.seen["incoming"] = g.data_ptr()
+            if self.keep_incoming:
+                self.kept.append(g)
+
+        out.register_hook(incoming)
+        return nn.functional.layer_norm(out, (32,))
+
+
+@pytest.mark.parametrize("keep_incoming", [False, True])
+def test_the_layers_gradients_are_summed_into_its_incoming_gradient_unless_a_hook_kept_it(
+    keep_incoming, monkeypatch
+):
+    """The checkpoint's incoming gradient, which autograd holds until the checkpoint's backward
+    pass returns, is handed to the layer run again: the residual sums go into its memory, and
+    the input's gradient lies there. A gradient a hook kept is not taken (its values stay). The
+    gradients are those of the run that takes nothing, bit for bit."""
+    from dsq.engine import QuantConfig
+    from dsq.engine.patch import enter_stash_all_on_call
+
+    cfg = QuantConfig(q0="fp32", q1="bfp8", q2="fp32", q3="fp32", stash_scope="all")
+    results = []
+    for take in (True, False):
+        if not take:
+            monkeypatch.setattr(checkpointing, "_held_by_autograd_only", lambda *_: False)
+        torch.manual_seed(0)
+        model = Followed(keep_incoming)
+        enter_stash_all_on_call(model, cfg)
+        x = torch.randn(4, 64, 32, requires_grad=True)
+        torch.manual_seed(1)
+        model(x).backward(torch.randn(4, 64, 32))
+        results.append((model.seen, [t.clone() for t in model.kept], grads(model.layer, x)))
+    (seen, kept, got), (seen_without, kept_without, expected) = results
+    assert (seen["input"] == seen["incoming"]) == (not keep_incoming)
+    assert seen_without["input"] != seen_without["incoming"]
+    for a, e in zip(got + kept, expected + kept_without, strict=True):
+        torch.testing.assert_close(a, e, rtol=0, atol=0)

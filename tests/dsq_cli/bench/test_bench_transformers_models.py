@@ -44,6 +44,25 @@ def test_bytes_per_token_and_tokens_at_a_budget_come_from_the_line_through_two_b
     assert long["batches"] == [2, 3]
 
 
+def test_batches_given_are_the_two_the_slope_is_taken_between(monkeypatch):
+    seen = []
+
+    def fake(shape, row, seq_len, batch, repeats, threads, loss_chunk=0, where=False):
+        seen.append(batch)
+        return {"step_s": 1.0, "allocator_bytes": 1000 + 100 * batch * seq_len,
+                "rss_bytes": 1000 + 100 * batch * seq_len, "first_loss": 1.0}  # fmt: skip
+
+    monkeypatch.setattr(tm, "measure_in_fresh_process", fake)
+    result = CliRunner().invoke(app, [
+        "bench", "memory", "--budget", "1GiB", "--model", "llama", "--seq-lens", "1024",
+        "--presets", "amp_bf16", "--batches", "3,5", "--repeats", "1",
+    ])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert seen == [3, 5]
+    assert "batches of 3 and 5 sequences" in result.output
+    assert "| 0.1 |" in result.output  # 100 bytes a token
+
+
 def test_rounds_take_turns_and_time_is_the_median_of_each_rounds_ratio(monkeypatch):
     """The host's speed moves between rows: the rounds' ratios are 2, 2 and 5, their median 2,
     where the ratio of the median times would say 5; bytes come from the first round."""
@@ -76,6 +95,7 @@ def test_rounds_take_turns_and_time_is_the_median_of_each_rounds_ratio(monkeypat
     (["memory", "--budget", "1GiB"], ["--seq-lens", "256,1024"], "--seq-lens"),
     (["memory", "--budget", "1GiB"], ["--repeats", "3"], "--repeats"),
     (["memory", "--budget", "1GiB"], ["--where"], "--where"),
+    (["memory", "--budget", "1GiB"], ["--batches", "3,5"], "--batches"),
 ])  # fmt: skip
 def test_fairseq_refuses_the_transformers_options_it_would_not_read(command, args, named):
     result = CliRunner().invoke(app, ["bench", *command, *args])
@@ -120,6 +140,9 @@ def test_a_tiny_llama_runs_every_row_in_its_own_process():
     (["--model", "gpt2", "--heads", "4", "--kv-heads", "2"], "equal them but for llama"),
     (["--model", "llama", "--seq-lens", "1k"], "--seq-lens: expected lengths"),
     (["--model", "bert", "--loss-chunk", "64"], "--loss-chunk takes a causal LM's output layer"),
+    (["--model", "llama", "--batches", "5,3"], "--batches: expected two batch sizes"),
+    (["--model", "llama", "--batches", "3"], "--batches: expected two batch sizes"),
+    (["--model", "llama", "--batches", "0,2"], "--batches: expected two batch sizes"),
 ])  # fmt: skip
 def test_bad_options_are_one_line_usage_errors(args, says):
     result = CliRunner().invoke(app, ["bench", "memory", "--budget", "1GiB", *args])
