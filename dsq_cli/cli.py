@@ -533,7 +533,7 @@ def bench_memory(
         help="transformers models: the two batch sizes, in sequences, whose peaks' slope is a "
         "row's bytes a token, the smaller first (default 2,3; 4,8 below 512 tokens a "
         "sequence). Larger ones check that both peaks lie where a large batch's does "
-        '(docs/benchmarks.md, "The held row").',
+        '(docs/benchmarks.md, "The held row: what it fits against autocast + checkpointing").',
     ),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ):
