@@ -343,11 +343,17 @@ class _HeldInputCheckpoint(torch.autograd.Function):
 
 
 # Python references to a gradient that reaches `_HeldInputCheckpoint.backward` held by autograd
-# alone, counted where the backward pass calls `_held_by_autograd_only` (torch 2.13, Python
-# 3.11): the argument tuples and frames of the calls from autograd's engine down to it. A hook
-# that kept the gradient adds one; a count that differs, in either direction, hands nothing on.
+# alone, counted where the backward pass calls `_held_by_autograd_only`: the argument tuples and
+# frames of the calls from autograd's engine down to it, by (Python, torch) version where it was
+# counted. A hook that kept the gradient, or a second holder in autograd, adds one; a count that
+# differs, or a version not counted, hands nothing on (one too few would take a shared gradient).
 # (Tested, with a hook that keeps it.)
-AUTOGRAD_ONLY_REFERENCES = 9
+AUTOGRAD_ONLY_REFERENCES = {((3, 11), (2, 13)): 9}
+
+
+def _autograd_only_references() -> int | None:
+    torch_version = tuple(int(p) for p in torch.__version__.split(".")[:2])
+    return AUTOGRAD_ONLY_REFERENCES.get((sys.version_info[:2], torch_version))
 
 
 def _held_by_autograd_only(g, references: int) -> bool:
@@ -358,7 +364,7 @@ def _held_by_autograd_only(g, references: int) -> bool:
     (Another tensor sharing the storage is left be: autograd sums out of place then.)"""
     if type(g) is not torch.Tensor or g.layout != torch.strided or g._base is not None:
         return False
-    if not g.is_contiguous() or g.requires_grad or references != AUTOGRAD_ONLY_REFERENCES:
+    if not g.is_contiguous() or g.requires_grad or references != _autograd_only_references():
         return False
     # and no list, dict, cell or object of Python code holds it, whatever the count says
     return all(type(r) is tuple for r in gc.get_referrers(g))
