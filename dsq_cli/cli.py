@@ -237,11 +237,16 @@ ROUNDS_OPTION = typer.Option(
 )  # fmt: skip
 
 
-def _seq_lens(text: str) -> tuple[int, ...]:
+def _comma_ints(text: str) -> tuple[int, ...]:
+    """``text``'s comma-separated integers; () where one is not an integer."""
     try:
-        lengths = tuple(int(n) for n in text.split(",") if n.strip())
+        return tuple(int(n) for n in text.split(",") if n.strip())
     except ValueError:
-        lengths = ()
+        return ()
+
+
+def _seq_lens(text: str) -> tuple[int, ...]:
+    lengths = _comma_ints(text)
     if not lengths or min(lengths) < 2:
         raise ValueError(f"--seq-lens: expected lengths like 256,1024, got {text!r}")
     return lengths
@@ -252,10 +257,7 @@ def _batches(text: str | None) -> tuple[int, int] | None:
     between; None (not given): the bench's own."""
     if text is None:
         return None
-    try:
-        pair = tuple(int(n) for n in text.split(","))
-    except ValueError:
-        pair = ()
+    pair = _comma_ints(text)
     if len(pair) != 2 or not 1 <= pair[0] < pair[1]:
         raise ValueError(f"--batches: expected two batch sizes, the smaller first, like 3,5; "
                          f"got {text!r}")  # fmt: skip

@@ -349,11 +349,7 @@ class _HeldInputCheckpoint(torch.autograd.Function):
 # differs, or a version not counted, hands nothing on (one too few would take a shared gradient).
 # (Tested, with a hook that keeps it.)
 AUTOGRAD_ONLY_REFERENCES = {((3, 11), (2, 13)): 9}
-
-
-def _autograd_only_references() -> int | None:
-    torch_version = tuple(int(p) for p in torch.__version__.split(".")[:2])
-    return AUTOGRAD_ONLY_REFERENCES.get((sys.version_info[:2], torch_version))
+_VERSIONS = (sys.version_info[:2], tuple(int(p) for p in torch.__version__.split(".")[:2]))
 
 
 def _held_by_autograd_only(g, references: int) -> bool:
@@ -364,7 +360,9 @@ def _held_by_autograd_only(g, references: int) -> bool:
     (Another tensor sharing the storage is left be: autograd sums out of place then.)"""
     if type(g) is not torch.Tensor or g.layout != torch.strided or g._base is not None:
         return False
-    if not g.is_contiguous() or g.requires_grad or references != _autograd_only_references():
+    if not g.is_contiguous() or g.requires_grad:
+        return False
+    if references != AUTOGRAD_ONLY_REFERENCES.get(_VERSIONS):
         return False
     # and no list, dict, cell or object of Python code holds it, whatever the count says
     return all(type(r) is tuple for r in gc.get_referrers(g))
