@@ -289,7 +289,8 @@ class _Call:
             index = dropout_index(p.shape, self.heads, self.n, self.m,
                                   self.first_sequence + bs.start, rows.start, p.device)  # fmt: skip
             noise = dropout_noise(self.seed, self.dropout, index)
-        pd = p if noise is None else p * noise
+        # the noise is float32: the product is rounded once to the probabilities' dtype
+        pd = p if noise is None else (p * noise).to(p.dtype)
         return p, pd, noise, keep, nothing
 
     def scaled(self, x: torch.Tensor, keep=()) -> torch.Tensor:
@@ -472,7 +473,7 @@ def _tile_gradients(call: _Call, q0, k0, v1, keep=()):
     def of(bs, rows, keys, g2_out_rows):
         p, pd, noise, keep, nothing = call.probs(q0, k0_t, bs, rows, keys)
         d_pd = units.gemm(g2_out_rows, v1_t[bs, :, :, keys], call.plans_pv[1], "matmul.da")
-        d_p = d_pd.view_as(p) if noise is None else d_pd.view_as(p) * noise
+        d_p = d_pd.view_as(p) if noise is None else (d_pd.view_as(p) * noise).to(p.dtype)
         if nothing is not None:
             d_p = d_p.masked_fill(nothing, 0.0)
         d_s = torch._softmax_backward_data(d_p, p, -1, p.dtype)

@@ -495,3 +495,25 @@ def test_bfloat16_inputs_run_as_the_explicit_path_does():
     assert got.dtype == torch.bfloat16 and torch.equal(got, want)
     grads = torch.autograd.grad(got.float().sum(), (q, k, v))
     assert all(grad.dtype == torch.bfloat16 and torch.isfinite(grad).all() for grad in grads)
+
+
+def test_bfloat16_inputs_with_dropout_run_as_the_explicit_path_with_its_mask():
+    # the float32 keep mask times bf16 probabilities, rounded once to bf16: the explicit path's
+    # output with the same mask; the gradients near its in bf16
+    cfg = cfg_of("dsq")
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 40, 16, generator=g).bfloat16().requires_grad_() for _ in "qkv")
+    torch.manual_seed(3)  # the kernel draws its seed from torch's generator
+    got = dsq_attention(q, k, v, cfg, causal=True, scaling=0.25, dropout=0.25)
+    torch.manual_seed(3)
+    seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
+    index = dropout_index((1, 2, 1, 40, 40), 2, 40, 40, 0, 0, "cpu")
+    noise = dropout_noise(seed, 0.25, index).view(1, 2, 40, 40)
+    want, _ = explicit_attention(q, k, v, cfg, causal=True, scaling=0.25,
+                                 dropout_fn=lambda p: (p * noise).to(p.dtype))  # fmt: skip
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    grads = torch.autograd.grad(got.float().sum(), (q, k, v))
+    wants = torch.autograd.grad(want.float().sum(), (q, k, v))
+    for grad, wanted in zip(grads, wants):
+        assert grad.dtype == torch.bfloat16
+        torch.testing.assert_close(grad.float(), wanted.float(), rtol=0.02, atol=0.02)
