@@ -303,11 +303,12 @@ def _scopes_for(scopes: str, model: str) -> list[str]:
 
 def _transformers_bench(model, presets, layers, width, heads, kv_heads, vocab, seq_lens,
                         scopes, checkpointing, repeats, budget, threads, refused,
-                        loss_chunk=None, rounds=1, where=False, batches=None):  # fmt: skip
+                        loss_chunk=None, rounds=1, where=False, batches=None,
+                        breakdown=False):  # fmt: skip
     """The rows of ``dsq bench memory|step --model llama|gpt2|bert``; ``refused`` lists the
     fairseq-only options given, a usage error; ``loss_chunk`` None: the model's own loss;
     ``where``: what each row holds at its peak; ``batches``: the two batch sizes, or None
-    (`transformers_models.run`)."""
+    (`transformers_models.run`); ``breakdown``: where each row's step spends its time."""
     from dsq_cli.bench import memory, transformers_models
 
     if model not in transformers_models.MODELS:
@@ -337,7 +338,7 @@ def _transformers_bench(model, presets, layers, width, heads, kv_heads, vocab, s
     return transformers_models.run(shape, rows, lengths, memory.parse_size(budget), repeats,
                                    threads=threads, loss_chunk=loss_chunk or 0,
                                    rounds=rounds, where=where,
-                                   batches=_batches(batches))  # fmt: skip
+                                   batches=_batches(batches), breakdown=breakdown)  # fmt: skip
 
 
 LOSS_CHUNK_OPTION = typer.Option(
@@ -404,8 +405,9 @@ def bench_step(
     breakdown: bool = typer.Option(
         False,
         "--breakdown",
-        help="Also profile one step per row: ms in GEMMs (per dtype, with their rate against the "
-        "unit's peak), quantizers, casts, other operators, the optimizer and Python.",
+        help="Also profile one step per row (a transformers model's: of its larger batch): ms "
+        "in GEMMs (per dtype, with their rate against the unit's peak), fused and tiled "
+        "attention, quantizers, casts, other operators, the optimizer and Python.",
     ),
     device: str = typer.Option("cpu", help="cpu or cuda."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
@@ -418,11 +420,12 @@ def bench_step(
     if model != "fairseq":
         from dsq_cli.bench import transformers_models
 
-        refused = _given(ctx, "tokens", "src_len", "gemm_units", "fp32_head", "breakdown")
+        refused = _given(ctx, "tokens", "src_len", "gemm_units", "fp32_head")
         refused += ["--device"] * (device != "cpu")
         result = _transformers_bench(model, presets, layers, width, heads, kv_heads, vocab,
                                      seq_lens, scopes, checkpointing, repeats, "4GiB", threads,
-                                     refused, loss_chunk, rounds)  # fmt: skip
+                                     refused, loss_chunk, rounds,
+                                     breakdown=breakdown)  # fmt: skip
         _print_bench(result, as_json, transformers_models.format_step)
         return
     _transformers_only(_given(ctx, *TRANSFORMERS_ONLY))

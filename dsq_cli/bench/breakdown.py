@@ -7,6 +7,9 @@ One step of each row runs under torch.profiler with shapes recorded. Every opera
   and the engine's exact bf16 GEMMs, ``dsq::gemm_bf16``), with their rate in GFLOP/s from the
   operands' shapes, beside the unit's peak measured here on a large square product;
 - ``attention (fused)``: torch's scaled-dot-product attention kernels (an unpatched model's);
+- ``attention (tiled)``: the own time of DSQ's tiled attention ops (``dsq::attention_*``: the
+  host work around their tiles) and the softmax with its backward, which only attention runs
+  in these models (the loss's is a log-softmax); the tiles' GEMMs are counted as GEMMs;
 - ``quantizers``: the engine's C and compiled quantize, pack and decode kernels (``dsq::*``
   other than the GEMMs and conversions, and torch.compile's regions);
 - ``casts``: conversions to bf16 (``dsq::to_bf16``, ``split_bf16``; autocast's copies);
@@ -28,6 +31,7 @@ import torch
 GEMM_OPS = {"aten::mm": (0, 1), "aten::addmm": (1, 2), "aten::bmm": (0, 1), "aten::baddbmm": (1, 2)}
 DSQ_GEMMS = {"dsq::gemm_bf16": (0, 1)}
 CASTS = ("dsq::to_bf16", "dsq::split_bf16", "aten::_to_copy", "aten::copy_")
+SOFTMAX = ("aten::_softmax", "aten::_softmax_backward_data")
 COMPILED = ("Torch-Compiled Region", "CompiledFunction", "## Call CompiledFxGraph")
 _DTYPE = {"c10::BFloat16": "bf16", "float": "fp32", "c10::Half": "fp16"}
 
@@ -55,6 +59,8 @@ def category(event, in_optimizer: bool) -> tuple[str, float]:
         return f"gemm {dtype}", gemm_flops(event.input_shapes or [], operands)
     if "scaled_dot_product" in name:
         return "attention (fused)", 0.0
+    if name.startswith("dsq::attention") or name in SOFTMAX:
+        return "attention (tiled)", 0.0
     if name in CASTS:
         return "casts", 0.0
     if name.startswith("dsq::") or name.startswith(COMPILED):
@@ -116,31 +122,37 @@ def unit_peaks(device: torch.device, size: int = 1024, repeats: int = 5) -> dict
     return peaks
 
 
-CATEGORY_ORDER = ("gemm bf16", "gemm fp32", "attention (fused)", "quantizers", "casts", "other",
-                  "optimizer", "python")  # fmt: skip
+CATEGORY_ORDER = ("gemm bf16", "gemm fp32", "attention (fused)", "attention (tiled)",
+                  "quantizers", "casts", "other", "optimizer", "python")  # fmt: skip
 
 
 def format_breakdown(result: dict) -> str:
     """The rows' breakdowns as a table: ms per category, then each GEMM dtype's rate against
     its unit's peak."""
     peaks = result["unit_peaks"]
+    profiled = [(_label(row), row["breakdown"]) for row in result["rows"] if row.get("breakdown")]
+    width = max([22] + [len(label) for label, _ in profiled])
     lines = [
         "",
         "Where one profiled step's time goes (ms; docs/benchmarks.md): GEMMs by dtype, with "
         f"rate in GFLOP/s and share of the unit's peak here (bf16 {peaks['bf16']:.0f}, fp32 "
         f"{peaks['fp32']:.0f} GFLOP/s on a {2 * 1024}x1024x1024 product)",
         "",
-        f"{'row':<22} {'wall':>7} " + " ".join(f"{c:>10}" for c in CATEGORY_ORDER)
+        f"{'row':<{width}} {'wall':>7} " + " ".join(f"{c:>10}" for c in CATEGORY_ORDER)
         + "   GEMM rates",
     ]  # fmt: skip
-    for row in result["rows"]:
-        b = row.get("breakdown")
-        if not b:
-            continue
+    for label, b in profiled:
         cells = " ".join(f"{b['ms'].get(c, 0.0):>10.1f}" for c in CATEGORY_ORDER)
         rates = ", ".join(
             f"{dtype} {rate:.0f} ({rate / peaks[dtype]:.0%})" if dtype in peaks else dtype
             for dtype, rate in sorted(b["gemm_gflops"].items())
         )
-        lines.append(f"{row['row']:<22} {b['wall_ms']:>7.1f} {cells}   {rates}")
+        lines.append(f"{label:<{width}} {b['wall_ms']:>7.1f} {cells}   {rates}")
     return "\n".join(lines)
+
+
+def _label(row: dict) -> str:
+    """A row's name, with its tokens a sequence where rows differ in that (transformers
+    models)."""
+    seq_len = row.get("seq_len")
+    return row["row"] if seq_len is None else f"{row['row']}, {seq_len:,} a sequence"

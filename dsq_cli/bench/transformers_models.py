@@ -102,12 +102,13 @@ def rows_of(presets, scopes, checkpointing) -> list[Row]:
 
 
 def measure(shape: ModelShape, row: Row, seq_len: int, batch: int, repeats: int,
-            loss_chunk: int = 0, where: bool = False) -> dict:  # fmt: skip
+            loss_chunk: int = 0, where: bool = False, breakdown: bool = False) -> dict:  # fmt: skip
     """In this process: the step's median time, allocator peak and the process's peak resident
     memory (see the module docstring). ``loss_chunk`` tokens (a causal LM): the output layer and
     its next-token loss in chunks (`chunked_output_loss`), as ``dsq train task=lm`` takes them;
     0: the model's own loss. ``where``: also what the passes hold at their peak, by holder, and
-    the operators running then (`peak_holders`)."""
+    the operators running then (`peak_holders`). ``breakdown``: also one more step profiled
+    (`breakdown.profile_step`), after every figure above was taken."""
     from dsq.engine import QuantConfig
     from dsq.integrations import quantize_model
     from dsq_cli.presets import at_first_level, load_quant_preset
@@ -170,6 +171,10 @@ def measure(shape: ModelShape, row: Row, seq_len: int, batch: int, repeats: int,
     update = allocated_during(optimizer.step, cpu)
     before = [("before the step: the parameters and Adam's state", state)]
     found = {"held_at_peak": before + passes.holders, "peak_at": passes.at} if where else {}
+    if breakdown:
+        from .breakdown import profile_step
+
+        found["breakdown"] = profile_step(lambda _: step(), None)
     return found | {
         "step_s": statistics.median(times),
         "allocator_bytes": state + passes.peak,
@@ -199,10 +204,11 @@ def _chunked_loss(model, ids, chunk_tokens: int) -> torch.Tensor:
 
 
 def measure_in_fresh_process(shape, row, seq_len, batch, repeats, threads,
-                             loss_chunk: int = 0, where: bool = False) -> dict:  # fmt: skip
+                             loss_chunk: int = 0, where: bool = False,
+                             breakdown: bool = False) -> dict:  # fmt: skip
     spec = {"shape": dataclasses.asdict(shape), "row": dataclasses.asdict(row),
             "seq_len": seq_len, "batch": batch, "repeats": repeats,
-            "loss_chunk": loss_chunk, "where": where}  # fmt: skip
+            "loss_chunk": loss_chunk, "where": where, "breakdown": breakdown}  # fmt: skip
     env = os.environ | {"OMP_NUM_THREADS": str(threads)}
     done = subprocess.run(
         [sys.executable, "-m", "dsq_cli.bench.transformers_models", json.dumps(spec)],
@@ -216,7 +222,7 @@ def measure_in_fresh_process(shape, row, seq_len, batch, repeats, threads,
 
 def run(shape: ModelShape, rows: list[Row], seq_lens, budget: int, repeats: int = 2,
         batches=None, threads: int | None = None, loss_chunk: int = 0,
-        rounds: int = 1, where: bool = False) -> dict:  # fmt: skip
+        rounds: int = 1, where: bool = False, breakdown: bool = False) -> dict:  # fmt: skip
     """Every row at every sequence length, each at two batch sizes (``batches``, default 2 and
     3 sequences, 4 and 8 below 512 tokens): per token, the allocator's and the process's bytes
     (the slope between the two), time (the larger batch's step over its tokens), and tokens at
@@ -232,7 +238,11 @@ def run(shape: ModelShape, rows: list[Row], seq_lens, budget: int, repeats: int 
 
     ``where``: each row also says what its larger batch holds at the peak, by holder, each
     holder's growth a token from the smaller batch, and the operators running at the peak (the
-    first round's; `peak_holders`)."""
+    first round's; `peak_holders`).
+
+    ``breakdown``: where one step of each row's larger batch spends its time, by kind of
+    operator (`breakdown`; the first round's), beside the bf16 and float32 units' peaks here on
+    as many threads."""
     threads = threads or torch.get_num_threads()
     results, settings = [], set()
     for seq_len in seq_lens:
@@ -240,9 +250,11 @@ def run(shape: ModelShape, rows: list[Row], seq_lens, budget: int, repeats: int 
         measured: dict[Row, list] = {row: [] for row in rows}
         for round_index in range(rounds):
             for row in rows:  # the peak's holders from the first round, whose bytes are used
+                first = not round_index
                 measured[row].append(tuple(
                     measure_in_fresh_process(shape, row, seq_len, batch, repeats, threads,
-                                             loss_chunk, where and not round_index)
+                                             loss_chunk, where and first,
+                                             breakdown and first and batch == large)
                     for batch in (small, large)
                 ))  # fmt: skip
         settings |= {m.get("cpu_allocator", "?") for pairs in measured.values()
@@ -272,6 +284,8 @@ def run(shape: ModelShape, rows: list[Row], seq_lens, budget: int, repeats: int 
             entry["ms_per_token"] = statistics.median(per_round)
             entry["ms_per_token_rounds"] = per_round
             entry["first_loss"] = b["first_loss"]
+            if "breakdown" in b:
+                entry["breakdown"] = b["breakdown"]
             if where:
                 entry["peak_at"] = list(b["peak_at"])
                 entry["peak_at_smaller_batch"] = list(a["peak_at"])
@@ -284,7 +298,8 @@ def run(shape: ModelShape, rows: list[Row], seq_lens, budget: int, repeats: int 
     _ratios(results)
     from .quant import machine_description
 
-    return {
+    extra = {"unit_peaks": _unit_peaks(threads)} if breakdown else {}
+    return extra | {
         "model": dataclasses.asdict(shape),
         "budget_bytes": budget,
         "repeats": repeats,
@@ -297,6 +312,18 @@ def run(shape: ModelShape, rows: list[Row], seq_lens, budget: int, repeats: int 
         "torch": torch.__version__,
         "rows": results,
     }
+
+
+def _unit_peaks(threads: int) -> dict[str, float]:
+    """The bf16 and float32 units' peaks (`breakdown.unit_peaks`) on the rows' threads."""
+    from .breakdown import unit_peaks
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return unit_peaks(torch.device("cpu"))
+    finally:
+        torch.set_num_threads(before)
 
 
 BASELINES = ("amp_bf16", "amp_bf16 ckpt")
@@ -375,10 +402,15 @@ def _where(row: dict) -> str:
 
 def format_step(result: dict) -> str:
     header = ["row", "seq", "ms/token", "x amp_bf16", "x amp_bf16 ckpt", "loss, first step"]
-    return _grid(result, header, lambda r: [
+    table = _grid(result, header, lambda r: [
         f"{r['ms_per_token']:.3f}", _x(r.get("ms_per_token_x_amp_bf16")),
         _x(r.get("ms_per_token_x_amp_bf16_ckpt")), f"{r['first_loss']:.4f}",
     ])  # fmt: skip
+    if "unit_peaks" not in result:
+        return table
+    from .breakdown import format_breakdown
+
+    return table + "\n" + format_breakdown(result)
 
 
 def _footer(result: dict) -> str:
@@ -419,5 +451,5 @@ if __name__ == "__main__":  # one measurement, as `measure_in_fresh_process` ask
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
     measured = measure(ModelShape(**spec["shape"]), Row(**spec["row"]), spec["seq_len"],
                        spec["batch"], spec["repeats"], spec.get("loss_chunk", 0),
-                       spec.get("where", False))  # fmt: skip
+                       spec.get("where", False), spec.get("breakdown", False))  # fmt: skip
     print(json.dumps(measured))

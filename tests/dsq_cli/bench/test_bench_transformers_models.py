@@ -3,6 +3,8 @@ and tokens at a budget, and the usage errors."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from typer.testing import CliRunner
 
@@ -23,7 +25,9 @@ def test_bytes_per_token_and_tokens_at_a_budget_come_from_the_line_through_two_b
     monkeypatch,
 ):
     # a row holding 1,000 fixed bytes plus 100 a token (the allocator) or 150 (the process)
-    def fake(shape, row, seq_len, batch, repeats, threads, loss_chunk=0, where=False):
+    def fake(
+        shape, row, seq_len, batch, repeats, threads, loss_chunk=0, where=False, breakdown=False
+    ):
         tokens = seq_len * batch
         return {"step_s": tokens * 1e-3, "allocator_bytes": 1000 + 100 * tokens,
                 "rss_bytes": 1000 + 150 * tokens, "first_loss": 1.0}  # fmt: skip
@@ -47,7 +51,9 @@ def test_bytes_per_token_and_tokens_at_a_budget_come_from_the_line_through_two_b
 def test_batches_given_are_the_two_the_slope_is_taken_between(monkeypatch):
     seen = []
 
-    def fake(shape, row, seq_len, batch, repeats, threads, loss_chunk=0, where=False):
+    def fake(
+        shape, row, seq_len, batch, repeats, threads, loss_chunk=0, where=False, breakdown=False
+    ):
         seen.append(batch)
         return {"step_s": 1.0, "allocator_bytes": 1000 + 100 * batch * seq_len,
                 "rss_bytes": 1000 + 100 * batch * seq_len, "first_loss": 1.0}  # fmt: skip
@@ -68,7 +74,9 @@ def test_rounds_take_turns_and_time_is_the_median_of_each_rounds_ratio(monkeypat
     where the ratio of the median times would say 5; bytes come from the first round."""
     order, speed = [], iter([1.0, 1.0, 1.0, 1.0, 3.0, 3.0, 3.0, 3.0, 1.0, 1.0, 2.5, 2.5])
 
-    def fake(shape, row, seq_len, batch, repeats, threads, loss_chunk=0, where=False):
+    def fake(
+        shape, row, seq_len, batch, repeats, threads, loss_chunk=0, where=False, breakdown=False
+    ):
         order.append(row.label)
         per_token = (2.0 if row.preset == "dsq" else 1.0) * next(speed) * 1e-3
         return {"step_s": per_token * seq_len * batch, "allocator_bytes": 100 * batch,
@@ -133,6 +141,30 @@ def test_a_tiny_llama_runs_every_row_in_its_own_process():
     assert "error" not in result.output
 
 
+@pytest.mark.slow
+def test_the_breakdown_profiles_each_rows_larger_batch_by_kind_of_operator():
+    result = CliRunner().invoke(app, [
+        "bench", "step", "--model", "llama", "--layers", "1", "--width", "64", "--heads", "2",
+        "--kv-heads", "1", "--vocab", "64", "--seq-lens", "32", "--presets", "amp_bf16,dsq",
+        "--scopes", "all", "--threads", "1", "--repeats", "1", "--breakdown", "--json",
+    ])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    measured = json.loads(result.output)
+    assert set(measured["unit_peaks"]) == {"bf16", "fp32"}
+    by_row = {row["row"]: row["breakdown"]["ms"] for row in measured["rows"]}
+    assert set(by_row) == {"amp_bf16", "dsq all"}
+    # autocast runs torch's fused attention; dsq its tiled kernel and quantizers
+    assert (
+        by_row["amp_bf16"]["attention (fused)"] > 0
+        and "attention (tiled)" not in by_row["amp_bf16"]
+    )
+    assert by_row["dsq all"]["attention (tiled)"] > 0 and by_row["dsq all"]["quantizers"] > 0
+    assert "attention (fused)" not in by_row["dsq all"]
+    table = tm.format_step(measured)  # as printed without --json
+    assert "Where one profiled step's time goes" in table
+    assert any(line.startswith("dsq all, 32 a sequence ") for line in table.splitlines())
+
+
 @pytest.mark.parametrize(("args", "says"), [
     (["--model", "gpt3"], "--model 'gpt3': choose one of"),
     (["--model", "llama", "--fp32-head"], "--fp32-head: for --model fairseq only"),
@@ -152,14 +184,16 @@ def test_bad_options_are_one_line_usage_errors(args, says):
 
 def test_step_of_a_transformers_model_refuses_the_fairseq_options_it_would_not_read():
     result = CliRunner().invoke(app, ["bench", "step", "--model", "llama", "--tokens", "4096",
-                                      "--gemm-units", "auto", "--breakdown"])  # fmt: skip
+                                      "--gemm-units", "auto", "--fp32-head"])  # fmt: skip
     assert result.exit_code == 2
-    assert "--tokens, --gemm-units, --breakdown: for --model fairseq only" in result.output
+    assert "--tokens, --gemm-units, --fp32-head: for --model fairseq only" in result.output
     assert "leave it out for llama" in result.output
 
 
 def test_a_peak_that_does_not_grow_with_the_batch_gives_no_tokens_at_the_budget(monkeypatch):
-    def flat(shape, row, seq_len, batch, repeats, threads, loss_chunk=0, where=False):
+    def flat(
+        shape, row, seq_len, batch, repeats, threads, loss_chunk=0, where=False, breakdown=False
+    ):
         return {"step_s": 1.0, "allocator_bytes": 1000 + 100 * seq_len * batch,
                 "rss_bytes": 5000, "first_loss": 1.0}  # fmt: skip
 
@@ -188,7 +222,9 @@ def test_the_loss_in_chunks_is_the_models_own_loss_and_reaches_the_runs_footer(k
     for own, chunked in zip(*grads):
         torch.testing.assert_close(chunked, own, rtol=1e-5, atol=1e-7)
 
-    def fake(shape, row, seq_len, batch, repeats, threads, loss_chunk=0, where=False):
+    def fake(
+        shape, row, seq_len, batch, repeats, threads, loss_chunk=0, where=False, breakdown=False
+    ):
         assert loss_chunk == 16
         return {"step_s": 1.0, "allocator_bytes": 100 * batch, "rss_bytes": 100 * batch,
                 "first_loss": 1.0}  # fmt: skip
@@ -244,7 +280,9 @@ def test_the_footer_names_the_malloc_setting_the_rows_processes_had_in_force(mon
     """What each row's process applied, as it reports it (not what the parent asked for): one
     setting, or each that occurred; a result from before it was recorded names none."""
 
-    def fake(shape, row, seq_len, batch, repeats, threads, loss_chunk=0, where=False):
+    def fake(
+        shape, row, seq_len, batch, repeats, threads, loss_chunk=0, where=False, breakdown=False
+    ):
         return {"step_s": 1.0, "allocator_bytes": 100 * batch, "rss_bytes": 100 * batch,
                 "first_loss": 1.0, "cpu_allocator": applied[row.preset]}  # fmt: skip
 
