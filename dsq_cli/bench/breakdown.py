@@ -138,11 +138,12 @@ def format_breakdown(result: dict) -> str:
         f"rate in GFLOP/s and share of the unit's peak here (bf16 {peaks['bf16']:.0f}, fp32 "
         f"{peaks['fp32']:.0f} GFLOP/s on a {2 * 1024}x1024x1024 product)",
         "",
-        f"{'row':<{width}} {'wall':>7} " + " ".join(f"{c:>10}" for c in CATEGORY_ORDER)
+        f"{'row':<{width}} {'wall':>7} " + " ".join(f"{c:>{max(10, len(c))}}"
+                                                   for c in CATEGORY_ORDER)
         + "   GEMM rates",
     ]  # fmt: skip
     for label, b in profiled:
-        cells = " ".join(f"{b['ms'].get(c, 0.0):>10.1f}" for c in CATEGORY_ORDER)
+        cells = " ".join(f"{b['ms'].get(c, 0.0):>{max(10, len(c))}.1f}" for c in CATEGORY_ORDER)
         rates = ", ".join(
             f"{dtype} {rate:.0f} ({rate / peaks[dtype]:.0%})" if dtype in peaks else dtype
             for dtype, rate in sorted(b["gemm_gflops"].items())
