@@ -341,6 +341,16 @@ def _transformers_bench(model, presets, layers, width, heads, kv_heads, vocab, s
                                    batches=_batches(batches), breakdown=breakdown)  # fmt: skip
 
 
+BATCHES_OPTION = typer.Option(
+    None,
+    help="transformers models: the two batch sizes, in sequences, whose peaks' slope is a row's "
+    "bytes a token and at the larger of which its time a token is taken, the smaller first "
+    "(default 2,3; 4,8 below 512 tokens a sequence). Larger ones check that both peaks lie "
+    "where a large batch's does, and time the batches a budget holds (docs/benchmarks.md, "
+    '"The held row: what it fits against autocast + checkpointing").',
+)
+
+
 LOSS_CHUNK_OPTION = typer.Option(
     None,
     min=0,
@@ -402,6 +412,7 @@ def bench_step(
     kv_heads: int = KV_HEADS_OPTION,
     threads: int = THREADS_OPTION,
     rounds: int = ROUNDS_OPTION,
+    batches: str | None = BATCHES_OPTION,
     breakdown: bool = typer.Option(
         False,
         "--breakdown",
@@ -424,11 +435,11 @@ def bench_step(
         refused += ["--device"] * (device != "cpu")
         result = _transformers_bench(model, presets, layers, width, heads, kv_heads, vocab,
                                      seq_lens, scopes, checkpointing, repeats, "4GiB", threads,
-                                     refused, loss_chunk, rounds,
+                                     refused, loss_chunk, rounds, batches=batches,
                                      breakdown=breakdown)  # fmt: skip
         _print_bench(result, as_json, transformers_models.format_step)
         return
-    _transformers_only(_given(ctx, *TRANSFORMERS_ONLY))
+    _transformers_only(_given(ctx, *TRANSFORMERS_ONLY, "batches"))
     names = _preset_names(presets)
     scope_list = _scopes_for(scopes, "fairseq")
     unit_list = _choices("--gemm-units", gemm_units, SETTINGS)
@@ -533,13 +544,7 @@ def bench_memory(
         'operators running at the peak (docs/benchmarks.md, "What the checkpointed rows hold '
         'at their peak").',
     ),
-    batches: str | None = typer.Option(
-        None,
-        help="transformers models: the two batch sizes, in sequences, whose peaks' slope is a "
-        "row's bytes a token, the smaller first (default 2,3; 4,8 below 512 tokens a "
-        "sequence). Larger ones check that both peaks lie where a large batch's does "
-        '(docs/benchmarks.md, "The held row: what it fits against autocast + checkpointing").',
-    ),
+    batches: str | None = BATCHES_OPTION,
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ):
     """The largest batch (whole sentences) whose training step's peak memory fits the budget,

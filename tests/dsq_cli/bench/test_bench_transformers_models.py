@@ -69,6 +69,27 @@ def test_batches_given_are_the_two_the_slope_is_taken_between(monkeypatch):
     assert "| 0.1 |" in result.output  # 100 bytes a token
 
 
+def test_a_step_is_timed_at_the_larger_of_the_batches_given(monkeypatch):
+    seen = []
+
+    def fake(
+        shape, row, seq_len, batch, repeats, threads, loss_chunk=0, where=False, breakdown=False
+    ):
+        seen.append(batch)
+        return {"step_s": 0.001 * batch * seq_len, "allocator_bytes": 100 * batch * seq_len,
+                "rss_bytes": 100 * batch * seq_len, "first_loss": 1.0}  # fmt: skip
+
+    monkeypatch.setattr(tm, "measure_in_fresh_process", fake)
+    result = CliRunner().invoke(app, [
+        "bench", "step", "--model", "llama", "--seq-lens", "1024", "--presets", "amp_bf16",
+        "--batches", "8,12", "--repeats", "1", "--json",
+    ])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert seen == [8, 12]
+    (row,) = json.loads(result.output)["rows"]
+    assert row["batches"] == [8, 12] and row["ms_per_token"] == pytest.approx(1.0)
+
+
 def test_rounds_take_turns_and_time_is_the_median_of_each_rounds_ratio(monkeypatch):
     """The host's speed moves between rows: the rounds' ratios are 2, 2 and 5, their median 2,
     where the ratio of the median times would say 5; bytes come from the first round."""
@@ -99,6 +120,7 @@ def test_rounds_take_turns_and_time_is_the_median_of_each_rounds_ratio(monkeypat
     (["step"], ["--rounds", "2"], "--rounds"),
     (["step"], ["--threads", "2", "--seq-lens", "512"], "--seq-lens, --threads"),
     (["step"], ["--heads", "4", "--kv-heads", "2"], "--heads, --kv-heads"),
+    (["step"], ["--batches", "8,12"], "--batches"),
     # the default value given on the command line is refused too: given is given
     (["memory", "--budget", "1GiB"], ["--seq-lens", "256,1024"], "--seq-lens"),
     (["memory", "--budget", "1GiB"], ["--repeats", "3"], "--repeats"),
