@@ -417,7 +417,7 @@ def bench_step(
         False,
         "--breakdown",
         help="Also profile one step per row (a transformers model's: of its larger batch): ms "
-        "in GEMMs (per dtype, with their rate against the unit's peak), fused and tiled "
+        "in GEMMs (per dtype, with their rate against the unit's peak), fused and unfused "
         "attention, quantizers, casts, other operators, the optimizer and Python.",
     ),
     device: str = typer.Option("cpu", help="cpu or cuda."),

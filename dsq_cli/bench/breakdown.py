@@ -7,9 +7,10 @@ One step of each row runs under torch.profiler with shapes recorded. Every opera
   and the engine's exact bf16 GEMMs, ``dsq::gemm_bf16``), with their rate in GFLOP/s from the
   operands' shapes, beside the unit's peak measured here on a large square product;
 - ``attention (fused)``: torch's scaled-dot-product attention kernels (an unpatched model's);
-- ``attention (tiled)``: the own time of DSQ's tiled attention ops (``dsq::attention_*``: the
-  host work around their tiles) and the softmax with its backward, which only attention runs
-  in these models (the loss's is a log-softmax); the tiles' GEMMs are counted as GEMMs;
+- ``attention (unfused)``: attention computed by separate operators, not one fused kernel: the
+  softmax with its backward, which only attention runs in these models (the loss's is a
+  log-softmax), and the own time of DSQ's tiled attention ops (``dsq::attention_*``: the host
+  work around their tiles); its GEMMs are counted as GEMMs;
 - ``quantizers``: the engine's C and compiled quantize, pack and decode kernels (``dsq::*``
   other than the GEMMs and conversions, and torch.compile's regions);
 - ``casts``: conversions to bf16 (``dsq::to_bf16``, ``split_bf16``; autocast's copies);
@@ -60,7 +61,7 @@ def category(event, in_optimizer: bool) -> tuple[str, float]:
     if "scaled_dot_product" in name:
         return "attention (fused)", 0.0
     if name.startswith("dsq::attention") or name in SOFTMAX:
-        return "attention (tiled)", 0.0
+        return "attention (unfused)", 0.0
     if name in CASTS:
         return "casts", 0.0
     if name.startswith("dsq::") or name.startswith(COMPILED):
@@ -122,7 +123,7 @@ def unit_peaks(device: torch.device, size: int = 1024, repeats: int = 5) -> dict
     return peaks
 
 
-CATEGORY_ORDER = ("gemm bf16", "gemm fp32", "attention (fused)", "attention (tiled)",
+CATEGORY_ORDER = ("gemm bf16", "gemm fp32", "attention (fused)", "attention (unfused)",
                   "quantizers", "casts", "other", "optimizer", "python")  # fmt: skip
 
 

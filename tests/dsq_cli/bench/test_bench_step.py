@@ -177,6 +177,8 @@ def test_the_breakdown_sorts_operators_and_counts_gemm_work():
     assert category(event("aten::_scaled_dot_product_flash_attention_for_cpu"), False)[0] == (
         "attention (fused)"
     )
+    for unfused in ("aten::_softmax", "aten::_softmax_backward_data", "dsq::attention_forward"):
+        assert category(event(unfused), False)[0] == "attention (unfused)"
     assert category(mm, True) == ("optimizer", 0.0)  # inside Optimizer.step
     assert category(event("aten::native_layer_norm"), False)[0] == "other"
 
