@@ -15,11 +15,13 @@ One step of each row runs under torch.profiler with shapes recorded. Every opera
   other than the GEMMs and conversions, and torch.compile's regions);
 - ``casts``: conversions to bf16 (``dsq::to_bf16``, ``split_bf16``; autocast's copies);
 - ``optimizer``: everything under ``Optimizer.step``;
-- ``other``: every other operator (layer norms, softmax, dropout, masks, additions).
+- ``other``: every other operator (layer norms, dropout, masks, additions), and the engine's
+  autograd functions, which the profiler records as operators: their own time is their Python.
 
-What the profiler does not see, the Python of the autograd functions and of the model, is the
-step's profiled wall time less the sum of those: ``python``. The profiler slows small operators
-down, so the categories are shares of a profiled step, not of the timed one.
+What the profiler does not see, the Python of the model and of the engine outside its autograd
+functions, is the step's profiled wall time less the sum of those: ``python``. The profiler
+slows small operators down, so the categories are shares of a profiled step, not of the timed
+one.
 """
 
 from __future__ import annotations
