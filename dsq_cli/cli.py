@@ -254,7 +254,7 @@ def _seq_lens(text: str) -> tuple[int, ...]:
 
 def _batches(text: str | None) -> tuple[int, int] | None:
     """``--batches SMALL,LARGE``: the two batch sizes a row's bytes a token are the slope
-    between; None (not given): the bench's own."""
+    between, its time a token taken at the larger; None (not given): the bench's own."""
     if text is None:
         return None
     pair = _comma_ints(text)

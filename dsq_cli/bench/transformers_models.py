@@ -203,7 +203,7 @@ def _chunked_loss(model, ids, chunk_tokens: int) -> torch.Tensor:
     return total / targets.numel()
 
 
-def measure_in_fresh_process(shape, row, seq_len, batch, repeats, threads,
+def measure_in_fresh_process(shape, row, seq_len, batch, repeats, threads, *,
                              loss_chunk: int = 0, where: bool = False,
                              breakdown: bool = False) -> dict:  # fmt: skip
     spec = {"shape": dataclasses.asdict(shape), "row": dataclasses.asdict(row),
@@ -253,8 +253,8 @@ def run(shape: ModelShape, rows: list[Row], seq_lens, budget: int, repeats: int 
                 first = not round_index
                 measured[row].append(tuple(
                     measure_in_fresh_process(shape, row, seq_len, batch, repeats, threads,
-                                             loss_chunk, where and first,
-                                             breakdown and first and batch == large)
+                                             loss_chunk=loss_chunk, where=where and first,
+                                             breakdown=breakdown and first and batch == large)
                     for batch in (small, large)
                 ))  # fmt: skip
         settings |= {m.get("cpu_allocator", "?") for pairs in measured.values()

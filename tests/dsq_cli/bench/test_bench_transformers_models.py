@@ -25,9 +25,7 @@ def test_bytes_per_token_and_tokens_at_a_budget_come_from_the_line_through_two_b
     monkeypatch,
 ):
     # a row holding 1,000 fixed bytes plus 100 a token (the allocator) or 150 (the process)
-    def fake(
-        shape, row, seq_len, batch, repeats, threads, loss_chunk=0, where=False, breakdown=False
-    ):
+    def fake(shape, row, seq_len, batch, repeats, threads, loss_chunk=0, where=False, **_):
         tokens = seq_len * batch
         return {"step_s": tokens * 1e-3, "allocator_bytes": 1000 + 100 * tokens,
                 "rss_bytes": 1000 + 150 * tokens, "first_loss": 1.0}  # fmt: skip
@@ -51,9 +49,7 @@ def test_bytes_per_token_and_tokens_at_a_budget_come_from_the_line_through_two_b
 def test_batches_given_are_the_two_the_slope_is_taken_between(monkeypatch):
     seen = []
 
-    def fake(
-        shape, row, seq_len, batch, repeats, threads, loss_chunk=0, where=False, breakdown=False
-    ):
+    def fake(shape, row, seq_len, batch, repeats, threads, loss_chunk=0, where=False, **_):
         seen.append(batch)
         return {"step_s": 1.0, "allocator_bytes": 1000 + 100 * batch * seq_len,
                 "rss_bytes": 1000 + 100 * batch * seq_len, "first_loss": 1.0}  # fmt: skip
@@ -72,9 +68,7 @@ def test_batches_given_are_the_two_the_slope_is_taken_between(monkeypatch):
 def test_a_step_is_timed_at_the_larger_of_the_batches_given(monkeypatch):
     seen = []
 
-    def fake(
-        shape, row, seq_len, batch, repeats, threads, loss_chunk=0, where=False, breakdown=False
-    ):
+    def fake(shape, row, seq_len, batch, repeats, threads, loss_chunk=0, where=False, **_):
         seen.append(batch)
         return {"step_s": 0.001 * batch * seq_len, "allocator_bytes": 100 * batch * seq_len,
                 "rss_bytes": 100 * batch * seq_len, "first_loss": 1.0}  # fmt: skip
@@ -95,9 +89,7 @@ def test_rounds_take_turns_and_time_is_the_median_of_each_rounds_ratio(monkeypat
     where the ratio of the median times would say 5; bytes come from the first round."""
     order, speed = [], iter([1.0, 1.0, 1.0, 1.0, 3.0, 3.0, 3.0, 3.0, 1.0, 1.0, 2.5, 2.5])
 
-    def fake(
-        shape, row, seq_len, batch, repeats, threads, loss_chunk=0, where=False, breakdown=False
-    ):
+    def fake(shape, row, seq_len, batch, repeats, threads, loss_chunk=0, where=False, **_):
         order.append(row.label)
         per_token = (2.0 if row.preset == "dsq" else 1.0) * next(speed) * 1e-3
         return {"step_s": per_token * seq_len * batch, "allocator_bytes": 100 * batch,
@@ -213,9 +205,7 @@ def test_step_of_a_transformers_model_refuses_the_fairseq_options_it_would_not_r
 
 
 def test_a_peak_that_does_not_grow_with_the_batch_gives_no_tokens_at_the_budget(monkeypatch):
-    def flat(
-        shape, row, seq_len, batch, repeats, threads, loss_chunk=0, where=False, breakdown=False
-    ):
+    def flat(shape, row, seq_len, batch, repeats, threads, loss_chunk=0, where=False, **_):
         return {"step_s": 1.0, "allocator_bytes": 1000 + 100 * seq_len * batch,
                 "rss_bytes": 5000, "first_loss": 1.0}  # fmt: skip
 
@@ -244,9 +234,7 @@ def test_the_loss_in_chunks_is_the_models_own_loss_and_reaches_the_runs_footer(k
     for own, chunked in zip(*grads):
         torch.testing.assert_close(chunked, own, rtol=1e-5, atol=1e-7)
 
-    def fake(
-        shape, row, seq_len, batch, repeats, threads, loss_chunk=0, where=False, breakdown=False
-    ):
+    def fake(shape, row, seq_len, batch, repeats, threads, loss_chunk=0, where=False, **_):
         assert loss_chunk == 16
         return {"step_s": 1.0, "allocator_bytes": 100 * batch, "rss_bytes": 100 * batch,
                 "first_loss": 1.0}  # fmt: skip
@@ -302,9 +290,7 @@ def test_the_footer_names_the_malloc_setting_the_rows_processes_had_in_force(mon
     """What each row's process applied, as it reports it (not what the parent asked for): one
     setting, or each that occurred; a result from before it was recorded names none."""
 
-    def fake(
-        shape, row, seq_len, batch, repeats, threads, loss_chunk=0, where=False, breakdown=False
-    ):
+    def fake(shape, row, seq_len, batch, repeats, threads, loss_chunk=0, where=False, **_):
         return {"step_s": 1.0, "allocator_bytes": 100 * batch, "rss_bytes": 100 * batch,
                 "first_loss": 1.0, "cpu_allocator": applied[row.preset]}  # fmt: skip
 

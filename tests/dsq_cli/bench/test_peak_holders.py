@@ -90,9 +90,7 @@ def test_a_holder_gone_at_the_larger_batch_still_counts_in_the_growth():
 
 
 def test_where_reaches_the_table_with_each_rows_holders(monkeypatch):
-    def fake(
-        shape, row, seq_len, batch, repeats, threads, loss_chunk=0, where=False, breakdown=False
-    ):
+    def fake(shape, row, seq_len, batch, repeats, threads, loss_chunk=0, where=False, **_):
         assert where
         held = [["before the step", 10 * MIB], ["backward: X", batch * MIB]]
         return {
@@ -135,9 +133,7 @@ def test_a_tiny_llama_says_where_each_rows_peak_is():
 
 
 def test_a_peak_at_another_place_in_the_smaller_batch_is_said(monkeypatch):
-    def fake(
-        shape, row, seq_len, batch, repeats, threads, loss_chunk=0, where=False, breakdown=False
-    ):
+    def fake(shape, row, seq_len, batch, repeats, threads, loss_chunk=0, where=False, **_):
         return {"step_s": 1.0, "allocator_bytes": batch * MIB, "first_loss": 1.0,
                 "rss_bytes": batch * MIB, "held_at_peak": [["backward: X", batch * MIB]],
                 "peak_at": ["Y"] if batch == 3 else ["X", "x"]}  # fmt: skip
