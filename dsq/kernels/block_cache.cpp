@@ -1,0 +1,181 @@
+/* A CPU allocator for torch that keeps freed large blocks for reuse by the next block of the same
+ * size (dsq/kernels/block_cache.py builds this file and installs it; dsq_cli/cpu_allocator.py's
+ * `reuse` setting asks for it).
+ *
+ * Why: a training step frees and allocates blocks of the same few sizes many times over (the
+ * tiles of dsq's attention, the slices of an MLP, the quantizers' outputs). Where glibc gives a
+ * large block back to the system when it is freed (DSQ_CPU_ALLOCATOR=release), each such block
+ * is faulted in afresh, page by page, at every use; where glibc keeps freed memory in its heap
+ * (keep), blocks of differing sizes fragment it and the process holds several times what its
+ * tensors hold. This cache sits between: a freed block whose size lies in [smallest, largest] is
+ * kept, up to `capacity` bytes in all, the least recently freed given back first, and handed to
+ * the next allocation of exactly its size; any other block goes to the allocator that was in
+ * force before (torch's, through glibc).
+ *
+ * Every block served here is reported to torch's profiler as the default allocator reports its
+ * own (allocated when handed out, freed when its tensor frees it, whether or not it is then
+ * kept), so the allocator's peak that `dsq bench memory` replays from the profiler's records
+ * counts tensors only, as before; the process's peak counts the kept blocks too (at most
+ * `capacity`, whatever the batch).
+ */
+#include <c10/core/Allocator.h>
+#include <c10/core/CPUAllocator.h>
+#include <c10/core/impl/alloc_cpu.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <cstring>
+#include <list>
+#include <mutex>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace {
+
+class BlockCache final : public c10::Allocator {
+  public:
+    BlockCache(c10::Allocator *fallback, size_t smallest, size_t largest, size_t capacity)
+        : fallback_(fallback), smallest_(smallest), largest_(largest), capacity_(capacity) {}
+
+    c10::DataPtr allocate(size_t n) override {
+        if (n < smallest_ || n > largest_) {
+            return fallback_->allocate(n);
+        }
+        void *p = take(n);
+        if (p == nullptr) {
+            p = c10::alloc_cpu(n);
+        }
+        {
+            std::lock_guard<std::mutex> guard(mutex_);
+            live_[p] = n;
+        }
+        c10::profiledCPUMemoryReporter().New(p, n);
+        return {p, p, &BlockCache::release, c10::Device(c10::DeviceType::CPU)};
+    }
+
+    c10::DeleterFnPtr raw_deleter() const override { return &BlockCache::release; }
+
+    void copy_data(void *dest, const void *src, std::size_t count) const override {
+        default_copy_data(dest, src, count);
+    }
+
+    /* {bytes kept now, most bytes kept at once, allocations served from the cache, allocations
+     * of a cached size that found none kept} */
+    std::vector<int64_t> stats() {
+        std::lock_guard<std::mutex> guard(mutex_);
+        return {static_cast<int64_t>(kept_), static_cast<int64_t>(most_kept_), hits_, misses_};
+    }
+
+    bool same_settings(size_t smallest, size_t largest, size_t capacity) const {
+        return smallest == smallest_ && largest == largest_ && capacity == capacity_;
+    }
+
+    static BlockCache *installed;
+
+  private:
+    using Order = std::list<std::pair<size_t, void *>>;  // kept blocks, most recently freed first
+
+    void *take(size_t n) {
+        std::lock_guard<std::mutex> guard(mutex_);
+        auto found = by_size_.find(n);
+        if (found == by_size_.end() || found->second.empty()) {
+            ++misses_;
+            return nullptr;
+        }
+        auto where = found->second.back();  // the most recently freed of this size
+        found->second.pop_back();
+        void *p = where->second;
+        order_.erase(where);
+        kept_ -= n;
+        ++hits_;
+        return p;
+    }
+
+    static void release(void *p) {
+        BlockCache *cache = installed;
+        c10::profiledCPUMemoryReporter().Delete(p);
+        std::vector<void *> given_back;
+        {
+            std::lock_guard<std::mutex> guard(cache->mutex_);
+            auto live = cache->live_.find(p);
+            TORCH_CHECK(live != cache->live_.end(), "dsq's CPU block cache freed a block it did "
+                        "not hand out");
+            size_t n = live->second;
+            cache->live_.erase(live);
+            if (n > cache->capacity_) {
+                given_back.push_back(p);
+            } else {
+                cache->order_.emplace_front(n, p);
+                cache->by_size_[n].push_back(cache->order_.begin());
+                cache->kept_ += n;
+                // the least recently freed go back until the rest fit
+                while (cache->kept_ > cache->capacity_) {
+                    auto oldest = std::prev(cache->order_.end());
+                    auto &same = cache->by_size_[oldest->first];
+                    for (auto it = same.begin(); it != same.end(); ++it) {
+                        if (*it == oldest) {
+                            same.erase(it);
+                            break;
+                        }
+                    }
+                    cache->kept_ -= oldest->first;
+                    given_back.push_back(oldest->second);
+                    cache->order_.erase(oldest);
+                }
+                if (cache->kept_ > cache->most_kept_) {
+                    cache->most_kept_ = cache->kept_;
+                }
+            }
+        }
+        for (void *block : given_back) {  // outside the lock: munmap may take a while
+            c10::free_cpu(block);
+        }
+    }
+
+    c10::Allocator *fallback_;
+    const size_t smallest_, largest_, capacity_;
+    std::mutex mutex_;
+    std::unordered_map<void *, size_t> live_;  // blocks handed out here, by their size
+    Order order_;
+    std::unordered_map<size_t, std::vector<Order::iterator>> by_size_;
+    size_t kept_ = 0, most_kept_ = 0;
+    int64_t hits_ = 0, misses_ = 0;
+};
+
+BlockCache *BlockCache::installed = nullptr;
+
+/* Install the cache as torch's CPU allocator for the rest of the process (never removed: blocks
+ * it handed out may outlive any later setting). A second call with the same settings does
+ * nothing; with other settings it is an error. */
+void install(int64_t smallest, int64_t largest, int64_t capacity) {
+    TORCH_CHECK_VALUE(0 < smallest && smallest <= largest && 0 <= capacity,
+                      "dsq::cpu_block_cache_install needs 0 < smallest <= largest and capacity "
+                      ">= 0, got ", smallest, ", ", largest, ", ", capacity);
+    static std::mutex installing;
+    std::lock_guard<std::mutex> guard(installing);
+    auto s = static_cast<size_t>(smallest), l = static_cast<size_t>(largest),
+         c = static_cast<size_t>(capacity);
+    if (BlockCache::installed != nullptr) {
+        TORCH_CHECK_VALUE(BlockCache::installed->same_settings(s, l, c),
+                          "dsq's CPU block cache is installed already, with other settings");
+        return;
+    }
+    // never freed: tensors it handed out are freed through it until the process ends
+    BlockCache::installed = new BlockCache(c10::GetCPUAllocator(), s, l, c);
+    c10::SetCPUAllocator(BlockCache::installed, /*priority=*/100);
+}
+
+std::vector<int64_t> stats() {
+    if (BlockCache::installed == nullptr) {
+        return {};
+    }
+    return BlockCache::installed->stats();
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(dsq, m) {
+    m.def("cpu_block_cache_install(int smallest, int largest, int capacity) -> ()", &install);
+    m.def("cpu_block_cache_stats() -> int[]", &stats);
+}
