@@ -20,10 +20,11 @@ the quantizers' outputs). Four settings, chosen by ``DSQ_CPU_ALLOCATOR`` (docs/b
   fits may still serve one): the process's peak is its tensors' peak plus the libraries, at the
   price of faulting every large block in afresh.
 - ``reuse``: ``release``, with a cache in front of torch's CPU allocator
-  (`dsq.kernels.block_cache`) that keeps freed blocks of 256 KiB to 64 MiB, up to 256 MiB in all, and hands each to the next
-  allocation of exactly its size: the blocks a step repeats (attention tiles, MLP slices) are
-  faulted in once, and the process holds its tensors plus at most those 256 MiB. It needs the
-  cache's C++ library to build; where it cannot, the setting does not apply (a warning).
+  (`dsq.kernels.block_cache`) that keeps freed blocks of 256 KiB to 64 MiB, up to 256 MiB in
+  all, and hands each to the next allocation of exactly its size: the blocks a step repeats
+  (attention tiles, MLP slices) are faulted in once, and the process holds its tensors plus at
+  most those 256 MiB. It needs the cache's C++ library to build; where it cannot, the setting
+  does not apply (a warning).
 
 CUDA tensors have their own caching allocator and are unaffected. Any other value is an error,
 so that a typo cannot silently leave a setting on. Imports only the standard library (and
@@ -73,7 +74,8 @@ def apply_malloc_setting() -> str | None:
     """Apply the chosen setting (see the module's text). Returns the setting in force: ``keep``,
     ``release`` or ``reuse`` as applied, ``default`` (nothing changed); None where the chosen one
     could not be applied (off glibc, glibc refused part of it, the block cache did not build),
-    with a warning when DSQ_CPU_ALLOCATOR asked for it by name. ValueError for a value that is not a setting."""
+    with a warning when DSQ_CPU_ALLOCATOR asked for it by name. ValueError for a value that is
+    not a setting."""
     setting = chosen_setting()
     if setting == "default":
         return setting
