@@ -92,15 +92,25 @@ class BlockCache final : public c10::Allocator {
         return p;
     }
 
+    /* The deleter of every block handed out here, and the raw deleter (`raw_deallocate`) of
+     * every block of this allocator, the fallback's included: torch's raw_allocate takes a
+     * block of any size through `allocate` and frees it through `raw_deleter`, so a block the
+     * fallback gave goes back to the fallback's own raw deleter. */
     static void release(void *p) {
         BlockCache *cache = installed;
-        c10::profiledCPUMemoryReporter().Delete(p);
         std::vector<void *> given_back;
         {
-            std::lock_guard<std::mutex> guard(cache->mutex_);
+            std::unique_lock<std::mutex> guard(cache->mutex_);
             auto live = cache->live_.find(p);
-            TORCH_CHECK(live != cache->live_.end(), "dsq's CPU block cache freed a block it did "
-                        "not hand out");
+            if (live == cache->live_.end()) {
+                guard.unlock();
+                c10::DeleterFnPtr fallback = cache->fallback_->raw_deleter();
+                TORCH_CHECK(fallback != nullptr, "dsq's CPU block cache: torch's CPU allocator "
+                            "before it has no raw deleter for a block it gave");
+                fallback(p);
+                return;
+            }
+            c10::profiledCPUMemoryReporter().Delete(p);
             size_t n = live->second;
             cache->live_.erase(live);
             if (n > cache->capacity_) {

@@ -1,0 +1,113 @@
+"""The CPU block cache (`dsq.kernels.block_cache`): a freed block of a size it takes is handed to
+the next allocation of exactly that size, other sizes pass by, at most its capacity is kept,
+and values computed in reused blocks are the same. Each check runs in a fresh process: once
+installed, the cache stays torch's CPU allocator for the rest of the process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from dsq.kernels import block_cache, cpu
+
+MIB = 1 << 20
+
+SCRIPT = """
+import json, torch
+from dsq.kernels import block_cache
+MIB = 1 << 20
+a = torch.randn(512, 512, generator=torch.Generator().manual_seed(0))
+expected = a @ a
+b = a.bfloat16()
+expected_bf16 = b @ b  # oneDNN's bf16 GEMM: a scratchpad taken by raw_allocate, of any size
+before = block_cache.stats()
+block_cache.install(smallest=MIB, largest=4 * MIB, capacity=8 * MIB)
+found = {"before": before is None, "installed": block_cache.stats().__dict__}
+# four blocks of 1 MiB, freed, then four of the same size: the same four blocks again
+blocks = [torch.empty(MIB // 4) for _ in range(4)]
+first = {t.data_ptr() for t in blocks}
+del blocks
+found["freed"] = block_cache.stats().__dict__
+blocks = [torch.empty(MIB // 4) for _ in range(4)]
+found["same_blocks"] = {t.data_ptr() for t in blocks} == first
+del blocks
+found["reused"] = block_cache.stats().__dict__
+# a size kept nowhere yet (a miss, then kept), and one above the largest (never kept)
+other = torch.empty(MIB // 4 + 16)
+del other
+found["other_size"] = block_cache.stats().__dict__
+large = torch.empty(2 * MIB)  # 8 MiB
+del large
+found["too_large"] = block_cache.stats().__dict__
+# twelve blocks of 1 MiB freed: at most 8 MiB stay
+blocks = [torch.empty(MIB // 4) for _ in range(12)]
+del blocks
+found["over_capacity"] = block_cache.stats().__dict__
+found["same_values"] = bool(torch.equal(a @ a, expected))
+# raw_allocate gives a block of any size through the cache and frees it through its raw
+# deleter: one the allocator before it gave goes back there
+found["bf16_values"] = bool(torch.equal(b @ b, expected_bf16))
+block_cache.install(smallest=MIB, largest=4 * MIB, capacity=8 * MIB)  # the same: nothing
+try:
+    block_cache.install(smallest=MIB, largest=4 * MIB, capacity=16 * MIB)
+    found["other_settings"] = "accepted"
+except ValueError as err:
+    found["other_settings"] = str(err)
+print(json.dumps(found))
+"""
+
+
+@pytest.fixture(scope="module")
+def found():
+    if cpu.build_failure() is not None:  # pragma: no cover - a machine without a C++ compiler
+        pytest.skip(f"the C kernels do not build here: {cpu.build_failure()}")
+    block_cache.library()  # built once, in this process, before the script's
+    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+def test_nothing_is_installed_until_asked_and_then_nothing_is_kept_yet(found):
+    assert found["before"]
+    assert found["installed"] == {"kept": 0, "most_kept": 0, "hits": 0, "misses": 0}
+
+
+def test_a_freed_block_is_kept_and_handed_to_the_next_of_its_size(found):
+    assert found["freed"]["kept"] == 4 * MIB
+    assert found["same_blocks"]
+    assert found["reused"]["hits"] - found["freed"]["hits"] == 4
+    assert found["reused"]["kept"] == 4 * MIB  # the four, freed again
+
+
+def test_other_sizes_are_blocks_of_their_own_and_too_large_ones_are_never_kept(found):
+    # the new size missed and was kept beside the four of 1 MiB
+    assert found["other_size"]["misses"] == found["reused"]["misses"] + 1
+    assert found["other_size"]["kept"] == 5 * MIB + 64
+    assert found["too_large"]["kept"] == found["other_size"]["kept"]
+    assert found["too_large"]["misses"] == found["other_size"]["misses"]
+
+
+def test_at_most_the_capacity_is_kept_the_least_recently_freed_given_back(found):
+    assert found["over_capacity"]["kept"] <= 8 * MIB
+    assert found["over_capacity"]["most_kept"] <= 8 * MIB
+    assert found["over_capacity"]["kept"] >= 7 * MIB  # full but for the odd-sized block
+
+
+def test_values_computed_in_reused_blocks_are_the_same(found):
+    assert found["same_values"]
+    assert found["bf16_values"]
+
+
+def test_installing_again_with_other_settings_is_an_error(found):
+    assert "installed already, with other settings" in found["other_settings"]
+
+
+def test_bad_settings_are_a_one_line_error_before_anything_is_installed():
+    if cpu.build_failure() is not None:  # pragma: no cover
+        pytest.skip(f"the C kernels do not build here: {cpu.build_failure()}")
+    with pytest.raises(ValueError, match="needs 0 < smallest <= largest"):
+        block_cache.install(smallest=4 * MIB, largest=MIB)
+    assert block_cache.stats() is None
