@@ -153,9 +153,9 @@ def test_the_allocators_peak_counts_tensors_only_whether_or_not_blocks_are_kept(
 
 
 def test_a_mistyped_setting_is_an_error_not_a_silent_keep(monkeypatch):
-    """Only `keep`, `default`, `release` and `reuse` are settings: anything else fails before a command
-    runs (exit 2, one line naming the choices), instead of leaving the allocator setting on
-    unnoticed."""
+    """Only `keep`, `default`, `release` and `reuse` are settings: anything else fails before a
+    command runs (exit 2, one line naming the choices), instead of leaving the allocator setting
+    on unnoticed."""
     from typer.testing import CliRunner
 
     from dsq_cli.cli import app
