@@ -24,6 +24,8 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <pthread.h>
+
 #include <cstring>
 #include <list>
 #include <mutex>
@@ -72,6 +74,11 @@ class BlockCache final : public c10::Allocator {
     }
 
     static BlockCache *installed;
+
+    /* pthread_atfork's handlers: a child forked while another thread held the lock (a data
+     * loader's worker) would otherwise wait on it forever at its first allocation */
+    static void before_fork() { installed->mutex_.lock(); }
+    static void after_fork() { installed->mutex_.unlock(); }
 
   private:
     using Order = std::list<std::pair<size_t, void *>>;  // kept blocks, most recently freed first
@@ -173,6 +180,9 @@ void install(int64_t smallest, int64_t largest, int64_t capacity) {
     }
     // never freed: tensors it handed out are freed through it until the process ends
     BlockCache::installed = new BlockCache(c10::GetCPUAllocator(), s, l, c);
+    TORCH_CHECK(pthread_atfork(&BlockCache::before_fork, &BlockCache::after_fork,
+                               &BlockCache::after_fork) == 0,
+                "dsq's CPU block cache could not register its fork handlers");
     c10::SetCPUAllocator(BlockCache::installed, /*priority=*/100);
 }
 

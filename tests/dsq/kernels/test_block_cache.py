@@ -51,6 +51,12 @@ found["same_values"] = bool(torch.equal(a @ a, expected))
 # deleter: one the allocator before it gave goes back there
 found["bf16_values"] = bool(torch.equal(b @ b, expected_bf16))
 block_cache.install(smallest=MIB, largest=4 * MIB, capacity=8 * MIB)  # the same: nothing
+# a forked child allocates through the cache (its lock released after the fork) and exits
+import os
+child = os.fork()
+if child == 0:
+    os._exit(0 if torch.empty(MIB // 4).numel() == MIB // 4 else 1)
+found["forked_child"] = os.waitpid(child, 0)[1]
 try:
     block_cache.install(smallest=MIB, largest=4 * MIB, capacity=16 * MIB)
     found["other_settings"] = "accepted"
@@ -99,6 +105,10 @@ def test_at_most_the_capacity_is_kept_the_least_recently_freed_given_back(found)
 def test_values_computed_in_reused_blocks_are_the_same(found):
     assert found["same_values"]
     assert found["bf16_values"]
+
+
+def test_a_forked_child_allocates_through_the_cache(found):
+    assert found["forked_child"] == 0
 
 
 def test_installing_again_with_other_settings_is_an_error(found):
