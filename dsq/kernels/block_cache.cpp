@@ -8,15 +8,22 @@
  * is faulted in afresh, page by page, at every use; where glibc keeps freed memory in its heap
  * (keep), blocks of differing sizes fragment it and the process holds several times what its
  * tensors hold. This cache sits between: a freed block whose size lies in [smallest, largest] is
- * kept, up to `capacity` bytes in all, the least recently freed given back first, and handed to
- * the next allocation of exactly its size; any other block goes to the allocator that was in
- * force before (torch's, through glibc).
+ * kept and handed to the next allocation of exactly its size, under two bounds:
  *
- * Every block served here is reported to torch's profiler as the default allocator reports its
- * own (allocated when handed out, freed when its tensor frees it, whether or not it is then
- * kept), so the allocator's peak that `dsq bench memory` replays from the profiler's records
- * counts tensors only, as before; the process's peak counts the kept blocks too (at most
- * `capacity`, whatever the batch).
+ *  - the blocks live and kept together never exceed the most that was ever live at once (the
+ *    high-water mark): an allocation that would pass it gives kept blocks back first, so the
+ *    process never holds more than its tensors' own peak, as under `release`;
+ *  - at most `capacity` bytes are kept.
+ *
+ * In both cases the least recently freed go back first. Every block of every size is served
+ * here (torch's `c10::alloc_cpu` and `free_cpu`, as its default CPU allocator), so the live
+ * bytes are known; a block the allocator before this one handed out (before the install) goes
+ * back through that allocator's raw deleter.
+ *
+ * Every block is reported to torch's profiler as the default allocator reports its own
+ * (allocated when handed out, freed when its tensor frees it, whether or not it is then kept),
+ * so the allocator's peak that `dsq bench memory` replays from the profiler's records counts
+ * tensors only, as before.
  */
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
@@ -37,22 +44,33 @@ namespace {
 
 class BlockCache final : public c10::Allocator {
   public:
-    BlockCache(c10::Allocator *fallback, size_t smallest, size_t largest, size_t capacity)
-        : fallback_(fallback), smallest_(smallest), largest_(largest), capacity_(capacity) {}
+    BlockCache(c10::Allocator *before, size_t smallest, size_t largest, size_t capacity)
+        : before_(before), smallest_(smallest), largest_(largest), capacity_(capacity) {}
 
     c10::DataPtr allocate(size_t n) override {
-        if (n < smallest_ || n > largest_) {
-            return fallback_->allocate(n);
-        }
-        void *p = take(n);
-        if (p == nullptr) {
+        void *p = n == 0 ? nullptr : take(n);
+        if (p == nullptr && n != 0) {
             p = c10::alloc_cpu(n);
         }
-        {
+        std::vector<void *> given_back;
+        try {
             std::lock_guard<std::mutex> guard(mutex_);
-            live_[p] = n;
+            if (p != nullptr) {
+                live_[p] = n;
+                live_bytes_ += n;
+                if (live_bytes_ > high_water_) {
+                    high_water_ = live_bytes_;
+                }
+                give_back_until(high_water_ - live_bytes_, given_back);
+            }
+        } catch (...) {  // the map could not grow: nothing is recorded, the block goes back
+            c10::free_cpu(p);
+            throw;
         }
-        c10::profiledCPUMemoryReporter().New(p, n);
+        free_all(given_back);
+        if (p != nullptr) {
+            c10::profiledCPUMemoryReporter().New(p, n);
+        }
         return {p, p, &BlockCache::release, c10::Device(c10::DeviceType::CPU)};
     }
 
@@ -63,10 +81,11 @@ class BlockCache final : public c10::Allocator {
     }
 
     /* {bytes kept now, most bytes kept at once, allocations served from the cache, allocations
-     * of a cached size that found none kept} */
+     * of a size it keeps that found none kept, bytes live now, the most live at once} */
     std::vector<int64_t> stats() {
         std::lock_guard<std::mutex> guard(mutex_);
-        return {static_cast<int64_t>(kept_), static_cast<int64_t>(most_kept_), hits_, misses_};
+        return {static_cast<int64_t>(kept_), static_cast<int64_t>(most_kept_), hits_, misses_,
+                static_cast<int64_t>(live_bytes_), static_cast<int64_t>(high_water_)};
     }
 
     bool same_settings(size_t smallest, size_t largest, size_t capacity) const {
@@ -83,7 +102,12 @@ class BlockCache final : public c10::Allocator {
   private:
     using Order = std::list<std::pair<size_t, void *>>;  // kept blocks, most recently freed first
 
+    bool kept_size(size_t n) const { return smallest_ <= n && n <= largest_ && n <= capacity_; }
+
     void *take(size_t n) {
+        if (!kept_size(n)) {
+            return nullptr;
+        }
         std::lock_guard<std::mutex> guard(mutex_);
         auto found = by_size_.find(n);
         if (found == by_size_.end() || found->second.empty()) {
@@ -99,11 +123,38 @@ class BlockCache final : public c10::Allocator {
         return p;
     }
 
+    /* The least recently freed kept blocks moved to `given_back` until at most `most` bytes
+     * stay kept (the caller holds the lock, and frees them after releasing it). */
+    void give_back_until(size_t most, std::vector<void *> &given_back) {
+        while (kept_ > most) {
+            auto oldest = std::prev(order_.end());
+            auto &same = by_size_[oldest->first];
+            for (auto it = same.begin(); it != same.end(); ++it) {
+                if (*it == oldest) {
+                    same.erase(it);
+                    break;
+                }
+            }
+            kept_ -= oldest->first;
+            given_back.push_back(oldest->second);
+            order_.erase(oldest);
+        }
+    }
+
+    static void free_all(const std::vector<void *> &blocks) {
+        for (void *block : blocks) {  // outside the lock: munmap may take a while
+            c10::free_cpu(block);
+        }
+    }
+
     /* The deleter of every block handed out here, and the raw deleter (`raw_deallocate`) of
-     * every block of this allocator, the fallback's included: torch's raw_allocate takes a
-     * block of any size through `allocate` and frees it through `raw_deleter`, so a block the
-     * fallback gave goes back to the fallback's own raw deleter. */
+     * every block of this allocator. A block it did not hand out (the allocator before it gave
+     * it, before the install, and it was raw-allocated there) goes back through that
+     * allocator's raw deleter. */
     static void release(void *p) {
+        if (p == nullptr) {
+            return;
+        }
         BlockCache *cache = installed;
         std::vector<void *> given_back;
         {
@@ -111,52 +162,53 @@ class BlockCache final : public c10::Allocator {
             auto live = cache->live_.find(p);
             if (live == cache->live_.end()) {
                 guard.unlock();
-                c10::DeleterFnPtr fallback = cache->fallback_->raw_deleter();
-                TORCH_CHECK(fallback != nullptr, "dsq's CPU block cache: torch's CPU allocator "
+                c10::DeleterFnPtr before = cache->before_->raw_deleter();
+                TORCH_CHECK(before != nullptr, "dsq's CPU block cache: torch's CPU allocator "
                             "before it has no raw deleter for a block it gave");
-                fallback(p);
+                before(p);
                 return;
             }
+            // under the lock: the block cannot be handed out again before its free is recorded
             c10::profiledCPUMemoryReporter().Delete(p);
             size_t n = live->second;
             cache->live_.erase(live);
-            if (n > cache->capacity_) {
-                given_back.push_back(p);
-            } else {
-                cache->order_.emplace_front(n, p);
-                cache->by_size_[n].push_back(cache->order_.begin());
-                cache->kept_ += n;
-                // the least recently freed go back until the rest fit
-                while (cache->kept_ > cache->capacity_) {
-                    auto oldest = std::prev(cache->order_.end());
-                    auto &same = cache->by_size_[oldest->first];
-                    for (auto it = same.begin(); it != same.end(); ++it) {
-                        if (*it == oldest) {
-                            same.erase(it);
-                            break;
-                        }
+            cache->live_bytes_ -= n;
+            bool kept = false;
+            if (cache->kept_size(n)) {
+                try {
+                    cache->order_.emplace_front(n, p);
+                    try {
+                        cache->by_size_[n].push_back(cache->order_.begin());
+                    } catch (...) {
+                        cache->order_.pop_front();
+                        throw;
                     }
-                    cache->kept_ -= oldest->first;
-                    given_back.push_back(oldest->second);
-                    cache->order_.erase(oldest);
+                    cache->kept_ += n;
+                    kept = true;
+                } catch (...) {  // no room to note it: the block goes back instead
                 }
+            }
+            if (kept) {
+                // live and kept stay within the high-water mark (they were before the free);
+                // the least recently freed go back until the kept fit the capacity
+                cache->give_back_until(cache->capacity_, given_back);
                 if (cache->kept_ > cache->most_kept_) {
                     cache->most_kept_ = cache->kept_;
                 }
+            } else {
+                given_back.push_back(p);
             }
         }
-        for (void *block : given_back) {  // outside the lock: munmap may take a while
-            c10::free_cpu(block);
-        }
+        free_all(given_back);
     }
 
-    c10::Allocator *fallback_;
+    c10::Allocator *before_;
     const size_t smallest_, largest_, capacity_;
     std::mutex mutex_;
     std::unordered_map<void *, size_t> live_;  // blocks handed out here, by their size
     Order order_;
     std::unordered_map<size_t, std::vector<Order::iterator>> by_size_;
-    size_t kept_ = 0, most_kept_ = 0;
+    size_t kept_ = 0, most_kept_ = 0, live_bytes_ = 0, high_water_ = 0;
     int64_t hits_ = 0, misses_ = 0;
 };
 
@@ -179,11 +231,15 @@ void install(int64_t smallest, int64_t largest, int64_t capacity) {
         return;
     }
     // never freed: tensors it handed out are freed through it until the process ends
-    BlockCache::installed = new BlockCache(c10::GetCPUAllocator(), s, l, c);
-    TORCH_CHECK(pthread_atfork(&BlockCache::before_fork, &BlockCache::after_fork,
-                               &BlockCache::after_fork) == 0,
-                "dsq's CPU block cache could not register its fork handlers");
-    c10::SetCPUAllocator(BlockCache::installed, /*priority=*/100);
+    auto *cache = new BlockCache(c10::GetCPUAllocator(), s, l, c);
+    BlockCache::installed = cache;  // the fork handlers read it
+    if (pthread_atfork(&BlockCache::before_fork, &BlockCache::after_fork,
+                       &BlockCache::after_fork) != 0) {
+        BlockCache::installed = nullptr;
+        delete cache;
+        TORCH_CHECK(false, "dsq's CPU block cache could not register its fork handlers");
+    }
+    c10::SetCPUAllocator(cache, /*priority=*/100);
 }
 
 std::vector<int64_t> stats() {

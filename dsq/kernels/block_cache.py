@@ -4,12 +4,14 @@ same size (``block_cache.cpp``; docs/benchmarks.md, "The CPU allocator setting")
 A training step frees and allocates blocks of a few sizes many times over: dsq's attention tiles,
 an MLP's slices, the quantizers' outputs. Given back to the system as each is freed, every
 block is faulted in afresh at its next use; kept in glibc's heap, blocks of differing sizes
-fragment it. `install` puts a cache in front of torch's CPU allocator for the rest of the
-process: a freed block of `SMALLEST` to `LARGEST` bytes is kept, up to `CAPACITY` bytes in all
-(the least recently freed given back first), and handed to the next allocation of exactly its
-size. Blocks are reported to torch's profiler as torch's own allocator reports them (allocated
-when handed out, freed when their tensor is), so the profiler's memory records count tensors
-only; the process holds the kept blocks besides, at most `CAPACITY`.
+fragment it. `install` makes this cache torch's CPU allocator for the rest of the process: a
+freed block of `SMALLEST` to `LARGEST` bytes is kept and handed to the next allocation of
+exactly its size, while the blocks live and kept together stay within the most ever live at
+once (an allocation past that mark gives kept blocks back first, so the process holds no more
+than its tensors' own peak) and at most `CAPACITY` bytes are kept; the least recently freed go
+back first. Blocks are reported to torch's profiler as torch's own allocator reports them
+(allocated when handed out, freed when their tensor is), so the profiler's memory records count
+tensors only.
 
 Built, cached and loaded as ``cpu.py`` builds the BFP kernels (``cpu.build``). Imports only
 torch and ``cpu``.
@@ -27,7 +29,8 @@ from . import cpu
 SOURCES = (cpu.HERE / "block_cache.cpp",)
 # Blocks from glibc's mmap threshold under DSQ_CPU_ALLOCATOR=release (256 KiB: smaller ones come
 # from its heap, which reuses them) up to 64 MiB are kept, 256 MiB in all: a few of each size a
-# step repeats (an attention tile's tensors are about 8 MiB each, an MLP slice's 4 MiB).
+# step repeats (an attention tile's tensors are about 8 MiB each, an MLP slice's 4 MiB). 128
+# MiB left the held Llama row's step 9% slower, 64 MiB 17% (docs/benchmarks.md).
 SMALLEST = 256 << 10
 LARGEST = 64 << 20
 CAPACITY = 256 << 20
@@ -46,12 +49,15 @@ def library() -> str:
 @dataclasses.dataclass(frozen=True)
 class CacheStats:
     """What the installed cache holds and has served: bytes kept now and at most at once,
-    allocations served from it (hits) and those of a size it takes that found none kept."""
+    allocations served from it (hits) and those of a size it keeps that found none kept, bytes
+    of live blocks now and at most at once (the high-water mark)."""
 
     kept: int
     most_kept: int
     hits: int
     misses: int
+    live: int
+    high_water: int
 
 
 def install(smallest: int = SMALLEST, largest: int = LARGEST, capacity: int = CAPACITY) -> None:

@@ -75,6 +75,29 @@ def test_a_setting_asked_for_by_name_that_cannot_apply_says_so(monkeypatch, capl
     assert not caplog.records
 
 
+def test_reuse_without_its_cache_applies_nothing(monkeypatch, caplog):
+    """Where the block cache cannot be had, ``reuse`` leaves glibc as it was (not ``release``
+    half applied) and says so."""
+    from dsq.warn_once import warn_once
+    from dsq_cli import cpu_allocator
+
+    calls = []
+
+    class Libc:
+        def mallopt(self, *args):
+            calls.append(args)
+            return 1
+
+    warn_once.cache_clear()
+    monkeypatch.setattr(cpu_allocator.ctypes, "CDLL", lambda *_: Libc())
+    monkeypatch.setattr(cpu_allocator, "_install_block_cache", lambda: "no compiler here")
+    monkeypatch.setenv("DSQ_CPU_ALLOCATOR", "reuse")
+    with caplog.at_level("WARNING"):
+        assert cpu_allocator.apply_malloc_setting() is None
+    assert calls == []
+    assert "DSQ_CPU_ALLOCATOR=reuse does not apply here (no compiler here)" in caplog.text
+
+
 @pytest.mark.slow  # spawns processes
 def test_kept_blocks_are_reused_without_faulting_pages_in_again():
     applied, kept_faults, _ = probe("keep")
