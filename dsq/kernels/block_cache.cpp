@@ -8,17 +8,17 @@
  * is faulted in afresh, page by page, at every use; where glibc keeps freed memory in its heap
  * (keep), blocks of differing sizes fragment it and the process holds several times what its
  * tensors hold. This cache sits between: a freed block whose size lies in [smallest, largest] is
- * kept and handed to the next allocation of exactly its size, under two bounds:
+ * kept, up to `capacity` bytes in all, the least recently freed given back first, and handed to
+ * the next allocation of exactly its size. Every block of every size is served here (torch's
+ * `c10::alloc_cpu` and `free_cpu`, as its default CPU allocator does), so one deleter frees them
+ * all; a block the allocator before this one handed out (before the install) goes back through
+ * that allocator's raw deleter.
  *
- *  - the blocks live and kept together never exceed the most that was ever live at once (the
- *    high-water mark): an allocation that would pass it gives kept blocks back first, so the
- *    process never holds more than its tensors' own peak, as under `release`;
- *  - at most `capacity` bytes are kept.
- *
- * In both cases the least recently freed go back first. Every block of every size is served
- * here (torch's `c10::alloc_cpu` and `free_cpu`, as its default CPU allocator), so the live
- * bytes are known; a block the allocator before this one handed out (before the install) goes
- * back through that allocator's raw deleter.
+ * The process holds its tensors and at most `capacity` bytes besides. (Keeping blocks only while
+ * live and kept stay within the most ever live at once, which would leave the process's peak
+ * its tensors', was measured: it gives back what is kept just where a checkpointed step spends
+ * most of its time, near its peak, and the held Llama row's step took 1.27x as long;
+ * docs/benchmarks.md, "The held row by CPU allocator setting".)
  *
  * Every block is reported to torch's profiler as the default allocator reports its own
  * (allocated when handed out, freed when its tensor frees it, whether or not it is then kept),
@@ -52,22 +52,15 @@ class BlockCache final : public c10::Allocator {
         if (p == nullptr && n != 0) {
             p = c10::alloc_cpu(n);
         }
-        std::vector<void *> given_back;
         try {
             std::lock_guard<std::mutex> guard(mutex_);
             if (p != nullptr) {
                 live_[p] = n;
-                live_bytes_ += n;
-                if (live_bytes_ > high_water_) {
-                    high_water_ = live_bytes_;
-                }
-                give_back_until(high_water_ - live_bytes_, given_back);
             }
         } catch (...) {  // the map could not grow: nothing is recorded, the block goes back
             c10::free_cpu(p);
             throw;
         }
-        free_all(given_back);
         if (p != nullptr) {
             c10::profiledCPUMemoryReporter().New(p, n);
         }
@@ -81,11 +74,10 @@ class BlockCache final : public c10::Allocator {
     }
 
     /* {bytes kept now, most bytes kept at once, allocations served from the cache, allocations
-     * of a size it keeps that found none kept, bytes live now, the most live at once} */
+     * of a size it keeps that found none kept} */
     std::vector<int64_t> stats() {
         std::lock_guard<std::mutex> guard(mutex_);
-        return {static_cast<int64_t>(kept_), static_cast<int64_t>(most_kept_), hits_, misses_,
-                static_cast<int64_t>(live_bytes_), static_cast<int64_t>(high_water_)};
+        return {static_cast<int64_t>(kept_), static_cast<int64_t>(most_kept_), hits_, misses_};
     }
 
     bool same_settings(size_t smallest, size_t largest, size_t capacity) const {
@@ -172,7 +164,6 @@ class BlockCache final : public c10::Allocator {
             c10::profiledCPUMemoryReporter().Delete(p);
             size_t n = live->second;
             cache->live_.erase(live);
-            cache->live_bytes_ -= n;
             bool kept = false;
             if (cache->kept_size(n)) {
                 try {
@@ -188,9 +179,7 @@ class BlockCache final : public c10::Allocator {
                 } catch (...) {  // no room to note it: the block goes back instead
                 }
             }
-            if (kept) {
-                // live and kept stay within the high-water mark (they were before the free);
-                // the least recently freed go back until the kept fit the capacity
+            if (kept) {  // the least recently freed go back until the kept fit the capacity
                 cache->give_back_until(cache->capacity_, given_back);
                 if (cache->kept_ > cache->most_kept_) {
                     cache->most_kept_ = cache->kept_;
@@ -208,7 +197,7 @@ class BlockCache final : public c10::Allocator {
     std::unordered_map<void *, size_t> live_;  // blocks handed out here, by their size
     Order order_;
     std::unordered_map<size_t, std::vector<Order::iterator>> by_size_;
-    size_t kept_ = 0, most_kept_ = 0, live_bytes_ = 0, high_water_ = 0;
+    size_t kept_ = 0, most_kept_ = 0;
     int64_t hits_ = 0, misses_ = 0;
 };
 

@@ -5,13 +5,11 @@ A training step frees and allocates blocks of a few sizes many times over: dsq's
 an MLP's slices, the quantizers' outputs. Given back to the system as each is freed, every
 block is faulted in afresh at its next use; kept in glibc's heap, blocks of differing sizes
 fragment it. `install` makes this cache torch's CPU allocator for the rest of the process: a
-freed block of `SMALLEST` to `LARGEST` bytes is kept and handed to the next allocation of
-exactly its size, while the blocks live and kept together stay within the most ever live at
-once (an allocation past that mark gives kept blocks back first, so the process holds no more
-than its tensors' own peak) and at most `CAPACITY` bytes are kept; the least recently freed go
-back first. Blocks are reported to torch's profiler as torch's own allocator reports them
-(allocated when handed out, freed when their tensor is), so the profiler's memory records count
-tensors only.
+freed block of `SMALLEST` to `LARGEST` bytes is kept, up to `CAPACITY` bytes in all (the least
+recently freed given back first), and handed to the next allocation of exactly its size; the
+process holds its tensors and at most those bytes besides. Blocks are reported to torch's
+profiler as torch's own allocator reports them (allocated when handed out, freed when their
+tensor is), so the profiler's memory records count tensors only.
 
 Built, cached and loaded as ``cpu.py`` builds the BFP kernels (``cpu.build``). Imports only
 torch and ``cpu``.
@@ -49,15 +47,12 @@ def library() -> str:
 @dataclasses.dataclass(frozen=True)
 class CacheStats:
     """What the installed cache holds and has served: bytes kept now and at most at once,
-    allocations served from it (hits) and those of a size it keeps that found none kept, bytes
-    of live blocks now and at most at once (the high-water mark)."""
+    allocations served from it (hits) and those of a size it keeps that found none kept."""
 
     kept: int
     most_kept: int
     hits: int
     misses: int
-    live: int
-    high_water: int
 
 
 def install(smallest: int = SMALLEST, largest: int = LARGEST, capacity: int = CAPACITY) -> None:
