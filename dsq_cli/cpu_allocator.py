@@ -19,12 +19,11 @@ the quantizers' outputs). Four settings, chosen by ``DSQ_CPU_ALLOCATOR`` (docs/b
   freed (a fixed mmap threshold, which glibc then never raises; a free piece of the heap that
   fits may still serve one): the process's peak is its tensors' peak plus the libraries, at the
   price of faulting every large block in afresh.
-- ``reuse``: ``release``, with a cache in front of torch's CPU allocator
-  (`dsq.kernels.block_cache`) that keeps freed blocks of 256 KiB to 64 MiB, up to 256 MiB in
-  all, for the next allocation of exactly their size: the blocks a step repeats (attention
-  tiles, MLP slices) are faulted in once, and the process holds its tensors plus at most those
-  256 MiB. It needs the cache's C++ library to build; where it cannot, the setting does not
-  apply (a warning).
+- ``reuse``: ``release``, with a cache as torch's CPU allocator (`dsq.kernels.block_cache`)
+  that keeps freed blocks of 256 KiB to 64 MiB, up to 256 MiB in all, for the next allocation
+  of exactly their size: the blocks a step repeats (attention tiles, MLP slices) are faulted in
+  once, and the process holds its tensors plus at most those 256 MiB. It needs the cache's C++
+  library to build; where it cannot, the setting does not apply (a warning).
 
 CUDA tensors have their own caching allocator and are unaffected. Any other value is an error,
 so that a typo cannot silently leave a setting on. Imports only the standard library (and

@@ -44,6 +44,16 @@ def library() -> str:
     return cpu.build("block_cache", SOURCES, flags=FLAGS)
 
 
+@functools.cache
+def build_failure() -> str | None:
+    """Why the library could not be built or loaded here, or None once it is loaded."""
+    try:
+        library()
+    except cpu.BuildError as err:
+        return str(err)
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class CacheStats:
     """What the installed cache holds and has served: bytes kept now and at most at once,
