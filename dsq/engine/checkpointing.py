@@ -45,7 +45,7 @@ from torch.utils.checkpoint import checkpoint
 
 from dsq.formats import Format
 
-from . import accounting
+from . import accounting, unread_outputs
 from .accounting import recomputation
 from .config import QuantConfig
 from .functions import _stash_header, _stash_restore
@@ -259,6 +259,29 @@ def _free_unless_kept(t: torch.Tensor, kept: set, others) -> None:
     storage.resize_(0)
 
 
+def _run_again(ctx, x, rest, *, skip: bool):
+    """(the outputs, the storages the rules held as they are or None, the placeholders) of
+    ``ctx.run`` run again on ``x`` and ``rest`` for the backward pass, as its first run ran: the
+    random number generators' states, autocast, and a ``stash_scope=all`` model's rules. With
+    ``skip``, a module may leave an output no backward reads uncomputed (`unread_outputs`)."""
+    devices = [x.device] if x.is_cuda else []
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.random.fork_rng(devices=devices))
+        stack.enter_context(torch.enable_grad())
+        stack.enter_context(recomputation())
+        for kind, dtype in ctx.autocast:
+            stack.enter_context(torch.autocast(kind, dtype))
+        kept = None
+        if ctx.stash_all is not None:
+            kept = set()
+            stack.enter_context(ctx.stash_all.recomputing(kept))
+        placeholders = stack.enter_context(unread_outputs.outputs_unread()) if skip else None
+        torch.set_rng_state(ctx.rng)
+        if ctx.cuda_rng is not None:
+            torch.cuda.set_rng_state(ctx.cuda_rng, x.device)
+        return ctx.run(x, *rest), kept, placeholders
+
+
 class _HeldInputCheckpoint(torch.autograd.Function):
     """`held_input_checkpoint`. The forward pass runs ``run`` with every tensor it would save
     dropped (as ``torch.utils.checkpoint`` drops them: the DSQ layers still note their GEMMs and
@@ -287,7 +310,9 @@ class _HeldInputCheckpoint(torch.autograd.Function):
         ctx.stash_all = open_stash_all()
         ctx.rng = torch.get_rng_state()
         ctx.cuda_rng = torch.cuda.get_rng_state(x.device) if x.is_cuda else None
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_drop, _dropped):
+        # (its outputs are read, also inside another layer's run again)
+        with (torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_drop, _dropped),
+              unread_outputs.outputs_unread(False)):  # fmt: skip
             out = run(held, *rest)
         return _detached(out)
 
@@ -303,21 +328,15 @@ class _HeldInputCheckpoint(torch.autograd.Function):
         x = _stash_restore(ctx.header, ctx.saved_tensors).unpack().requires_grad_()
         rest = [a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
                 for a in ctx.rest]  # fmt: skip
-        devices = [x.device] if x.is_cuda else []
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(torch.random.fork_rng(devices=devices))
-            stack.enter_context(torch.enable_grad())
-            stack.enter_context(recomputation())
-            for kind, dtype in ctx.autocast:
-                stack.enter_context(torch.autocast(kind, dtype))
-            kept = None
-            if ctx.stash_all is not None:
-                kept = set()
-                stack.enter_context(ctx.stash_all.recomputing(kept))
-            torch.set_rng_state(ctx.rng)
-            if ctx.cuda_rng is not None:
-                torch.cuda.set_rng_state(ctx.cuda_rng, x.device)
-            out = ctx.run(x, *rest)
+        out, kept, placeholders = _run_again(ctx, x, rest, skip=True)
+        if placeholders:
+            # an output left uncomputed (`unread_outputs`) whose value a backward would read:
+            # the layer runs again with every output computed
+            read = unread_outputs.readers(out if isinstance(out, tuple) else (out,), placeholders)
+            if read:
+                unread_outputs.stop_skipping(read)
+                del out, kept, placeholders
+                out, kept, _ = _run_again(ctx, x, rest, skip=False)
         outs = out if isinstance(out, tuple) else (out,)
         if kept is not None:
             # each output's gradient, where autograd alone holds it, is handed to the run's graph

@@ -63,7 +63,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from . import accounting, units
+from . import accounting, units, unread_outputs
 from .config import POINTS, QuantConfig
 from .functions import (
     _AUTOCAST_DTYPES,
@@ -195,16 +195,24 @@ class SlicedSwiGLUFunction(torch.autograd.Function):
         _note(x2, weights, points, layers, cfg, stashed)
         if x2.shape[0] == 0:  # no slice to run
             return _forward_whole(ctx, x2, weights, biases, cfg)
-        gemms = layers.forward_gemms()
-        x0_of = _rows_of(f0, x2, 1)
-        amax_p = None
+        gemms = x0_of = amax_p = None
         if _whole(f0) or _whole(f1):  # p's largest magnitude, a pass over the slices first
+            gemms, x0_of = layers.forward_gemms(), _rows_of(f0, x2, 1)
             found, finite = layers.largest(lambda r: layers.activations(x0_of, r, gemms)[2:])
             if not finite:
                 return _forward_whole(ctx, x2, weights, biases, cfg)
             (amax_p,) = found
         ctx.whole = False
         ctx.amax_p = amax_p if _whole(f1) else None
+        # x as it is, the slices' values made again from it: a stash_scope=all hook leaves it be
+        x2.dsq_held_as_is = True
+        ctx.save_for_backward(x2, *weights, *(b for b in biases if b is not None))
+        # a checkpointed layer run again for its backward pass, which reads no value of y
+        unread = unread_outputs.placeholder(x2.shape[0], w_down.shape[0], x2)
+        if unread is not None:
+            return unread
+        if gemms is None:
+            gemms, x0_of = layers.forward_gemms(), _rows_of(f0, x2, 1)
         y = x2.new_empty(x2.shape[0], w_down.shape[0])
         for r in layers.slices:
             p = layers.activations(x0_of, r, gemms)[2]
@@ -212,9 +220,6 @@ class SlicedSwiGLUFunction(torch.autograd.Function):
             del p
         for gemm in gemms:
             gemm.count("linear.forward")
-        # x as it is, the slices' values made again from it: a stash_scope=all hook leaves it be
-        x2.dsq_held_as_is = True
-        ctx.save_for_backward(x2, *weights, *(b for b in biases if b is not None))
         return y
 
     @staticmethod

@@ -286,3 +286,82 @@ def test_the_layers_gradients_are_summed_into_its_incoming_gradient_unless_a_hoo
     assert seen_without["input"] != seen_without["incoming"]
     for a, e in zip(got + kept, expected + kept_without, strict=True):
         torch.testing.assert_close(a, e, rtol=0, atol=0)
+
+
+class SlicedMLPLayer(nn.Module):
+    """A residual layer whose MLP runs in slices: its output summed into the stream and the sum
+    returned (a Llama layer's end, read by no backward), or then normed (``read``: the norm
+    saves the sum), or the layer checkpointed again inside (``nested``: the inner checkpoint's
+    first run inside the outer one's run again, whose output is read)."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        from dsq.engine import QuantConfig
+
+        self.how = how
+        self.cfg = QuantConfig(q0="bfp8", q1="bfp4", q2="bfp8", q3="fixed16")
+        self.gate, self.up = nn.Linear(32, 64, bias=False), nn.Linear(32, 64, bias=False)
+        self.down = nn.Linear(64, 32, bias=False)
+        # the inner checkpoint's argument needing a gradient
+        self.shift = nn.Parameter(torch.randn(32))
+
+    def mlp_block(self, x, shift=None):
+        from dsq.engine.sliced_mlp import sliced_swiglu
+
+        weights = (self.gate.weight, self.up.weight, self.down.weight)
+        out = x + sliced_swiglu(x, *weights, None, None, None, self.cfg)
+        return out if shift is None else out + shift
+
+    def forward(self, x):
+        if self.how == "nested":
+            return held_input_checkpoint(BFP8, self.mlp_block, x, self.shift) * 2
+        out = self.mlp_block(x)
+        return nn.functional.layer_norm(out, (32,)) if self.how == "read" else out
+
+
+@pytest.mark.parametrize("how", ["unread", "read", "nested"])
+def test_an_mlp_output_no_backward_reads_is_not_computed_in_the_run_again(how, monkeypatch, caplog):
+    """In the run again, an MLP in slices whose output is only summed into the layer's output
+    returns a placeholder and runs none of its forward GEMMs; where a backward reads the value
+    (a norm after the sum), the layer runs again with the output computed, says so once, and
+    no later run skips; a checkpoint's first run inside another's run again computes its
+    outputs. The gradients are those of the run that skips nothing, bit for bit."""
+    from dsq.engine import unread_outputs
+    from dsq.warn_once import warn_once
+
+    warn_once.cache_clear()
+    monkeypatch.setitem(unread_outputs._SKIPPING, "on", True)
+    made = []
+    real = unread_outputs.placeholder
+
+    def spy(*args):
+        out = real(*args)
+        made.append(out is not None)
+        return out
+
+    monkeypatch.setattr(unread_outputs, "placeholder", spy)
+    results = []
+    for skip in (True, False):
+        monkeypatch.setitem(unread_outputs._SKIPPING, "on", skip)
+        torch.manual_seed(0)
+        layer = SlicedMLPLayer(how)
+        x = torch.randn(2, 64, 32, requires_grad=True)
+        out = held_input_checkpoint(BFP8, layer, x)
+        out.backward(torch.randn(2, 64, 32))
+        results.append((out.detach(), grads(layer, x), unread_outputs.skipping()))
+        if skip:
+            placeholders, made[:] = list(made), []
+    (out, got, skipping), (expected_out, expected, _) = results
+    said = [r.message for r in caplog.records if "reads its MLP's output" in r.message]
+    if how == "read":
+        assert placeholders == [False, True, False]  # first run, run again, run again computed
+        assert not skipping and len(said) == 1 and "NativeLayerNormBackward0" in said[0]
+    elif how == "nested":
+        # outer first run; outer run again: the inner first run computes, its run again skips
+        assert placeholders == [False, False, True] and skipping and not said
+    else:
+        assert placeholders == [False, True] and skipping and not said
+    assert not any(made)  # with skipping off, every output computed
+    torch.testing.assert_close(out, expected_out, rtol=0, atol=0)
+    for a, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, e, rtol=0, atol=0)
