@@ -103,6 +103,71 @@ def test_a_nan_a_whole_scale_would_spread_gives_the_definitions_values(
     assert bool((dparams[0] if spread == "dW" else y).isnan().all())
 
 
+@pytest.mark.parametrize("guess", ["last", "same-exponent", "other-exponent", "infinity"])
+def test_the_last_calls_largest_magnitudes_stand_in_where_they_give_the_same_scale(
+    guess, small_slices, monkeypatch
+):
+    """dsq's q3 (``fixed16``) scales dg and du by their largest magnitudes' exponent: a call
+    after the first takes the last call's magnitudes and skips the pass over the slices that
+    finds them, where each gives the same exponent as this call's own (checked after); where
+    one does not, the pass runs and then the gradients again; an infinity in this call's dg
+    gives the definition's values. The gradients are those of the call that guesses nothing,
+    bit for bit."""
+    cfg = QuantConfig(**POINTS["dsq"])
+    x, weights, biases, params, dy = operands(False)
+
+    def gradients(layer_weights, x_of=None):
+        inputs = x.detach().clone().requires_grad_()
+        if x_of is not None:
+            with torch.no_grad():
+                x_of(inputs)
+        y = sliced_swiglu(inputs, *layer_weights, *biases, cfg)
+        return torch.autograd.grad(y, [inputs, *layer_weights], dy)
+
+    gradients(weights)  # the first call: the pass over the slices, its magnitudes kept
+    spec, (dg, du) = getattr(weights[0], sliced_mlp._LAST_AMAXES)
+    assert spec == "fixed16" and float(dg) > 0 and float(du) > 0
+    if guess == "same-exponent":  # the power of two below each: the same exponent
+        dg, du = (torch.tensor(2.0 ** (torch.frexp(t)[1] - 1).item()) for t in (dg, du))
+    elif guess == "other-exponent":
+        dg = dg * 2
+    setattr(weights[0], sliced_mlp._LAST_AMAXES, (spec, (dg, du)))
+    passes = []
+    largest = sliced_mlp._Layers.largest
+    monkeypatch.setattr(sliced_mlp._Layers, "largest",
+                        lambda self, parts: passes.append(1) or largest(self, parts))  # fmt: skip
+    x_of = infinity_in_one_token if guess == "infinity" else None
+    got = gradients(weights, x_of)
+    assert len(passes) == {"last": 0, "same-exponent": 0, "other-exponent": 1, "infinity": 1}[guess]
+    # the same call with fresh weights of the same values: nothing to guess from
+    fresh = [w.detach().clone().requires_grad_() for w in weights]
+    want = gradients(fresh, x_of)
+    for a, e in zip(got, want, strict=True):
+        torch.testing.assert_close(a, e, rtol=0, atol=0, equal_nan=True)
+
+
+def test_a_whole_scale_key_tells_which_largest_magnitudes_quantize_alike():
+    """``fixed16``'s key is its one exponent: a tensor quantized beside any largest magnitude of
+    its own key has the values it has beside its own; beside one of the next key, others."""
+    from dsq.engine.functions import _Point
+    from dsq.engine.parts import quantize_part
+    from dsq.formats import parse_format
+
+    fixed16 = parse_format("fixed16")
+    point = _Point(fixed16, "nearest", None)
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(3))
+    amax = x.abs().max()
+    own = fixed16.quantize(x)
+    low = torch.tensor(2.0 ** fixed16.whole_scale_key(float(amax)))
+    assert fixed16.whole_scale_key(float(low)) == fixed16.whole_scale_key(float(amax))
+    assert torch.equal(quantize_part(point, x.clone(), 0, low), own)
+    assert fixed16.whole_scale_key(float(amax * 2)) == fixed16.whole_scale_key(float(amax)) + 1
+    assert not torch.equal(quantize_part(point, x.clone(), 0, amax * 2), own)
+    assert (
+        fixed16.whole_scale_key(0.0) == -127 and parse_format("bfp8").whole_scale_key(1.0) is None
+    )
+
+
 def test_its_backward_pass_holds_the_input_alone(small_slices):
     cfg = QuantConfig(**POINTS["dsq"])
     x, weights, biases, params, dy = operands(False)
