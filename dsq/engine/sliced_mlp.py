@@ -44,13 +44,7 @@ Every point must round to nearest: stochastic rounding draws its noise for a who
 
 The price is time: the backward pass runs the gate's and up's forward GEMMs again (and, for a
 pass that finds a largest magnitude, those and the down layer's input-gradient GEMM once more),
-as activation checkpointing of the MLP alone would. Two things take some of it back. In a
-checkpointed layer's run again, where no backward reads the MLP's output, the forward pass
-computes none of it (`unread_outputs`). And where q3's one scale is told by a key (``fixed16``:
-its exponent), the backward pass leaves out its pass for dg's and du's largest magnitudes from
-the second call on: it computes the gradients at the last call's, checks them against the ones
-found on the way, and where a key differs computes them again at those (`_guess`), so every
-value is the one the pass would give. `accounting` notes the definition's three
+as activation checkpointing of the MLP alone would. `accounting` notes the definition's three
 layers, with the definition's stash bytes (none where it would pack no stash); the tally
 (`units.tally`) counts each kind of GEMM of each layer once a call of the function, the gate's
 and up's forward GEMMs again in the backward pass, whatever passes for a largest magnitude ran
@@ -324,10 +318,7 @@ class SlicedSwiGLUFunction(torch.autograd.Function):
                 _remember(f3, ctx.gate_weight, found)
                 if all(_same_scale(f3, a, b) for a, b in zip(guess, found)):
                     return grads
-                # the magnitudes found are the ones the pass over the slices would find
-                del grads
-                return gradient_pass(*found, None, None)[0]
-            del grads  # a NaN or an infinity: the pass below finds it and runs the definition
+            del grads
         amax_dg = amax_du = amax_a = amax_b = None
         if _whole(f3):
             found, finite = layers.largest(lambda r: gradients(r)[:2])
