@@ -188,9 +188,6 @@ class SlicedSwiGLUFunction(torch.autograd.Function):
         weights, biases = (w_gate, w_up, w_down), (b_gate, b_up, b_down)
         layers = _Layers.of(x2, weights, biases, points, cfg)
         ctx.points, ctx.cfg, ctx.narrow = points, cfg, narrow
-        # the gate's weight as the caller passed it (the saved one may come back as another
-        # tensor object): where the backward pass keeps its largest magnitudes (`_guess`)
-        ctx.gate_weight = w_gate
         ctx.biases = tuple(b is not None for b in biases)
         # the definition packs a layer's stash where a backward pass can come and its weight
         # needs a gradient
@@ -251,81 +248,12 @@ class SlicedSwiGLUFunction(torch.autograd.Function):
             d_u = F.silu(g).mul_(dp)
             return d_g, d_u, p
 
-        def gradient_pass(amax_dg, amax_du, amax_a, amax_b, track=False):
-            """(dx, dW, db) at these largest magnitudes, and with ``track`` the largest
-            magnitudes of dg and du found on the way (None at a NaN or an infinity, where the
-            pass stops)."""
-            wanted = ctx.needs_input_grad
-            dx_of = [units.RowsOfGemm(f2.quantize(w, 0), layers.plans[1]) for w in (w_gate, w_up)]
-            dw_of = [units.RowsOfGemm(None, layers.plans[2]) for _ in range(3)]  # gate, up, down
-            dx = x2.new_empty(x2.shape) if wanted[0] else None
-            dw, db = [None] * 3, [None] * 3
-            found = None
-            for r in layers.slices:
-                d_g, d_u, p = gradients(r)
-                if track:
-                    amaxes = [finite_largest_magnitude(t) for t in (d_g, d_u)]
-                    if any(amax is None for amax in amaxes):
-                        return None, None
-                    amaxes = torch.stack(amaxes)
-                    found = amaxes if found is None else torch.maximum(found, amaxes)
-                if wanted[3]:
-                    p1 = quantize_part(f1, p, 0, ctx.amax_p)
-                    dw[2] = _add(dw[2], dw_of[2](_float32(h[r].t()), _float32(p1)))
-                    del p1
-                del p
-                a, a2 = quantize_chain_part(f3, f2, d_g, amax_dg, amax_a)
-                b, b2 = quantize_chain_part(f3, f2, d_u, amax_du, amax_b)
-                del d_g, d_u
-                if wanted[0]:
-                    dx_g, dx_u = dx_of[0](a2), dx_of[1](b2)
-                    if ctx.narrow is not None:
-                        # under autocast each layer's float32 input was a cast of the narrower
-                        # x, and autograd adds the two casts' gradients in x's dtype
-                        dx_g, dx_u = dx_g.to(ctx.narrow), dx_u.to(ctx.narrow)
-                    dx[r] = dx_g.add_(dx_u)
-                    del dx_g, dx_u
-                del a2, b2
-                if wanted[1] or wanted[2]:
-                    x1 = _float32(x1_of(r))
-                    if wanted[1]:
-                        dw[0] = _add(dw[0], dw_of[0](_float32(a.t()), x1))
-                    if wanted[2]:
-                        dw[1] = _add(dw[1], dw_of[1](_float32(b.t()), x1))
-                    del x1
-                for i, grad in enumerate((a, b, h[r])):
-                    if wanted[4 + i]:
-                        db[i] = _add(db[i], grad.float().sum(0))
-                del a, b
-            for gemm in gemms:  # the forward's, run again
-                gemm.count("linear.forward")
-            for gemm in (dp_of, *dx_of):
-                gemm.count("linear.dx")
-            for gemm in dw_of:
-                gemm.count("linear.dw")
-            # the sums over slices were float32; each gradient in its parameter's dtype
-            dw = [None if g is None else g.to(w.dtype) for g, w in zip(dw, weights)]
-            db = [None if g is None else g.to(b.dtype) for g, b in zip(db, biases)]
-            return (dx, *dw, *db, None, None, None), None if found is None else list(found)
-
-        guess = _guess(f2, f3, ctx.gate_weight)
-        if guess is not None:
-            # the last call's largest magnitudes stand in for this one's, checked after the
-            # pass: where each gives the scale this call's own gives, every value is the one
-            # the pass over the slices first would give (`_guess`)
-            grads, found = gradient_pass(*guess, None, None, track=True)
-            if found is not None:
-                _remember(f3, ctx.gate_weight, found)
-                if all(_same_scale(f3, a, b) for a, b in zip(guess, found)):
-                    return grads
-            del grads
         amax_dg = amax_du = amax_a = amax_b = None
         if _whole(f3):
             found, finite = layers.largest(lambda r: gradients(r)[:2])
             if not finite:
                 return _backward_whole(ctx, dy, x2, weights, biases)
             amax_dg, amax_du = found
-            _remember(f3, ctx.gate_weight, found)
         if _whole(f2):
 
             def quantized(r):
@@ -336,7 +264,51 @@ class SlicedSwiGLUFunction(torch.autograd.Function):
             if not finite:
                 return _backward_whole(ctx, dy, x2, weights, biases)
             amax_a, amax_b = found
-        return gradient_pass(amax_dg, amax_du, amax_a, amax_b)[0]
+        wanted = ctx.needs_input_grad
+        dx_of = [units.RowsOfGemm(f2.quantize(w, 0), layers.plans[1]) for w in (w_gate, w_up)]
+        dw_of = [units.RowsOfGemm(None, layers.plans[2]) for _ in range(3)]  # gate, up, down
+        dx = x2.new_empty(x2.shape) if wanted[0] else None
+        dw, db = [None] * 3, [None] * 3
+        for r in layers.slices:
+            d_g, d_u, p = gradients(r)
+            if wanted[3]:
+                p1 = quantize_part(f1, p, 0, ctx.amax_p)
+                dw[2] = _add(dw[2], dw_of[2](_float32(h[r].t()), _float32(p1)))
+                del p1
+            del p
+            a, a2 = quantize_chain_part(f3, f2, d_g, amax_dg, amax_a)
+            b, b2 = quantize_chain_part(f3, f2, d_u, amax_du, amax_b)
+            del d_g, d_u
+            if wanted[0]:
+                dx_g, dx_u = dx_of[0](a2), dx_of[1](b2)
+                if ctx.narrow is not None:
+                    # under autocast each layer's float32 input was a cast of the narrower x, and
+                    # autograd adds the two casts' gradients in x's dtype
+                    dx_g, dx_u = dx_g.to(ctx.narrow), dx_u.to(ctx.narrow)
+                dx[r] = dx_g.add_(dx_u)
+                del dx_g, dx_u
+            del a2, b2
+            if wanted[1] or wanted[2]:
+                x1 = _float32(x1_of(r))
+                if wanted[1]:
+                    dw[0] = _add(dw[0], dw_of[0](_float32(a.t()), x1))
+                if wanted[2]:
+                    dw[1] = _add(dw[1], dw_of[1](_float32(b.t()), x1))
+                del x1
+            for i, grad in enumerate((a, b, h[r])):
+                if wanted[4 + i]:
+                    db[i] = _add(db[i], grad.float().sum(0))
+            del a, b
+        for gemm in gemms:  # the forward's, run again
+            gemm.count("linear.forward")
+        for gemm in (dp_of, *dx_of):
+            gemm.count("linear.dx")
+        for gemm in dw_of:
+            gemm.count("linear.dw")
+        # the sums over slices were float32; each gradient in its parameter's dtype
+        dw = [None if g is None else g.to(w.dtype) for g, w in zip(dw, weights)]
+        db = [None if g is None else g.to(b.dtype) for g, b in zip(db, biases)]
+        return dx, *dw, *db, None, None, None
 
 
 def _float32(x: torch.Tensor) -> torch.Tensor:
@@ -347,38 +319,6 @@ def _float32(x: torch.Tensor) -> torch.Tensor:
 
 def _add(total, part):
     return part if total is None else total.add_(part)
-
-
-# where an MLP's weight keeps its last backward pass's largest magnitudes of dg and du
-_LAST_AMAXES = "_dsq_sliced_mlp_gradient_amaxes"
-
-
-def _guess(f2: _Point, f3: _Point, w_gate: torch.Tensor):
-    """The largest magnitudes of dg and du of the last backward pass of the MLP whose gate
-    weight is ``w_gate``, where they may stand in for this call's: q3's scale spans the tensor
-    and is told by a key (`Format.whole_scale_key`, dsq's ``fixed16``), rounding to nearest,
-    and q2's does not (its pass over q3's slices stays). None on a first call or otherwise. A
-    stand-in is checked after the pass against the magnitudes found on the way, so a step's
-    values never depend on the last step's: a guess whose scale differs costs that pass again."""
-    if not (_whole(f3) and not _whole(f2) and f3.rounding == "nearest"):
-        return None
-    last = getattr(w_gate, _LAST_AMAXES, None)
-    if last is None or last[0] != f3.fmt.spec:
-        return None
-    return last[1]
-
-
-def _remember(f3: _Point, w_gate: torch.Tensor, found) -> None:
-    """Keep ``found`` (dg's and du's largest magnitudes) for the next call's `_guess`, where q3's
-    scale is told by a key."""
-    if f3.fmt.whole_scale_key(1.0) is not None:
-        setattr(w_gate, _LAST_AMAXES, (f3.fmt.spec, tuple(found)))
-
-
-def _same_scale(f3: _Point, guess: torch.Tensor, found: torch.Tensor) -> bool:
-    """Whether a part quantized in q3 beside ``guess`` as the largest magnitude has the values it
-    has beside ``found``, the tensor's own."""
-    return f3.fmt.whole_scale_key(float(guess)) == f3.fmt.whole_scale_key(float(found))
 
 
 def _note(x2, weights, points, layers: _Layers, cfg: QuantConfig, stashed) -> None:

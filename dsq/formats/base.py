@@ -57,13 +57,6 @@ class Format:
     #: from quantizing the whole (docs/dsq.md, "Attention in tiles").
     whole_tensor_scale: ClassVar[bool] = False
 
-    def whole_scale_key(self, amax: float):
-        """For a format whose scale spans the tensor: what of the tensor's largest magnitude
-        ``amax`` (finite, >= 0) its values depend on, so that two largest magnitudes with equal
-        keys quantize every value alike (rounding to nearest). None where no such key is known:
-        then only the same ``amax`` gives the same values."""
-        return None
-
     @property
     def exact_in(self) -> frozenset[str]:
         """The compute dtypes (``COMPUTE_DTYPES``) that hold every value of this format exactly,

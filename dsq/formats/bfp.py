@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import math
 import re
 
 import torch
@@ -54,16 +53,6 @@ class BFP(Format):
     @property
     def whole_tensor_scale(self) -> bool:  # no block: one exponent spans the tensor (fixed<w>)
         return self.block is None
-
-    def whole_scale_key(self, amax: float) -> int | None:
-        """The tensor's one shared exponent, clamp(floor(log2 amax)) (an all-zero tensor's is
-        the smallest, as a block of zeros gets): the scale is 2^(e - (m-2)), the same for every
-        ``amax`` of the same e. None with blocks (no scale spans the tensor)."""
-        if self.block is not None:
-            return None
-        emax = 2 ** (self.exp_bits - 1) - 1
-        e = math.frexp(amax)[1] - 1 if amax > 0 else -emax
-        return max(-emax, min(emax, e))
 
     @classmethod
     def from_match(cls, spec, match):
