@@ -23,10 +23,13 @@ forward pass would have, and so does a layer run again by ``torch.utils.checkpoi
 (`checkpoint_under_the_rules`): its values are then those of the step without checkpointing.
 In `held_input_checkpoint`'s run again no backward reads the unpacked input or the outputs
 unless a rule holds their storage as it is, so their memory is given back before the run's
-backward pass (`_free_unless_kept`). And the layer's incoming gradient, which autograd holds
-until the checkpoint's backward pass returns, is handed to the run again's graph where nothing
-else holds it (`_GradientTakenOver`): autograd then sums the residual stream's gradients into
-its memory in place, where it would allocate each sum beside it.
+backward pass (`_free_unless_kept`); a module whose output only sums into the layer's outputs
+(an MLP in slices ending a Llama layer) computes none of it there (`unread_outputs`, checked on
+the run's graph after it, the layer run once more where a backward reads it). And the layer's
+incoming gradient, which autograd holds until the checkpoint's backward pass returns, is handed
+to the run again's graph where nothing else holds it (`_GradientTakenOver`): autograd then sums
+the residual stream's gradients into its memory in place, where it would allocate each sum
+beside it.
 """
 
 from __future__ import annotations

@@ -44,11 +44,12 @@ Every point must round to nearest: stochastic rounding draws its noise for a who
 
 The price is time: the backward pass runs the gate's and up's forward GEMMs again (and, for a
 pass that finds a largest magnitude, those and the down layer's input-gradient GEMM once more),
-as activation checkpointing of the MLP alone would. `accounting` notes the definition's three
-layers, with the definition's stash bytes (none where it would pack no stash); the tally
-(`units.tally`) counts each kind of GEMM of each layer once a call of the function, the gate's
-and up's forward GEMMs again in the backward pass, whatever passes for a largest magnitude ran
-besides.
+as activation checkpointing of the MLP alone would. In a checkpointed layer's run again, where
+no backward reads the MLP's output, the forward pass computes none of it (`unread_outputs`).
+`accounting` notes the definition's three layers, with the definition's stash bytes (none where
+it would pack no stash); the tally (`units.tally`) counts each kind of GEMM of each layer once a
+call of the function, the gate's and up's forward GEMMs again in the backward pass, whatever
+passes for a largest magnitude ran besides.
 
 Under ``stash_scope=all`` the definition's saved activations and products are held by the
 rules (``bfp8``, derivative codes), while the slices compute them again exactly: there the two
