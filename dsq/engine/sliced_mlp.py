@@ -48,8 +48,8 @@ as activation checkpointing of the MLP alone would. In a checkpointed layer's ru
 no backward reads the MLP's output, the forward pass computes none of it (`unread_outputs`).
 `accounting` notes the definition's three layers, with the definition's stash bytes (none where
 it would pack no stash); the tally (`units.tally`) counts each kind of GEMM of each layer once a
-call of the function, the gate's and up's forward GEMMs again in the backward pass, whatever
-passes for a largest magnitude ran besides.
+call of the function that runs it, the gate's and up's forward GEMMs again in the backward pass,
+whatever passes for a largest magnitude ran besides.
 
 Under ``stash_scope=all`` the definition's saved activations and products are held by the
 rules (``bfp8``, derivative codes), while the slices compute them again exactly: there the two
@@ -209,8 +209,10 @@ class SlicedSwiGLUFunction(torch.autograd.Function):
         x2.dsq_held_as_is = True
         ctx.save_for_backward(x2, *weights, *(b for b in biases if b is not None))
         # a checkpointed layer run again for its backward pass, which reads no value of y
-        unread = unread_outputs.placeholder(x2.shape[0], w_down.shape[0], x2)
+        unread = unread_outputs.placeholder(x2.shape[0], w_down.shape[0], x2) if training else None
         if unread is not None:
+            for gemm in gemms or ():  # the pass for p's largest magnitude ran them
+                gemm.count("linear.forward")
             return unread
         if gemms is None:
             gemms, x0_of = layers.forward_gemms(), _rows_of(f0, x2, 1)
@@ -384,4 +386,5 @@ def _sliced_swiglu(x, w_gate, w_up, w_down, b_gate, b_up, b_down, cfg: QuantConf
     x2 = x.reshape(-1, x.shape[-1])
     y = SlicedSwiGLUFunction.apply(x2, w_gate, w_up, w_down, b_gate, b_up, b_down, cfg, training,
                                    narrow)  # fmt: skip
+    unread_outputs.note(y)
     return y.reshape(*x.shape[:-1], w_down.shape[0])

@@ -6,16 +6,21 @@ pass only to build the graph its backward pass runs through. A module's output t
 only where a backward reads its value: a Llama layer's MLP, whose output is summed into the
 residual stream and the sum returned, has its output read by none (a sum's backward passes the
 gradient on; the layer's output is given back unread). So inside `outputs_unread` an MLP in
-slices (`sliced_mlp`) computes nothing of its output and returns a `placeholder`: NaN, a view of
-one value, so that a value computed from it by mistake shows as NaN, not as a number.
+slices (`sliced_mlp`) computes nothing of its output and returns a `placeholder`: NaN, so that a
+value computed from it by mistake shows as NaN, not as a number.
 
 Whether a placeholder's value is read is checked after the run, on its autograd graph
 (`readers`): every node that takes a placeholder in, and every node that takes theirs in, must
-be a sum or a view (`_READ_NO_VALUE`), up to the layer's outputs. Where one is not (a norm after
-the MLP saves its input), the checkpoint runs the layer again with every output computed, and
-no later run in the process skips one (`stop_skipping`, which says so once). What the check
-cannot see is a value taken out of the graph (``detach()``) and kept: a layer that does that to
-its MLP's output computes on NaN in its run again.
+be a sum or a view (`_READ_NO_VALUE`), up to the layer's outputs, which must reach it (an op
+in place on the output, autograd's ``CopySlices``, is not looked into: it counts as a reader).
+Where one is not (a norm after the MLP saves its input), the checkpoint runs the layer again with
+every output computed, and no later run in this process skips one, for any model
+(`stop_skipping`, which says so once). What the check cannot see is a value computed from the
+output outside autograd's graph and used besides its path to the outputs: a ``detach()``ed
+copy, a comparison or mask, an index, ``.item()`` or a Python branch on it. A layer that does
+that to its MLP's output computes on NaN in its run again, as does a forward hook on the layer
+that reads the sum (a hook on the MLP itself makes the MLP compute its output:
+``integrations.hf``).
 """
 
 from __future__ import annotations
@@ -54,24 +59,37 @@ def outputs_unread(unread: bool = True):
 
 
 def placeholder(rows: int, cols: int, like: torch.Tensor) -> torch.Tensor | None:
-    """Inside `outputs_unread` (skipping on): a ``[rows, cols]`` NaN of ``like``'s dtype and
-    device holding one value, noted for `readers`; else None: compute the output."""
-    placeholders = getattr(_LOCAL, "placeholders", None)
-    if placeholders is None:
+    """Inside `outputs_unread` (skipping on): a ``[rows, cols]`` tensor of NaN of ``like``'s
+    dtype and device for the caller to return in place of its output, after which the caller
+    passes its autograd output to `note`; else None: compute the output. The caller asks only
+    where its output gets an autograd node (gradients on where it was called: no node, no
+    check). A tensor of its own, as the output would be, so that the layer's code may write into
+    it in place."""
+    if getattr(_LOCAL, "placeholders", None) is None:
         return None
-    out = like.new_full((), float("nan")).expand(rows, cols)
-    placeholders.append(out)
+    out = like.new_full((rows, cols), float("nan"))
+    _LOCAL.placeholders.append(out)  # until `note` puts its node in its place
     return out
 
 
-def readers(outputs, placeholders: list[torch.Tensor]) -> list[str]:
-    """The names of the nodes in the graph of ``outputs`` (tensors or not) that read the value
-    of a placeholder or of a value computed from one; empty where none does. A placeholder
-    without a node (no input of its module needed a gradient) cannot be told apart: it counts as
+def note(output: torch.Tensor) -> None:
+    """Note ``output``, the autograd output of a function whose forward returned a
+    `placeholder`, by its node, before the layer's code runs on it (an in-place op would give
+    the tensor another node): `readers` starts there, and counts a placeholder never noted as
     read."""
-    starts = [t.grad_fn for t in placeholders]
-    if any(node is None for node in starts):
-        return ["a placeholder outside autograd's graph"]
+    placeholders = getattr(_LOCAL, "placeholders", None) or []
+    for i, made in enumerate(placeholders):
+        if made is output:
+            placeholders[i] = output.grad_fn
+
+
+def readers(outputs, placeholders: list) -> list[str]:
+    """What reads the value of a placeholder (the nodes `note` noted) in the graph of
+    ``outputs`` (tensors or not), or of a value computed from one: the names of the nodes that
+    take one in and are not a sum or a view, and a placeholder whose node the outputs do not
+    reach (a value taken out of the graph, ``detach()``, and used); empty where nothing does."""
+    if any(node is None or isinstance(node, torch.Tensor) for node in placeholders):
+        return ["a placeholder with no autograd node noted"]
     roots = [o.grad_fn for o in outputs if isinstance(o, torch.Tensor) and o.grad_fn is not None]
     # the graph's edges the other way: each node's takers, from the outputs down
     takers: dict = {}
@@ -85,7 +103,8 @@ def readers(outputs, placeholders: list[torch.Tensor]) -> list[str]:
             if child is not None:
                 takers.setdefault(child, []).append(node)
                 stack.append(child)
-    found, stack, tainted = [], list(starts), set()
+    found = ["a placeholder the outputs do not reach" for node in placeholders if node not in seen]
+    stack, tainted = list(placeholders), set()
     while stack:
         node = stack.pop()
         for taker in takers.get(node, ()):

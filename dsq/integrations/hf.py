@@ -51,6 +51,7 @@ from transformers.pytorch_utils import Conv1D
 
 from dsq import cost
 from dsq.atomic_files import atomic_path, write_atomic
+from dsq.engine import unread_outputs
 from dsq.engine.attention import dsq_attention, explicit_attention
 from dsq.engine.checkpointing import checkpoint_as_first_run
 from dsq.engine.config import POINTS, QuantConfig
@@ -282,6 +283,10 @@ class DSQSlicedSwiGLUMLP(nn.Module):
             return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
         weights = (layer.weight for layer in layers)
         biases = (layer.bias for layer in layers)
+        if _hooked(self):
+            # a hook of the MLP's own sees its output, in a checkpointed layer's run again too
+            with unread_outputs.outputs_unread(False):
+                return sliced_swiglu(x, *weights, *biases, self.dsq_cfg)
         return sliced_swiglu(x, *weights, *biases, self.dsq_cfg)
 
 

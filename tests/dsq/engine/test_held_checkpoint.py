@@ -289,10 +289,13 @@ def test_the_layers_gradients_are_summed_into_its_incoming_gradient_unless_a_hoo
 
 
 class SlicedMLPLayer(nn.Module):
-    """A residual layer whose MLP runs in slices: its output summed into the stream and the sum
-    returned (a Llama layer's end, read by no backward), or then normed (``read``: the norm
-    saves the sum), or the layer checkpointed again inside (``nested``: the inner checkpoint's
-    first run inside the outer one's run again, whose output is read)."""
+    """A residual layer whose MLP runs in slices, ending as ``how`` says: ``unread``, its output
+    summed into the stream and the sum returned (a Llama layer's end, read by no backward);
+    ``added-in-place``, the stream added into the output in place; ``read``, the sum normed
+    (the norm saves it); ``scaled-in-place``, the output multiplied in place by a tensor (the
+    product's backward reads it); ``detached``, the norm of the stream plus the output taken out
+    of the graph; ``nested``, the layer checkpointed again inside (the inner checkpoint's first
+    run inside the outer one's run again, whose output is read)."""
 
     def __init__(self, how: str):
         super().__init__()
@@ -302,35 +305,76 @@ class SlicedMLPLayer(nn.Module):
         self.cfg = QuantConfig(q0="bfp8", q1="bfp4", q2="bfp8", q3="fixed16")
         self.gate, self.up = nn.Linear(32, 64, bias=False), nn.Linear(32, 64, bias=False)
         self.down = nn.Linear(64, 32, bias=False)
-        # the inner checkpoint's argument needing a gradient
+        # the inner checkpoint's argument needing a gradient; a scale of the output
         self.shift = nn.Parameter(torch.randn(32))
 
-    def mlp_block(self, x, shift=None):
+    def mlp(self, x):
         from dsq.engine.sliced_mlp import sliced_swiglu
 
         weights = (self.gate.weight, self.up.weight, self.down.weight)
-        out = x + sliced_swiglu(x, *weights, None, None, None, self.cfg)
+        return sliced_swiglu(x, *weights, None, None, None, self.cfg)
+
+    def mlp_block(self, x, shift=None):
+        out = x + self.mlp(x)
         return out if shift is None else out + shift
 
     def forward(self, x):
         if self.how == "nested":
             return held_input_checkpoint(BFP8, self.mlp_block, x, self.shift) * 2
+        if self.how == "added-in-place":
+            m = self.mlp(x)
+            m += x
+            return m
+        if self.how == "scaled-in-place":
+            m = self.mlp(x)
+            m.mul_(self.shift)
+            return x + m
+        if self.how == "detached":
+            return nn.functional.layer_norm(x + self.mlp(x).detach(), (32,)) + x
         out = self.mlp_block(x)
         return nn.functional.layer_norm(out, (32,)) if self.how == "read" else out
 
 
-@pytest.mark.parametrize("how", ["unread", "read", "nested"])
-def test_an_mlp_output_no_backward_reads_is_not_computed_in_the_run_again(how, monkeypatch, caplog):
-    """In the run again, an MLP in slices whose output is only summed into the layer's output
+class StashAll(nn.Module):
+    """``layer`` checkpointed with its input held, under a model's stash_scope=all hooks (the
+    run again's rules, its outputs given back and its incoming gradient handed on)."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x):
+        return held_input_checkpoint(BFP8, self.layer, x)
+
+
+HOW = {  # what each layer's run again does: (a placeholder made, what the warning names)
+    "unread": ([True], None),
+    # an op in place on the output (a view of the function's): autograd's CopySlices, which
+    # the check does not look into, counts as a reader
+    "added-in-place": ([True, False], "CopySlices"),
+    "read": ([True, False], "NativeLayerNormBackward0"),
+    "scaled-in-place": ([True, False], "CopySlices"),
+    "detached": ([True, False], "do not reach"),
+    "nested": ([False, True], None),  # the inner first run computes, its run again skips
+}
+
+
+@pytest.mark.parametrize("stash_all", [False, True])
+@pytest.mark.parametrize("how", list(HOW))
+def test_an_mlp_output_no_backward_reads_is_not_computed_in_the_run_again(
+    how, stash_all, monkeypatch, caplog
+):
+    """In the run again, an MLP in slices whose output only sums into the layer's output
     returns a placeholder and runs none of its forward GEMMs; where a backward reads the value
-    (a norm after the sum), the layer runs again with the output computed, says so once, and
-    no later run skips; a checkpoint's first run inside another's run again computes its
-    outputs. The gradients are those of the run that skips nothing, bit for bit."""
-    from dsq.engine import unread_outputs
+    (a norm after the sum), may read it (an op in place on it) or the outputs do not reach it
+    (a detached copy), the layer runs again with the output computed, says so once, and no
+    later run skips; a checkpoint's first run inside another's run again computes its outputs.
+    The gradients are those of the run that skips nothing, bit for bit, with and without a
+    model's stash_scope=all hooks."""
+    from dsq.engine import QuantConfig, unread_outputs
+    from dsq.engine.patch import enter_stash_all_on_call
     from dsq.warn_once import warn_once
 
-    warn_once.cache_clear()
-    monkeypatch.setitem(unread_outputs._SKIPPING, "on", True)
     made = []
     real = unread_outputs.placeholder
 
@@ -342,25 +386,28 @@ def test_an_mlp_output_no_backward_reads_is_not_computed_in_the_run_again(how, m
     monkeypatch.setattr(unread_outputs, "placeholder", spy)
     results = []
     for skip in (True, False):
+        warn_once.cache_clear()
+        caplog.clear()
         monkeypatch.setitem(unread_outputs._SKIPPING, "on", skip)
         torch.manual_seed(0)
         layer = SlicedMLPLayer(how)
+        model = StashAll(layer)
+        if stash_all:
+            cfg = QuantConfig(q0="bfp8", q1="bfp4", q2="bfp8", q3="fixed16", stash_scope="all")
+            enter_stash_all_on_call(model, cfg)
         x = torch.randn(2, 64, 32, requires_grad=True)
-        out = held_input_checkpoint(BFP8, layer, x)
+        out = model(x)
         out.backward(torch.randn(2, 64, 32))
-        results.append((out.detach(), grads(layer, x), unread_outputs.skipping()))
+        said = [r.message for r in caplog.records if "reads its MLP's output" in r.message]
+        results.append((out.detach(), grads(layer, x), unread_outputs.skipping(), said))
         if skip:
             placeholders, made[:] = list(made), []
-    (out, got, skipping), (expected_out, expected, _) = results
-    said = [r.message for r in caplog.records if "reads its MLP's output" in r.message]
-    if how == "read":
-        assert placeholders == [False, True, False]  # first run, run again, run again computed
-        assert not skipping and len(said) == 1 and "NativeLayerNormBackward0" in said[0]
-    elif how == "nested":
-        # outer first run; outer run again: the inner first run computes, its run again skips
-        assert placeholders == [False, False, True] and skipping and not said
-    else:
-        assert placeholders == [False, True] and skipping and not said
+    (out, got, skipping, said), (expected_out, expected, _, _) = results
+    run_again, reader = HOW[how]
+    # the first run makes none (a nested layer: the inner first runs, in both outer runs)
+    assert placeholders == [False] + run_again
+    assert skipping == (reader is None)
+    assert (len(said) == 1 and reader in said[0]) if reader else not said
     assert not any(made)  # with skipping off, every output computed
     torch.testing.assert_close(out, expected_out, rtol=0, atol=0)
     for a, e in zip(got, expected, strict=True):

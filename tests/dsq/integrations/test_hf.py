@@ -819,18 +819,20 @@ def test_a_sliced_mlp_in_several_slices_trains_as_the_whole_one(checkpointing, m
         torch.testing.assert_close(grad, want_grads[name], rtol=1e-5, atol=1e-5 * scale, msg=name)
 
 
+@pytest.mark.parametrize("hooked", [False, True])
 def test_the_layer_run_again_computes_no_sliced_mlp_output_and_trains_as_one_that_does(
-    monkeypatch,
+    hooked, monkeypatch
 ):
     """The held row's setting (stash_scope=all, each layer's input held in bfp8, the MLPs in
     slices) under the model's gradient checkpointing: in each layer's run again the MLP's
-    output, summed into the layer's output and read by no backward, is a placeholder, and the
-    loss and gradients are those of the run that computes it, bit for bit."""
+    output, summed into the layer's output and read by no backward, is a placeholder, unless
+    a forward hook on the MLP would see it; the loss and gradients are those of the run that
+    computes it, bit for bit."""
     from dsq.engine import unread_outputs
 
     cfg = QuantConfig(q0="bfp8", q1="bfp4", q2="bfp8", q3="fixed16", stash_scope="all",
                       mlp="sliced", saved={"checkpoint": "bfp8"})  # fmt: skip
-    made = []
+    made, seen = [], []
     real = unread_outputs.placeholder
     monkeypatch.setattr(unread_outputs, "placeholder",
                         lambda *a: made.append(real(*a)) or made[-1])  # fmt: skip
@@ -838,6 +840,11 @@ def test_the_layer_run_again_computes_no_sliced_mlp_output_and_trains_as_one_tha
     for skip in (True, False):
         monkeypatch.setitem(unread_outputs._SKIPPING, "on", skip)
         model = quantize_model(build("llama", "sdpa"), cfg)
+        if hooked:
+            for layer in model.model.layers:
+                layer.mlp.register_forward_hook(
+                    lambda m, args, out: seen.append(bool(out.isfinite().all()))
+                )
         model.train()
         model.gradient_checkpointing_enable({"use_reentrant": False})
         ids, mask = batch()
@@ -845,8 +852,10 @@ def test_the_layer_run_again_computes_no_sliced_mlp_output_and_trains_as_one_tha
         loss.backward()
         results.append([loss.detach()] + [p.grad for p in model.parameters()])
         # each layer's first run, then each layer's run again (placeholders where skipping)
-        assert [t is not None for t in made] == [False, False, skip, skip]
+        assert [t is not None for t in made] == [False, False] + [skip and not hooked] * 2
+        assert seen == [True] * (4 if hooked else 0)  # the hooks saw every output computed
         made.clear()
+        seen.clear()
     for a, e in zip(*results, strict=True):
         torch.testing.assert_close(a, e, rtol=0, atol=0)
 
