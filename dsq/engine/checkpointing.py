@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import gc
 import inspect
 import sys
 from collections.abc import Iterable
@@ -372,6 +371,13 @@ class _HeldInputCheckpoint(torch.autograd.Function):
 # (Tested, with a hook that keeps it.)
 AUTOGRAD_ONLY_REFERENCES = {((3, 11), (2, 13)): 9}
 _VERSIONS = (sys.version_info[:2], tuple(int(p) for p in torch.__version__.split(".")[:2]))
+# the code of the calls the count is of, from the backward pass's caller up: `once_differentiable`'s
+# wrapper, then autograd's `BackwardCFunction.apply`, which the engine calls. Another caller
+# (compiled autograd, a call of one's own) may hold the gradient otherwise: nothing is handed on.
+_COUNTED_CALLERS = (
+    once_differentiable(lambda ctx: None).__code__,
+    torch.autograd.function.BackwardCFunction.apply.__code__,
+)
 
 
 def _held_by_autograd_only(g, references: int) -> bool:
@@ -386,8 +392,10 @@ def _held_by_autograd_only(g, references: int) -> bool:
         return False
     if references != AUTOGRAD_ONLY_REFERENCES.get(_VERSIONS):
         return False
-    # and no list, dict, cell or object of Python code holds it, whatever the count says
-    return all(type(r) is tuple for r in gc.get_referrers(g))
+    # and the count is of the calls it was counted on: the backward pass's callers are those
+    # (this function's caller is the backward pass)
+    callers = sys._getframe(2), sys._getframe(3)
+    return all(frame.f_code is code for frame, code in zip(callers, _COUNTED_CALLERS))
 
 
 class _GradientTakenOver(torch.autograd.Function):

@@ -256,13 +256,14 @@ class Followed(nn.Module):
         return nn.functional.layer_norm(out, (32,))
 
 
-@pytest.mark.parametrize("keep_incoming", [False, True, "uncounted version"])
+@pytest.mark.parametrize("keep_incoming", [False, True, "uncounted version", "uncounted caller"])
 def test_the_layers_gradients_are_summed_into_its_incoming_gradient_unless_a_hook_kept_it(
     keep_incoming, monkeypatch
 ):
     """The checkpoint's incoming gradient, which autograd holds until the checkpoint's backward
     pass returns, is handed to the layer run again: the residual sums go into its memory, and
-    the input's gradient lies there. A gradient a hook kept is not taken (its values stay). The
+    the input's gradient lies there. A gradient a hook kept is not taken (its values stay), nor
+    one whose count of references was not counted on this version or these callers. The
     gradients are those of the run that takes nothing, bit for bit."""
     from dsq.engine import QuantConfig
     from dsq.engine.patch import enter_stash_all_on_call
@@ -270,6 +271,8 @@ def test_the_layers_gradients_are_summed_into_its_incoming_gradient_unless_a_hoo
     cfg = QuantConfig(q0="fp32", q1="bfp8", q2="fp32", q3="fp32", stash_scope="all")
     if keep_incoming == "uncounted version":  # a Python or torch whose count is not known
         monkeypatch.setattr(checkpointing, "AUTOGRAD_ONLY_REFERENCES", {})
+    if keep_incoming == "uncounted caller":  # called otherwise than by autograd's engine
+        monkeypatch.setattr(checkpointing, "_COUNTED_CALLERS", (grads.__code__,) * 2)
     results = []
     for take in (True, False):
         if not take:
