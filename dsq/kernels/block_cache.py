@@ -47,11 +47,7 @@ def library() -> str:
 @functools.cache
 def build_failure() -> str | None:
     """Why the library could not be built or loaded here, or None once it is loaded."""
-    try:
-        library()
-    except cpu.BuildError as err:
-        return str(err)
-    return None
+    return cpu.failure_of(library)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -57,7 +57,7 @@ import os
 import platform
 import sysconfig
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -347,15 +347,22 @@ def unavailable_reason() -> str | None:
     return build_failure()
 
 
+def failure_of(load: Callable[[], str]) -> str | None:
+    """Why ``load`` (a module's ``library``) could not build or load its library on this
+    machine (BuildError's message), or None once it is loaded: each C library's
+    ``build_failure``."""
+    try:
+        load()
+    except BuildError as err:
+        return str(err)
+    return None
+
+
 @functools.cache
 def build_failure() -> str | None:
     """Why the kernels could not be built or loaded on this machine (BuildError's message), or
     None once they are loaded."""
-    try:
-        library()
-    except BuildError as err:
-        return str(err)
-    return None
+    return failure_of(library)
 
 
 # ----------------------------------------------------------------------------- fake kernels

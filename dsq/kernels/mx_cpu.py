@@ -36,11 +36,7 @@ def library() -> str:
 @functools.cache
 def build_failure() -> str | None:
     """Why the kernels could not be built or loaded here, or None once they are loaded."""
-    try:
-        library()
-    except cpu.BuildError as err:
-        return str(err)
-    return None
+    return cpu.failure_of(library)
 
 
 def _ops():

@@ -152,11 +152,7 @@ def _register_fakes() -> None:
 
 @functools.cache
 def _build_failure() -> str | None:
-    try:
-        library()
-    except cpu.BuildError as err:
-        return str(err)
-    return None
+    return cpu.failure_of(library)
 
 
 def unavailable_reason() -> str | None:
