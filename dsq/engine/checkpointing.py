@@ -336,7 +336,7 @@ class _HeldInputCheckpoint(torch.autograd.Function):
             # the layer runs again with every output computed
             read = unread_outputs.readers(out if isinstance(out, tuple) else (out,), placeholders)
             if read:
-                unread_outputs.stop_skipping(read)
+                unread_outputs.stop_skipping(read, placeholders)
                 del out, kept, placeholders
                 out, kept, _ = _run_again(ctx, x, rest, skip=False)
         outs = out if isinstance(out, tuple) else (out,)

@@ -209,7 +209,10 @@ class SlicedSwiGLUFunction(torch.autograd.Function):
         x2.dsq_held_as_is = True
         ctx.save_for_backward(x2, *weights, *(b for b in biases if b is not None))
         # a checkpointed layer run again for its backward pass, which reads no value of y
-        unread = unread_outputs.placeholder(x2.shape[0], w_down.shape[0], x2) if training else None
+        # (the gate's weight as passed, a parameter: where a read output is marked)
+        unread = None
+        if training:
+            unread = unread_outputs.placeholder(x2.shape[0], w_down.shape[0], x2, w_gate)
         if unread is not None:
             for gemm in gemms or ():  # the pass for p's largest magnitude ran them
                 gemm.count("linear.forward")

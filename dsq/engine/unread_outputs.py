@@ -14,8 +14,9 @@ Whether a placeholder's value is read is checked after the run, on its autograd 
 be a sum or a view (`_READ_NO_VALUE`), up to the layer's outputs, which must reach it (an op
 in place on the output, autograd's ``CopySlices``, is not looked into: it counts as a reader).
 Where one is not (a norm after the MLP saves its input), the checkpoint runs the layer again with
-every output computed, and no later run in this process skips one, for any model
-(`stop_skipping`, which says so once). What the check cannot see is a value computed from the
+every output computed, and that MLP computes its output in every later run again
+(`stop_skipping` marks its owner, the MLP's gate weight, and says so once); other MLPs and
+models go on skipping. What the check cannot see is a value computed from the
 output outside autograd's graph and used besides its path to the outputs: a ``detach()``ed
 copy, a comparison or mask, an index, ``.item()`` or a Python branch on it. A layer that does
 that to its MLP's output computes on NaN in its run again, as does a forward hook on the layer
@@ -39,36 +40,37 @@ _READ_NO_VALUE = frozenset(
 )
 
 _LOCAL = threading.local()
-# set once a placeholder was read somewhere: from then on every output is computed
-_SKIPPING = {"on": True}
+# the mark `stop_skipping` puts on a placeholder's owner, whose output is read
+_READ_MARK = "_dsq_output_read_in_a_run_again"
 
 
 @contextlib.contextmanager
 def outputs_unread(unread: bool = True):
     """A layer's run again for its backward pass, where a module may return a `placeholder` for
-    an output; yields the list of placeholders returned (for `readers`), or None where
-    skipping is off (`stop_skipping`). With ``unread`` False, a block inside one whose outputs
-    are read (a checkpointed layer's first run inside another's run again): no placeholder
-    there. This thread's state outside is restored after."""
+    an output; yields the list of the placeholders returned, each ``[its tensor or, once
+    noted, its node, its owner]`` (for `readers` and `stop_skipping`). With ``unread`` False, a
+    block inside one whose outputs are read (a checkpointed layer's first run inside another's
+    run again): no placeholder there. This thread's state outside is restored after."""
     was = getattr(_LOCAL, "placeholders", None)
-    _LOCAL.placeholders = [] if unread and _SKIPPING["on"] else None
+    _LOCAL.placeholders = [] if unread else None
     try:
         yield _LOCAL.placeholders
     finally:
         _LOCAL.placeholders = was
 
 
-def placeholder(rows: int, cols: int, like: torch.Tensor) -> torch.Tensor | None:
-    """Inside `outputs_unread` (skipping on): a ``[rows, cols]`` tensor of NaN of ``like``'s
+def placeholder(rows: int, cols: int, like: torch.Tensor, owner) -> torch.Tensor | None:
+    """Inside `outputs_unread`, unless ``owner`` (an object that stands for the module, its
+    weight) is marked read (`stop_skipping`): a ``[rows, cols]`` tensor of NaN of ``like``'s
     dtype and device for the caller to return in place of its output, after which the caller
     passes its autograd output to `note`; else None: compute the output. The caller asks only
     where its output gets an autograd node (gradients on where it was called: no node, no
     check). A tensor of its own, as the output would be, so that the layer's code may write into
     it in place."""
-    if getattr(_LOCAL, "placeholders", None) is None:
+    if getattr(_LOCAL, "placeholders", None) is None or getattr(owner, _READ_MARK, False):
         return None
     out = like.new_full((rows, cols), float("nan"))
-    _LOCAL.placeholders.append(out)  # until `note` puts its node in its place
+    _LOCAL.placeholders.append([out, owner])  # until `note` puts its node in the tensor's place
     return out
 
 
@@ -77,18 +79,19 @@ def note(output: torch.Tensor) -> None:
     `placeholder`, by its node, before the layer's code runs on it (an in-place op would give
     the tensor another node): `readers` starts there, and counts a placeholder never noted as
     read."""
-    placeholders = getattr(_LOCAL, "placeholders", None) or []
-    for i, made in enumerate(placeholders):
-        if made is output:
-            placeholders[i] = output.grad_fn
+    for made in getattr(_LOCAL, "placeholders", None) or []:
+        if made[0] is output:
+            made[0] = output.grad_fn
 
 
 def readers(outputs, placeholders: list) -> list[str]:
-    """What reads the value of a placeholder (the nodes `note` noted) in the graph of
+    """What reads the value of a placeholder (`outputs_unread`'s list: the nodes `note` noted) in
+    the graph of
     ``outputs`` (tensors or not), or of a value computed from one: the names of the nodes that
     take one in and are not a sum or a view, and a placeholder whose node the outputs do not
     reach (a value taken out of the graph, ``detach()``, and used); empty where nothing does."""
-    if any(node is None or isinstance(node, torch.Tensor) for node in placeholders):
+    nodes = [node for node, _ in placeholders]
+    if any(node is None or isinstance(node, torch.Tensor) for node in nodes):
         return ["a placeholder with no autograd node noted"]
     roots = [o.grad_fn for o in outputs if isinstance(o, torch.Tensor) and o.grad_fn is not None]
     # the graph's edges the other way: each node's takers, from the outputs down
@@ -103,8 +106,8 @@ def readers(outputs, placeholders: list) -> list[str]:
             if child is not None:
                 takers.setdefault(child, []).append(node)
                 stack.append(child)
-    found = ["a placeholder the outputs do not reach" for node in placeholders if node not in seen]
-    stack, tainted = list(placeholders), set()
+    found = ["a placeholder the outputs do not reach" for node in nodes if node not in seen]
+    stack, tainted = list(nodes), set()
     while stack:
         node = stack.pop()
         for taker in takers.get(node, ()):
@@ -118,17 +121,20 @@ def readers(outputs, placeholders: list) -> list[str]:
     return sorted(set(found))
 
 
-def stop_skipping(names: list[str]) -> None:
-    """Compute every output from now on, in this process, and say why once."""
-    _SKIPPING["on"] = False
+def stop_skipping(names: list[str], placeholders: list) -> None:
+    """Mark each placeholder's owner (`outputs_unread`'s list): its module computes its output
+    in every later run again. Say why once."""
+    for _, owner in placeholders:
+        setattr(owner, _READ_MARK, True)
     warn_once(
         __name__,
         "dsq: a checkpointed layer reads its MLP's output in its backward pass (by "
-        f"{', '.join(names)}): the MLP in slices computes its output in the layer's run again "
+        f"{', '.join(names)}): that MLP in slices computes its output in the layer's run again "
         "from now on, which takes the time of its forward pass once more",
     )
 
 
-def skipping() -> bool:
-    """Whether a run again may leave an output uncomputed (`stop_skipping` was not called)."""
-    return _SKIPPING["on"]
+def read_in_a_run_again(owner) -> bool:
+    """Whether `stop_skipping` marked ``owner``: its module computes its output in a run
+    again."""
+    return getattr(owner, _READ_MARK, False)

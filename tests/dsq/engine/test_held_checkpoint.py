@@ -370,19 +370,19 @@ def test_an_mlp_output_no_backward_reads_is_not_computed_in_the_run_again(
     """In the run again, an MLP in slices whose output only sums into the layer's output
     returns a placeholder and runs none of its forward GEMMs; where a backward reads the value
     (a norm after the sum), may read it (an op in place on it) or the outputs do not reach it
-    (a detached copy), the layer runs again with the output computed, says so once, and no
-    later run skips; a checkpoint's first run inside another's run again computes its outputs.
-    The gradients are those of the run that skips nothing, bit for bit, with and without a
-    model's stash_scope=all hooks."""
+    (a detached copy), the layer runs again with the output computed, says so once, and that
+    MLP computes its output in every later run again (another MLP still skips); a checkpoint's
+    first run inside another's run again computes its outputs. The gradients are those of the
+    run that skips nothing, bit for bit, with and without a model's stash_scope=all hooks."""
     from dsq.engine import QuantConfig, unread_outputs
     from dsq.engine.patch import enter_stash_all_on_call
     from dsq.warn_once import warn_once
 
-    made = []
+    made, skipping = [], {"now": True}
     real = unread_outputs.placeholder
 
     def spy(*args):
-        out = real(*args)
+        out = real(*args) if skipping["now"] else None  # the reference: every output computed
         made.append(out is not None)
         return out
 
@@ -391,7 +391,7 @@ def test_an_mlp_output_no_backward_reads_is_not_computed_in_the_run_again(
     for skip in (True, False):
         warn_once.cache_clear()
         caplog.clear()
-        monkeypatch.setitem(unread_outputs._SKIPPING, "on", skip)
+        skipping["now"] = skip
         torch.manual_seed(0)
         layer = SlicedMLPLayer(how)
         model = StashAll(layer)
@@ -402,16 +402,24 @@ def test_an_mlp_output_no_backward_reads_is_not_computed_in_the_run_again(
         out = model(x)
         out.backward(torch.randn(2, 64, 32))
         said = [r.message for r in caplog.records if "reads its MLP's output" in r.message]
-        results.append((out.detach(), grads(layer, x), unread_outputs.skipping(), said))
+        marked = unread_outputs.read_in_a_run_again(layer.gate.weight)
+        results.append((out.detach(), grads(layer, x), marked, said))
         if skip:
-            placeholders, made[:] = list(made), []
-    (out, got, skipping, said), (expected_out, expected, _, _) = results
+            placeholders, made[:], first = list(made), [], layer
+    (out, got, marked, said), (expected_out, expected, _, _) = results
     run_again, reader = HOW[how]
     # the first run makes none (a nested layer: the inner first runs, in both outer runs)
     assert placeholders == [False] + run_again
-    assert skipping == (reader is None)
+    assert marked == (reader is not None)
     assert (len(said) == 1 and reader in said[0]) if reader else not said
     assert not any(made)  # with skipping off, every output computed
     torch.testing.assert_close(out, expected_out, rtol=0, atol=0)
     for a, e in zip(got, expected, strict=True):
         torch.testing.assert_close(a, e, rtol=0, atol=0)
+    # the mark is that MLP's: another layer's run again still skips, the marked one does not
+    skipping["now"] = True
+    for other, skips in ((SlicedMLPLayer("unread"), True), (first, reader is None)):
+        made.clear()
+        x = torch.randn(2, 64, 32, requires_grad=True)
+        held_input_checkpoint(BFP8, other, x).sum().backward()
+        assert any(made) == skips
