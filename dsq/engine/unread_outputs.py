@@ -11,17 +11,16 @@ value computed from it by mistake shows as NaN, not as a number.
 
 Whether a placeholder's value is read is checked after the run, on its autograd graph
 (`readers`): every node that takes a placeholder in, and every node that takes theirs in, must
-be a sum or a view (`_READ_NO_VALUE`), up to the layer's outputs, which must reach it (an op
-in place on the output, autograd's ``CopySlices``, is not looked into: it counts as a reader).
-Where one is not (a norm after the MLP saves its input), the checkpoint runs the layer again with
-every output computed, and that MLP computes its output in every later run again
+be a sum or a view (`_READ_NO_VALUE`), up to the layer's outputs, which must reach it (an op in
+place on the output, autograd's ``CopySlices``, is not looked into: it counts as a reader).
+Where one is not (a norm after the MLP saves its input), the checkpoint runs the layer again
+with every output computed, and that MLP computes its output in every later run again
 (`stop_skipping` marks its owner, the MLP's gate weight, and says so once); other MLPs and
-models go on skipping. What the check cannot see is a value computed from the
-output outside autograd's graph and used besides its path to the outputs: a ``detach()``ed
-copy, a comparison or mask, an index, ``.item()`` or a Python branch on it. A layer that does
-that to its MLP's output computes on NaN in its run again, as does a forward hook on the layer
-that reads the sum (a hook on the MLP itself makes the MLP compute its output:
-``integrations.hf``).
+models go on skipping. What the check cannot see is a value computed from the output outside
+autograd's graph and used besides its path to the outputs: a ``detach()``ed copy, a comparison
+or mask, an index, ``.item()`` or a Python branch on it. A layer that does that to its MLP's
+output computes on NaN in its run again, as does a forward hook on the layer that reads the sum
+(a hook on the MLP itself makes the MLP compute its output: ``integrations.hf``).
 """
 
 from __future__ import annotations
@@ -85,11 +84,11 @@ def note(output: torch.Tensor) -> None:
 
 
 def readers(outputs, placeholders: list) -> list[str]:
-    """What reads the value of a placeholder (`outputs_unread`'s list: the nodes `note` noted) in
-    the graph of
-    ``outputs`` (tensors or not), or of a value computed from one: the names of the nodes that
-    take one in and are not a sum or a view, and a placeholder whose node the outputs do not
-    reach (a value taken out of the graph, ``detach()``, and used); empty where nothing does."""
+    """What reads the value of a placeholder (`outputs_unread`'s list: the nodes `note` noted),
+    or of a value computed from one, in the graph of ``outputs`` (tensors or not): the names of
+    the nodes that take one in and are not a sum or a view, and a placeholder whose node the
+    outputs do not reach (a value taken out of the graph, ``detach()``, and used); empty where
+    nothing does."""
     nodes = [node for node, _ in placeholders]
     if any(node is None or isinstance(node, torch.Tensor) for node in nodes):
         return ["a placeholder with no autograd node noted"]

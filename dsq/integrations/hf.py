@@ -25,6 +25,7 @@ the same GEMMs and block axes as ``DSQLinearFunction``, on the transposed weight
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import importlib
@@ -283,11 +284,9 @@ class DSQSlicedSwiGLUMLP(nn.Module):
             return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
         weights = (layer.weight for layer in layers)
         biases = (layer.bias for layer in layers)
-        if _hooked(self):
-            # a hook of the MLP's own sees its output, in a checkpointed layer's run again too
-            with unread_outputs.outputs_unread(False):
-                return sliced_swiglu(x, *weights, *biases, self.dsq_cfg)
-        return sliced_swiglu(x, *weights, *biases, self.dsq_cfg)
+        # a hook of the MLP's own sees its output, in a checkpointed layer's run again too
+        with unread_outputs.outputs_unread(False) if _hooked(self) else contextlib.nullcontext():
+            return sliced_swiglu(x, *weights, *biases, self.dsq_cfg)
 
 
 _SLICED_HOOKED = (
