@@ -368,7 +368,9 @@ SCOPES_OPTION = typer.Option(
     "checkpointed layer's input held in bfp8: quant.saved.checkpoint=bfp8), all-derivative3 "
     "(all, SiLU and GELU modules holding 3-bit derivative codes: "
     "quant.saved.activation=derivative3), sliced (gemm, Llama-style MLPs a slice of tokens at a "
-    "time: quant.mlp=sliced) and all-held-sliced (all-held and quant.mlp=sliced).",
+    "time: quant.mlp=sliced), all-held-sliced (all-held and quant.mlp=sliced) and all-held-sdpa "
+    "(all-held-sliced, the attention in torch's fused kernel in bf16: "
+    "quant.attention=sdpa_bf16).",
 )
 
 

@@ -38,6 +38,9 @@
 #   lm-held-sliced  the checkpointed row holding least: all, each checkpointed layer's input
 #                 held in bfp8, the MLPs in slices, with checkpointing, on seeds 1-3 for the
 #                 language-model budget (results/lm-held-sliced/seedN, set against results/lm/seedN)
+#   lm-held-sdpa  lm-held-sliced with the attention in torch's fused kernel in bf16 on q0's Q, K
+#                 and V (quant.attention=sdpa_bf16), on seeds 1-3 for the language-model budget
+#                 (results/lm-held-sdpa/seedN, set against results/lm/seedN)
 #   all           every stage above, in that order
 #
 # STUDY_LANES (default 2) runs the stages in that many processes at once, one thread each
@@ -129,11 +132,11 @@ stages=("$@")
 for stage in "${stages[@]}"; do
     case $stage in
     budget | seed1 | seed2 | controls | en-de-budget | more-seeds | clean-control | dsq-rerun | \
-        lm-budget | lm | lm-stash-all | lm-derivative3 | lm-held-sliced | all) ;;
+        lm-budget | lm | lm-stash-all | lm-derivative3 | lm-held-sliced | lm-held-sdpa | all) ;;
     *)
         echo "convergence.sh: unknown stage '$stage'; choose budget, seed1, seed2, controls," \
             "en-de-budget, more-seeds, clean-control, dsq-rerun, lm-budget, lm, lm-stash-all," \
-            "lm-derivative3, lm-held-sliced or all" >&2
+            "lm-derivative3, lm-held-sliced, lm-held-sdpa or all" >&2
         exit 2
         ;;
     esac
@@ -206,6 +209,14 @@ lane() {  # every stage asked for, in order
             lm_for_budget "$seed" results/lm-held-sliced "quant=choice(dsq)" \
                 "quant.stash_scope=choice(all)" "quant.saved.checkpoint=choice(bfp8)" \
                 "quant.mlp=choice(sliced)" "train.activation_checkpointing=choice(true)"
+        done
+    fi
+    if wants lm-held-sdpa; then
+        for seed in 1 2 3; do
+            lm_for_budget "$seed" results/lm-held-sdpa "quant=choice(dsq)" \
+                "quant.stash_scope=choice(all)" "quant.saved.checkpoint=choice(bfp8)" \
+                "quant.mlp=choice(sliced)" "quant.attention=choice(sdpa_bf16)" \
+                "train.activation_checkpointing=choice(true)"
         done
     fi
     return $failed

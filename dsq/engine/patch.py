@@ -480,6 +480,23 @@ def _is_activation_module(module: nn.Module) -> bool:
             or any(mark in name for mark in _ACTIVATION_MARKS))  # fmt: skip
 
 
+_HELD_AS_SAVED = threading.local()
+
+
+@contextlib.contextmanager
+def held_as_saved():
+    """Inside the block, `stash_all_hooks` hold what autograd saves as it is: a fused kernel's
+    own saved tensors (torch's attention kernel's output and log-sum-exp, docs/dsq.md,
+    "Attention in torch's fused kernel"), which a narrower copy would not round but change. A
+    checkpoint's own hooks on top still take each tensor."""
+    depth = getattr(_HELD_AS_SAVED, "depth", 0)
+    _HELD_AS_SAVED.depth = depth + 1
+    try:
+        yield
+    finally:
+        _HELD_AS_SAVED.depth = depth
+
+
 def stash_all_hooks(cfg: QuantConfig, innermost=lambda: None, packed_once=None):
     """Saved-tensor hooks packing the floating activations autograd saves, each in the format
     its kind holds (`saved_kind` of the tensor and ``innermost()``, the module running;
@@ -497,6 +514,7 @@ def stash_all_hooks(cfg: QuantConfig, innermost=lambda: None, packed_once=None):
             or _a_parameter(t)
             # a stash already in its format (engine.attention), a gradient (chunked_output)
             or getattr(t, "dsq_held_as_is", False)
+            or getattr(_HELD_AS_SAVED, "depth", 0)  # a fused kernel's own (`held_as_saved`)
         ):
             return t
         fmt = cfg.saved_format(saved_kind(innermost(), t))

@@ -70,8 +70,10 @@ SAVED_DEFAULT = MappingProxyType(
 )
 # How the attention products run (docs/dsq.md, "Attention in tiles"): ``tiled``, a block of query
 # rows at a time, holding nothing sequence x sequence; ``explicit``, the definition, with the
-# scores and probabilities whole. The same values up to float32 summation order.
-ATTENTION_KERNELS = ("tiled", "explicit")
+# scores and probabilities whole. The same values up to float32 summation order. ``sdpa_bf16``, a
+# rule of its own with other values: torch's fused kernel in bf16 on q0's Q, K and V, its
+# products bf16 products (docs/dsq.md, "Attention in torch's fused kernel").
+ATTENTION_KERNELS = ("tiled", "explicit", "sdpa_bf16")
 # How a Llama-style MLP runs (docs/dsq.md, "The MLP in slices"): ``whole``, its three DSQ layers
 # on every token at once; ``sliced``, a slice of tokens at a time, holding only its input for the
 # backward pass and running its forward again there. Under ``stash_scope=gemm`` the same values
@@ -223,6 +225,11 @@ class QuantSpec:
         if self.mlp != "whole":
             raise ValueError(
                 "quant.engine=autocast runs the model's own MLPs: quant.mlp must be whole"
+            )
+        if self.attention == "sdpa_bf16":
+            raise ValueError(
+                "quant.engine=autocast runs the model's own attention: quant.attention=sdpa_bf16 "
+                "is a rule of the dsq engine; leave quant.attention at tiled"
             )
 
     def schedules(self) -> dict[str, Schedule]:

@@ -4,7 +4,8 @@ Its fast path hands the q/k/v/out projection weights to ``F.multi_head_attention
 swapped Linear modules would never run. Patching forces its slow path
 (``_set_skip_embed_dim_check``), where the projections are module calls (patched as Linear layers)
 and the two products run as `dsq_attention`, in tiles of query rows (``quant.attention=tiled``,
-the default; `DSQMultiheadAttention` says when). Otherwise they are fairseq's
+the default), or in torch's fused kernel under the rule ``sdpa_bf16`` (`DSQMultiheadAttention`
+says when). Otherwise they are fairseq's
 ``torch.bmm(q, k^T)`` and ``torch.bmm(P, v)``, routed to ``dsq_matmul`` while a patched attention
 module runs (a proxy for ``torch`` in fairseq's module namespace, active only inside patched
 modules): the explicit path.
@@ -27,6 +28,7 @@ from dsq.engine.derivative_codes import DerivativeCode, coded_activation, deriva
 from dsq.engine.functions import dsq_matmul
 from dsq.engine.masks import dsq_dropout, dsq_relu
 from dsq.engine.patch import PatchReport, dsq_subclass, on_unpatch, reclass
+from dsq.engine.sdpa_attention import sdpa_attention
 from dsq.engine.spec import SAVED_DEFAULT
 
 from . import register_patcher
@@ -67,12 +69,13 @@ class DSQMultiheadAttention(nn.Module):
     """Mixed into fairseq's ``MultiheadAttention`` by re-classing: in training's case (no
     incremental state, no attention weights asked for, no extra key/value bias or zero
     attention), its two products run as `dsq_attention`, in tiles, when ``quant.attention`` is
-    ``tiled``: fairseq's own projections (patched Linear layers), ``q`` scaled as fairseq scales
-    it, its additive ``attn_mask`` and its ``key_padding_mask``, dropout at its module's
-    probability. Every other case is fairseq's own forward with its ``bmm`` products routed to
-    ``dsq_matmul`` (the explicit path): among them the last decoder layer's cross-attention,
-    whose head-averaged weights fairseq's decoder returns (its alignment layer), and decoding
-    with an incremental state."""
+    ``tiled``, or as `sdpa_attention`, in torch's fused kernel, when it is ``sdpa_bf16``:
+    fairseq's own projections (patched Linear layers), ``q`` scaled as fairseq scales it, its
+    additive ``attn_mask`` and its ``key_padding_mask``, dropout at its module's probability.
+    Every other case is fairseq's own forward with its ``bmm`` products routed to ``dsq_matmul``
+    (the explicit path): among them the last decoder layer's cross-attention, whose
+    head-averaged weights fairseq's decoder returns (its alignment layer), and decoding with an
+    incremental state."""
 
     dsq_cfg: QuantConfig
 
@@ -80,7 +83,7 @@ class DSQMultiheadAttention(nn.Module):
                 need_weights=True, static_kv=False, attn_mask=None, before_softmax=False,
                 need_head_weights=False):  # fmt: skip
         explicit = (
-            self.dsq_cfg.attention != "tiled" or incremental_state is not None or need_weights
+            self.dsq_cfg.attention == "explicit" or incremental_state is not None or need_weights
             or need_head_weights or before_softmax or self.bias_k is not None
             or self.add_zero_attn or self.onnx_trace
             or (attn_mask is not None and not attn_mask.is_floating_point())
@@ -99,7 +102,8 @@ class DSQMultiheadAttention(nn.Module):
         def heads(x):  # [T, B, C] -> [B, H, T, C / H]
             return x.view(x.shape[0], bsz, self.num_heads, self.head_dim).permute(1, 2, 0, 3)
 
-        attn = dsq_attention(
+        attend = sdpa_attention if self.dsq_cfg.attention == "sdpa_bf16" else dsq_attention
+        attn = attend(
             heads(q), heads(k), heads(v), self.dsq_cfg, scaling=1.0, mask=attn_mask,
             key_padding=key_padding_mask, dropout=self.dropout_module.p,
             training=self.training or self.dropout_module.apply_during_inference,

@@ -15,7 +15,9 @@ attention (`dsq.engine.attention`, docs/dsq.md, "Attention in tiles"):
 
 in tiles of query rows (``quant.attention=tiled``, the default; no probabilities are returned,
 as under SDPA) or explicitly (``explicit``), with grouped-query attention read from the shared
-key/value heads. An SDPA model thus gets SDPA's masking, causal flag, scaling and dropout
+key/value heads; or, under the rule ``quant.attention=sdpa_bf16``, in torch's fused kernel in
+bf16 on q0's Q, K and V (`dsq.engine.sdpa_attention`, docs/dsq.md, "Attention in torch's fused
+kernel"). An SDPA model thus gets SDPA's masking, causal flag, scaling and dropout
 probability, not its fused kernel nor its dropout's random stream; the report says so. Other
 implementations (flash, flex) cannot be replicated and are reported as left unquantized.
 
@@ -67,6 +69,7 @@ from dsq.engine.patch import (
     stash_all_hook,
 )
 from dsq.engine.policies import POLICIES
+from dsq.engine.sdpa_attention import sdpa_attention
 from dsq.engine.sliced_mlp import sliced_swiglu
 from dsq.engine.swiglu import silu_product
 from dsq.presets import COST_BASELINE, preset_differences
@@ -117,8 +120,9 @@ def _attention(sdpa: bool):
         causal = sdpa and mask is None and causal and q_len > 1
         keywords = dict(scaling=scaling, mask=mask, causal=causal, dropout=dropout,
                         training=module.training)  # fmt: skip
-        if cfg is not None and cfg.attention == "tiled":
-            out = dsq_attention(query, key, value, cfg, **keywords)
+        if cfg is not None and cfg.attention in ("tiled", "sdpa_bf16"):
+            attend = dsq_attention if cfg.attention == "tiled" else sdpa_attention
+            out = attend(query, key, value, cfg, **keywords)
             return out.transpose(1, 2).contiguous(), None  # no probabilities are kept
         out, probs = explicit_attention(query, key, value, cfg, **keywords)
         return out.transpose(1, 2).contiguous(), (None if sdpa else probs)
@@ -155,6 +159,14 @@ def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
+# how the report says each quant.attention computes the products
+KERNEL_NOTES = {
+    "tiled": "in tiles of query rows",
+    "explicit": "explicitly",
+    "sdpa_bf16": "in torch's fused kernel in bf16 on q0's Q, K and V",
+}
+
+
 def route_attention(model: nn.Module, cfg: QuantConfig, exclude) -> tuple[list, list, str]:
     """Switch ``model`` to the DSQ attention implementation matching its own; returns the
     routed and the excluded attention modules' names and a line for the report. Raises
@@ -179,10 +191,11 @@ def route_attention(model: nn.Module, cfg: QuantConfig, exclude) -> tuple[list, 
             routed.append(name)
     model.set_attn_implementation(REPLACED[implementation])
     on_unpatch(model, "call", "set_attn_implementation", implementation)
+    kernel = KERNEL_NOTES[cfg.attention]
     how = "as written" if implementation == "eager" else (
-        "with SDPA's masking, causal flag, scaling and dropout probability (not its fused kernel)"
+        "with SDPA's masking, causal flag, scaling and dropout probability"
+        + ("" if cfg.attention == "sdpa_bf16" else " (not its fused kernel)")
     )  # fmt: skip
-    kernel = "in tiles of query rows" if cfg.attention == "tiled" else "explicitly"
     note = f"attention: {implementation} -> {REPLACED[implementation]}, computed {kernel}, {how}"
     return routed, excluded, note
 

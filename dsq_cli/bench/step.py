@@ -224,6 +224,13 @@ SCOPES = {
         "saved": {"checkpoint": "bfp8e8b16"},
         "mlp": "sliced",
     },
+    # all-held-sliced, the attention in torch's fused kernel in bf16 on q0's Q, K and V
+    "all-held-sdpa": {
+        "stash_scope": "all",
+        "saved": {"checkpoint": "bfp8e8b16"},
+        "mlp": "sliced",
+        "attention": "sdpa_bf16",
+    },
 }
 
 
