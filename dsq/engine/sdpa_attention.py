@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from . import accounting, units
+from .attention import repeat_heads
 from .config import POINTS, QuantConfig
 from .functions import _points, backward_outside_autocast, outside_autocast
 from .patch import held_as_saved
@@ -62,6 +63,12 @@ class _InputsInQ0(torch.autograd.Function):
         units.count("matmul.db", "bf16", 2)
         grads = (None if g is None else g.to(dtype) for g, dtype in zip((dq, dk, dv), ctx.dtypes))
         return (*grads, None)
+
+
+def _takes_enable_gqa() -> bool:
+    """Whether torch's kernel reads grouped key/value heads itself (``enable_gqa``: torch 2.5+)."""
+    major, minor = (int(part) for part in torch.__version__.split(".")[:2])
+    return (major, minor) >= (2, 5)
 
 
 def sdpa_mask(mask, key_padding, causal: bool, n: int, m: int) -> torch.Tensor | None:
@@ -99,11 +106,16 @@ def sdpa_attention(q, k, v, cfg: QuantConfig, *, scaling: float | None = None, m
     n, m = q.shape[-2], k.shape[-2]
     q0, k0, v0 = _InputsInQ0.apply(q, k, v, cfg)
     attn_mask = sdpa_mask(mask, key_padding, causal, n, m)
+    grouped = {}
+    if heads != kv_heads and _takes_enable_gqa():
+        grouped = {"enable_gqa": True}
+    elif heads != kv_heads:  # torch 2.4: each key/value head repeated for its query heads
+        k0, v0 = repeat_heads(k0, heads), repeat_heads(v0, heads)
     with held_as_saved():
         out = F.scaled_dot_product_attention(
             q0, k0, v0, attn_mask=attn_mask, dropout_p=dropout if training else 0.0,
             is_causal=causal and mask is None and key_padding is None, scale=scaling,
-            enable_gqa=heads != kv_heads,
+            **grouped,
         )  # fmt: skip
     units.count("matmul.forward", "bf16", 2)
     b = q.shape[0]

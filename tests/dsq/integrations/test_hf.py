@@ -819,9 +819,10 @@ def test_a_sliced_mlp_in_several_slices_trains_as_the_whole_one(checkpointing, m
         torch.testing.assert_close(grad, want_grads[name], rtol=1e-5, atol=1e-5 * scale, msg=name)
 
 
+@pytest.mark.parametrize("attention", ["tiled", "sdpa_bf16"])
 @pytest.mark.parametrize("hooked", [False, True])
 def test_the_layer_run_again_computes_no_sliced_mlp_output_and_trains_as_one_that_does(
-    hooked, monkeypatch
+    hooked, attention, monkeypatch
 ):
     """The held row's setting (stash_scope=all, each layer's input held in bfp8, the MLPs in
     slices) under the model's gradient checkpointing: in each layer's run again the MLP's
@@ -831,7 +832,7 @@ def test_the_layer_run_again_computes_no_sliced_mlp_output_and_trains_as_one_tha
     from dsq.engine import unread_outputs
 
     cfg = QuantConfig(q0="bfp8", q1="bfp4", q2="bfp8", q3="fixed16", stash_scope="all",
-                      mlp="sliced", saved={"checkpoint": "bfp8"})  # fmt: skip
+                      mlp="sliced", saved={"checkpoint": "bfp8"}, attention=attention)  # fmt: skip
     made, seen = [], []
     real = unread_outputs.placeholder
     results = []
@@ -920,3 +921,38 @@ def test_under_all_a_sliced_mlp_runs_in_slices_and_its_activation_holds_no_code(
     assert any("2 inside MLPs in slices, holding nothing" in n for n in model.dsq_report.notes)
     output_and_grads(model)
     assert calls == [1, 1]
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_the_fused_attention_rule_runs_torchs_kernel_the_same_under_checkpointing(
+    implementation, monkeypatch
+):
+    """``quant.attention=sdpa_bf16`` (docs/dsq.md, "Attention in torch's fused kernel"): each
+    attention module calls torch's kernel, the report says so, and under the model's gradient
+    checkpointing with stash_scope=all the layer run again equals its first run, so the loss and
+    every gradient are those without checkpointing, bit for bit."""
+    import torch.nn.functional as F
+
+    calls = []
+    real = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention",
+                        lambda *a, **k: calls.append(a[0].dtype) or real(*a, **k))  # fmt: skip
+    cfg = QuantConfig(q0="bfp8", q1="bfp4", q2="bfp8", q3="fixed16", stash_scope="all",
+                      attention="sdpa_bf16")  # fmt: skip
+    results = []
+    for checkpointing in (False, True):
+        model = quantize_model(build("llama", implementation), cfg)
+        assert any("computed in torch's fused kernel in bf16" in n
+                   for n in model.dsq_report.notes)  # fmt: skip
+        model.train()
+        if checkpointing:
+            model.gradient_checkpointing_enable({"use_reentrant": False})
+        ids, mask = batch()
+        loss = model(ids, attention_mask=mask, labels=ids).loss
+        loss.backward()
+        assert loss.isfinite()
+        results.append([loss.detach()] + [p.grad for p in model.parameters()])
+    # two layers: their first runs, then their runs again under checkpointing
+    assert calls == [torch.bfloat16] * (2 + 2 + 2)
+    for a, e in zip(*results, strict=True):
+        torch.testing.assert_close(a, e, rtol=0, atol=0)
