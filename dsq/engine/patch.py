@@ -428,13 +428,16 @@ def _rebuild_subclass(cls: type, mixin: type) -> nn.Module:
 
 # ----------------------------------------------------------------------------- stash_scope=all
 class _PackedSave:
-    """What a saved-tensor hook keeps instead of a floating activation: the packed tensor."""
+    """What a saved-tensor hook keeps instead of a floating activation: the packed tensor, and
+    whether it is given back contiguous (a kernel that reads it by its own layout, as torch's
+    fused attention does, where a format packed along another axis unpacks it transposed)."""
 
-    __slots__ = ("packed", "requires_grad", "__weakref__")
+    __slots__ = ("packed", "requires_grad", "contiguous", "__weakref__")
 
-    def __init__(self, packed, requires_grad):
+    def __init__(self, packed, requires_grad, contiguous=False):
         self.packed = packed
         self.requires_grad = requires_grad
+        self.contiguous = contiguous
 
 
 # A saved tensor is packed when its rows (the last axis, along which it is packed) hold at least
@@ -487,8 +490,10 @@ _HELD_AS_SAVED = threading.local()
 def held_as_saved():
     """Inside the block, `stash_all_hooks` hold what autograd saves as it is: a fused kernel's
     own saved tensors (torch's attention kernel's output and log-sum-exp, docs/dsq.md,
-    "Attention in torch's fused kernel"), which a narrower copy would not round but change. A
-    checkpoint's own hooks on top still take each tensor."""
+    "Attention in torch's fused kernel"), which a narrower copy would not round but change;
+    but a tensor marked ``dsq_held_in = (format, axis)``, whose values that format holds
+    exactly, is packed in it (the kernel's inputs in q0). A checkpoint's own hooks on top
+    still take each tensor."""
     depth = getattr(_HELD_AS_SAVED, "depth", 0)
     _HELD_AS_SAVED.depth = depth + 1
     try:
@@ -514,9 +519,14 @@ def stash_all_hooks(cfg: QuantConfig, innermost=lambda: None, packed_once=None):
             or _a_parameter(t)
             # a stash already in its format (engine.attention), a gradient (chunked_output)
             or getattr(t, "dsq_held_as_is", False)
-            or getattr(_HELD_AS_SAVED, "depth", 0)  # a fused kernel's own (`held_as_saved`)
         ):
             return t
+        if getattr(_HELD_AS_SAVED, "depth", 0):  # a fused kernel's own (`held_as_saved`)
+            held_in = getattr(t, "dsq_held_in", None)
+            if held_in is None:
+                return t
+            fmt, axis = held_in
+            return _PackedSave(fmt.pack(t.detach(), axis), t.requires_grad, t.is_contiguous())
         fmt = cfg.saved_format(saved_kind(innermost(), t))
         if fmt is None or fmt.spec == "fp32":
             return t
@@ -539,7 +549,8 @@ def stash_all_hooks(cfg: QuantConfig, innermost=lambda: None, packed_once=None):
 
 def _unpack(saved):
     if isinstance(saved, _PackedSave):
-        return saved.packed.unpack()
+        unpacked = saved.packed.unpack()
+        return unpacked.contiguous() if saved.contiguous else unpacked
     return saved
 
 

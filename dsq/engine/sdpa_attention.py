@@ -17,9 +17,10 @@ q0, and neither dO nor dS in q2 or q3. A q0 whose values bf16 cannot hold (``fix
 float32 point) is rounded to bf16 on top (dsq's bfp8 and every MX and NVFP4 element fit).
 
 What the backward pass holds is what torch's kernel saves: ``Q0``, ``K0``, ``V0`` and ``O`` in
-bf16 and one float32 per query row and head (the log-sum-exp), held as they are under
-``stash_scope=all`` too (`patch.held_as_saved`): a narrower copy of ``O`` or of the log-sum-exp
-would change the gradient the kernel computes, not only round it.
+bf16 and one float32 per query row and head (the log-sum-exp). Under ``stash_scope=all``
+(`patch.held_as_saved`) ``Q0``, ``K0`` and ``V0`` are packed in q0 where q0's values are bf16
+numbers, which gives back the same values, and ``O`` and the log-sum-exp are held as they are:
+a narrower copy of either would change the gradient the kernel computes, not only round it.
 """
 
 from __future__ import annotations
@@ -105,6 +106,11 @@ def sdpa_attention(q, k, v, cfg: QuantConfig, *, scaling: float | None = None, m
         scaling = q.shape[-1] ** -0.5
     n, m = q.shape[-2], k.shape[-2]
     q0, k0, v0 = _InputsInQ0.apply(q, k, v, cfg)
+    f0 = cfg.format("q0")
+    lossless = "bf16" in f0.exact_in  # q0's values are bf16 numbers: packed in q0, unchanged
+    if lossless:
+        for x, axis in ((q0, -1), (k0, -1), (v0, -2)):
+            x.dsq_held_in = (f0, axis)  # how `patch.held_as_saved` packs it under stash_scope=all
     attn_mask = sdpa_mask(mask, key_padding, causal, n, m)
     grouped = {}
     if heads != kv_heads and _takes_enable_gqa():
@@ -119,8 +125,11 @@ def sdpa_attention(q, k, v, cfg: QuantConfig, *, scaling: float | None = None, m
         )  # fmt: skip
     units.count("matmul.forward", "bf16", 2)
     b = q.shape[0]
-    # what the kernel saves: Q0, K0, V0 and O in bf16, a float32 per query row and head
-    held = 2 * (q0.numel() + k0.numel() + v0.numel() + out.numel()) + 4 * b * heads * n
+    # what the kernel saves: Q0, K0, V0 (packed in q0 under stash_scope=all where that is
+    # lossless, else bf16) and O in bf16, a float32 per query row and head
+    inputs_bits = f0.bits_per_value if lossless and cfg.stash_scope == "all" else 16
+    inputs = q0.numel() + k0.numel() + v0.numel()
+    held = int(inputs * inputs_bits / 8) + 2 * out.numel() + 4 * b * heads * n
     accounting.note("matmul", b * heads, n, q.shape[-1], m, _Bf16Products, held)
     accounting.note("matmul", b * heads, n, m, v.shape[-1], _Bf16Products, 0)
     return out.to(q.dtype)

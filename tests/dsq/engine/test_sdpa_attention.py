@@ -113,26 +113,34 @@ def test_before_torch_2_5_grouped_heads_are_repeated_with_the_same_values(monkey
         close(got, want, 1e-2)
 
 
-def test_under_stash_scope_all_the_kernels_saved_tensors_are_held_as_they_are():
-    """What torch's kernel saves is held as saved (`patch.held_as_saved`): the gradients under
-    the rules' hooks are those without them, bit for bit, and no tensor is packed."""
-    cfg = cfg_of("dsq", attention="sdpa_bf16", stash_scope="all")
-    q, k, v, d_out = inputs()
-    want = run(lambda: (sdpa_attention(q, k, v, cfg, causal=True), (q, k, v)), d_out)
-    for t in (q, k, v):
-        t.grad = None
+@pytest.mark.parametrize("preset, packed_inputs", [("dsq", True), ("fixed16", False)])
+def test_under_stash_scope_all_the_kernels_inputs_are_packed_losslessly_the_rest_held_as_saved(
+    preset, packed_inputs
+):
+    """Under the rules' hooks (`patch.held_as_saved`) the kernel's Q0, K0 and V0 are packed in
+    q0 where its values are bf16 numbers (dsq's bfp8; not fixed16's), its output and
+    log-sum-exp held as saved, and the gradients are those without the hooks, bit for bit."""
+    cfg = cfg_of(preset, attention="sdpa_bf16", stash_scope="all")
+    want = rule_and_grads(cfg, causal=True)
     packed = []
     hooks = stash_all_hooks(cfg)
-    pack = hooks.pack_hook
 
-    def counting(t):
-        saved = pack(t)
-        packed.append(saved is not t)
+    def noting(t):
+        saved = hooks.pack_hook(t)
+        packed.append((tuple(t.shape), saved is not t))
         return saved
 
-    with torch.autograd.graph.saved_tensors_hooks(counting, hooks.unpack_hook):
-        got = run(lambda: (sdpa_attention(q, k, v, cfg, causal=True), (q, k, v)), d_out)
-    assert packed and not any(packed)
+    with torch.autograd.graph.saved_tensors_hooks(noting, hooks.unpack_hook):
+        got = rule_and_grads(cfg, causal=True)
+    q, k, v, _ = inputs()
+    b, h, n, d = q.shape
+    assert sorted(packed) == sorted([
+        (tuple(q.shape), packed_inputs),
+        (tuple(k.shape), packed_inputs),
+        (tuple(v.shape), packed_inputs),
+        ((b, h, n, v.shape[-1]), False),  # O
+        ((b, h, n), False),  # the log-sum-exp
+    ])  # fmt: skip
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
