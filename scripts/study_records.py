@@ -34,7 +34,8 @@ ROOTS = ("results/table1-cpu", "results/ablations", "results/convergence-budget"
          "results/convergence-en-de", "results/convergence-dsq-rerun",
          "results/convergence-en-de-dsq-rerun", "results/mx-formats-multi30k",
          "results/baselines-multi30k", "results/checkpointed-multi30k", "results/lm-budget",
-         "results/lm", "results/lm-stash-all", "results/demo-rows")  # fmt: skip
+         "results/lm", "results/lm-stash-all", "results/lm-stash-all-derivative3",
+         "results/lm-held-sliced", "results/lm-held-sdpa", "results/demo-rows")  # fmt: skip
 MARKER = "<!-- dsq table results/table1-cpu -->"  # the one block docs/results.md must hold
 
 
