@@ -20,7 +20,15 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from dsq.engine.policies import DEFAULT_POLICY, policy_defaults
-from dsq.engine.spec import POINTS, QUANT_KEYS, SAVED_DEFAULT, Ladder, QuantSpec, upgraded
+from dsq.engine.spec import (
+    ATTENTION_RULES,
+    POINTS,
+    QUANT_KEYS,
+    SAVED_DEFAULT,
+    Ladder,
+    QuantSpec,
+    upgraded,
+)
 from dsq.formats import parse_format
 
 PRESETS: dict[str, QuantSpec] = {}
@@ -28,7 +36,8 @@ PRESETS: dict[str, QuantSpec] = {}
 COST_BASELINE = "fixed32"
 # what a preset decides: every quant key but where the GEMMs run and how attention is computed
 # (the same numbers on every unit and kernel, up to float32 summation order: docs/dsq.md, "GEMM
-# units", "Attention in tiles"); the MLP in slices is not that under stash_scope=all
+# units", "Attention in tiles"; an attention rule with values of its own, `ATTENTION_RULES`, is
+# a difference all the same); the MLP in slices is not that under stash_scope=all
 PRESET_KEYS = tuple(key for key in QUANT_KEYS if key not in ("gemm_unit", "attention"))
 
 
@@ -193,6 +202,11 @@ def preset_differences(quant: Mapping) -> list[str] | None:
             differences += _ladder_differences(key, mine, theirs)
         else:
             differences.append(f"{key}={_render_point(mine)}")
+    # how attention is computed is no preset's choice where every kernel gives the preset's
+    # values, but a rule with values of its own is (quant.attention=sdpa_bf16)
+    attention = quant.get("attention", QuantSpec.attention)
+    if attention in ATTENTION_RULES and attention != stored.get("attention", QuantSpec.attention):
+        differences.append(f"attention={attention}")
     return differences
 
 

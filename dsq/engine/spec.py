@@ -74,6 +74,9 @@ SAVED_DEFAULT = MappingProxyType(
 # rule of its own with other values: torch's fused kernel in bf16 on q0's Q, K and V, its
 # products bf16 products (docs/dsq.md, "Attention in torch's fused kernel").
 ATTENTION_KERNELS = ("tiled", "explicit", "sdpa_bf16")
+# the settings of quant.attention whose values differ from the definition's: a run with one is a
+# run of its own row, not its preset's
+ATTENTION_RULES = ("sdpa_bf16",)
 # How a Llama-style MLP runs (docs/dsq.md, "The MLP in slices"): ``whole``, its three DSQ layers
 # on every token at once; ``sliced``, a slice of tokens at a time, holding only its input for the
 # backward pass and running its forward again there. Under ``stash_scope=gemm`` the same values

@@ -96,6 +96,16 @@ def test_keyword_construction_records_its_spec_and_keeps_the_schedule_given():
     assert QuantConfig.from_dict(cfg.to_dict()).spec == cfg.spec
 
 
+def test_an_attention_rule_is_a_difference_and_an_attention_kernel_is_not():
+    """tiled and explicit give the preset's values (a run with either is the preset's); the rule
+    sdpa_bf16 gives its own, so its runs are a row of their own."""
+    base = {"preset": "dsq", **get_preset("dsq").to_dict()}
+    assert preset_differences(base | {"attention": "explicit"}) == []
+    assert preset_differences(base | {"attention": "tiled"}) == []
+    assert preset_differences(base | {"attention": "sdpa_bf16"}) == ["attention=sdpa_bf16"]
+    assert record_quant(base | {"attention": "sdpa_bf16"})["modified"] is True
+
+
 def test_a_spec_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="q1: a ladder is"):
         QuantSpec(q1={"patience": 1})
