@@ -196,13 +196,20 @@ def test_a_bench_scope_sets_the_stash_scope_and_all_q1_holds_every_kind_in_q1():
         return dict(QuantConfig.from_dict(points).spec.saved)
 
     assert set(SCOPES) == {
-        "gemm", "all", "all-q1", "all-held", "all-derivative3", "sliced", "all-held-sliced"
+        "gemm", "all", "all-q1", "all-held", "all-derivative3", "sliced", "all-held-sliced",
+        "all-held-sdpa",
     }  # fmt: skip
     assert saved("gemm") == {}
     assert saved("all") == dict(SAVED_DEFAULT)
     assert saved("all-q1") == dict.fromkeys(SAVED_KINDS, "q1") | {"checkpoint": "keep"}
     assert saved("all-held") == dict(SAVED_DEFAULT) | {"checkpoint": "bfp8e8b16"}
     assert saved("all-derivative3") == dict(SAVED_DEFAULT) | {"activation": "derivative3"}
+    # all-held-sliced with the attention rule, and nothing else
+    sdpa = QuantConfig.from_dict(at_first_level(load_quant_preset("dsq")) | SCOPES["all-held-sdpa"])
+    sliced = QuantConfig.from_dict(at_first_level(load_quant_preset("dsq"))
+                                   | SCOPES["all-held-sliced"])  # fmt: skip
+    assert sdpa.attention == "sdpa_bf16" and sliced.attention == "tiled"
+    assert dict(sdpa.spec.saved) == dict(sliced.spec.saved) and sdpa.mlp == sliced.mlp == "sliced"
 
 
 def test_the_bench_runs_a_ladder_preset_at_its_first_level_written_out():
