@@ -47,7 +47,7 @@ from torch.utils.checkpoint import checkpoint
 
 from dsq.formats import Format
 
-from . import accounting, unread_outputs
+from . import accounting, units, unread_outputs
 from .accounting import recomputation
 from .config import QuantConfig
 from .functions import _stash_header, _stash_restore
@@ -370,7 +370,7 @@ class _HeldInputCheckpoint(torch.autograd.Function):
 # differs, or a version not counted, hands nothing on (one too few would take a shared gradient).
 # (Tested, with a hook that keeps it.)
 AUTOGRAD_ONLY_REFERENCES = {((3, 11), (2, 13)): 9}
-_VERSIONS = (sys.version_info[:2], tuple(int(p) for p in torch.__version__.split(".")[:2]))
+_VERSIONS = (sys.version_info[:2], units.torch_version())
 # the code of the calls the count is of, from the backward pass's caller up: `once_differentiable`'s
 # wrapper, then autograd's `BackwardCFunction.apply`, which the engine calls. Another caller
 # (compiled autograd, a call of one's own) may hold the gradient otherwise: nothing is handed on.

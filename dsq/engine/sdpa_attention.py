@@ -68,8 +68,7 @@ class _InputsInQ0(torch.autograd.Function):
 
 def _takes_enable_gqa() -> bool:
     """Whether torch's kernel reads grouped key/value heads itself (``enable_gqa``: torch 2.5+)."""
-    major, minor = (int(part) for part in torch.__version__.split(".")[:2])
-    return (major, minor) >= (2, 5)
+    return units.torch_at_least(2, 5)
 
 
 def sdpa_mask(mask, key_padding, causal: bool, n: int, m: int) -> torch.Tensor | None:

@@ -91,10 +91,20 @@ def cuda_capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
+def torch_version() -> tuple[int, int]:
+    """The installed torch's (major, minor) release, e.g. ``(2, 13)`` for ``2.13.0+cpu``."""
+    major, minor = (int(part) for part in torch.__version__.split(".")[:2])
+    return major, minor
+
+
+def torch_at_least(major: int, minor: int) -> bool:
+    """Whether the installed torch is release ``major.minor`` or later."""
+    return torch_version() >= (major, minor)
+
+
 def torch_mm_takes_out_dtype() -> bool:
     """Whether torch.mm and torch.bmm take ``out_dtype`` (bf16 in, float32 out): torch 2.8+."""
-    major, minor = (int(part) for part in torch.__version__.split(".")[:2])
-    return (major, minor) >= (2, 8)
+    return torch_at_least(2, 8)
 
 
 def offered_units(device: torch.device) -> tuple[str, ...]:

@@ -22,13 +22,12 @@ from fairseq.modules.gelu import gelu as fairseq_gelu
 from torch import nn
 
 from dsq.engine.accounting import note
-from dsq.engine.attention import dsq_attention
+from dsq.engine.attention_kernels import attention_function
 from dsq.engine.config import QuantConfig
 from dsq.engine.derivative_codes import DerivativeCode, coded_activation, derivative_code
 from dsq.engine.functions import dsq_matmul
 from dsq.engine.masks import dsq_dropout, dsq_relu
 from dsq.engine.patch import PatchReport, dsq_subclass, on_unpatch, reclass
-from dsq.engine.sdpa_attention import sdpa_attention
 from dsq.engine.spec import SAVED_DEFAULT
 
 from . import register_patcher
@@ -82,8 +81,9 @@ class DSQMultiheadAttention(nn.Module):
     def forward(self, query, key, value, key_padding_mask=None, incremental_state=None,
                 need_weights=True, static_kv=False, attn_mask=None, before_softmax=False,
                 need_head_weights=False):  # fmt: skip
+        attend = attention_function(self.dsq_cfg)
         explicit = (
-            self.dsq_cfg.attention == "explicit" or incremental_state is not None or need_weights
+            attend is None or incremental_state is not None or need_weights
             or need_head_weights or before_softmax or self.bias_k is not None
             or self.add_zero_attn or self.onnx_trace
             or (attn_mask is not None and not attn_mask.is_floating_point())
@@ -102,7 +102,6 @@ class DSQMultiheadAttention(nn.Module):
         def heads(x):  # [T, B, C] -> [B, H, T, C / H]
             return x.view(x.shape[0], bsz, self.num_heads, self.head_dim).permute(1, 2, 0, 3)
 
-        attend = sdpa_attention if self.dsq_cfg.attention == "sdpa_bf16" else dsq_attention
         attn = attend(
             heads(q), heads(k), heads(v), self.dsq_cfg, scaling=1.0, mask=attn_mask,
             key_padding=key_padding_mask, dropout=self.dropout_module.p,

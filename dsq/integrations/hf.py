@@ -55,7 +55,8 @@ from transformers.pytorch_utils import Conv1D
 from dsq import cost
 from dsq.atomic_files import atomic_path, write_atomic
 from dsq.engine import unread_outputs
-from dsq.engine.attention import dsq_attention, explicit_attention
+from dsq.engine.attention import explicit_attention
+from dsq.engine.attention_kernels import attention_function
 from dsq.engine.checkpointing import checkpoint_as_first_run
 from dsq.engine.config import POINTS, QuantConfig
 from dsq.engine.functions import dsq_linear
@@ -69,7 +70,6 @@ from dsq.engine.patch import (
     stash_all_hook,
 )
 from dsq.engine.policies import POLICIES
-from dsq.engine.sdpa_attention import sdpa_attention
 from dsq.engine.sliced_mlp import sliced_swiglu
 from dsq.engine.swiglu import silu_product
 from dsq.presets import COST_BASELINE, preset_differences
@@ -120,8 +120,8 @@ def _attention(sdpa: bool):
         causal = sdpa and mask is None and causal and q_len > 1
         keywords = dict(scaling=scaling, mask=mask, causal=causal, dropout=dropout,
                         training=module.training)  # fmt: skip
-        if cfg is not None and cfg.attention in ("tiled", "sdpa_bf16"):
-            attend = dsq_attention if cfg.attention == "tiled" else sdpa_attention
+        attend = None if cfg is None else attention_function(cfg)
+        if attend is not None:
             out = attend(query, key, value, cfg, **keywords)
             return out.transpose(1, 2).contiguous(), None  # no probabilities are kept
         out, probs = explicit_attention(query, key, value, cfg, **keywords)
