@@ -192,13 +192,13 @@ def test_fairseqs_attention_runs_the_rule_where_it_would_run_tiled(monkeypatch):
     """fairseq's attention modules take the rule where the tiled kernel would run (its additive
     causal mask and padded keys), and the explicit path where fairseq asks for weights."""
     pytest.importorskip("fairseq")
-    from dsq.integrations import fairseq as dsq_fairseq
+    from dsq.engine import attention_kernels
     from dsq.integrations import quantize_model
     from dsq_cli.bench.step import build_model
 
     calls = []
-    real = dsq_fairseq.sdpa_attention
-    monkeypatch.setattr(dsq_fairseq, "sdpa_attention",
+    real = attention_kernels.ATTENTION_FUNCTIONS["sdpa_bf16"]
+    monkeypatch.setitem(attention_kernels.ATTENTION_FUNCTIONS, "sdpa_bf16",
                         lambda *a, **k: calls.append(k) or real(*a, **k))  # fmt: skip
     torch.manual_seed(0)
     model = quantize_model(build_model(2, 64, 100).train(), cfg_of("dsq", attention="sdpa_bf16"))
