@@ -956,3 +956,14 @@ def test_the_fused_attention_rule_runs_torchs_kernel_the_same_under_checkpointin
     assert calls == [torch.bfloat16] * (2 + 2 + 2)
     for a, e in zip(*results, strict=True):
         torch.testing.assert_close(a, e, rtol=0, atol=0)
+
+
+def test_the_report_names_every_attention_setting():
+    """Each setting of quant.attention has its words in the patch report (``KERNEL_NOTES``), and
+    the ones that are not the definition have a function in the engine's one map."""
+    from dsq.engine.attention_kernels import ATTENTION_FUNCTIONS
+    from dsq.engine.spec import ATTENTION_KERNELS
+    from dsq.integrations import hf
+
+    assert set(hf.KERNEL_NOTES) == set(ATTENTION_KERNELS)
+    assert set(ATTENTION_FUNCTIONS) < set(hf.KERNEL_NOTES)
